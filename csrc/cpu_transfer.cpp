@@ -1,0 +1,107 @@
+// CPU gather/scatter between paged KV planes and chunk buffers (see transfer_desc.h).
+// Built as kvconnect._cpu_kernels with pybind11; no libtorch. Multi-threaded with
+// OpenMP over pieces of segments; rows whose source addresses are adjacent are merged
+// into one memcpy. The GIL is released while bytes move.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "transfer_desc.h"
+
+namespace py = pybind11;
+using kvconnect::PlaneDesc;
+using kvconnect::SegmentDesc;
+
+namespace {
+
+using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+struct Piece {
+  int64_t segment;
+  int64_t row_begin;
+  int64_t row_end;
+};
+
+constexpr int64_t kPieceBytes = 256 * 1024;  // large enough to amortise, small enough to balance
+
+std::vector<Piece> split(const PlaneDesc* planes, const SegmentDesc* segments, int64_t num_segments) {
+  std::vector<Piece> pieces;
+  pieces.reserve(num_segments);
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t row_bytes = planes[segments[s].plane].row_bytes;
+    const int64_t rows_per_piece = std::max<int64_t>(1, kPieceBytes / std::max<int64_t>(row_bytes, 1));
+    for (int64_t r = 0; r < segments[s].num_rows; r += rows_per_piece)
+      pieces.push_back({s, r, std::min(segments[s].num_rows, r + rows_per_piece)});
+  }
+  return pieces;
+}
+
+template <bool kToBuffer>
+void run_piece(const Piece& piece, const PlaneDesc* planes, const SegmentDesc* segments,
+               const int64_t* slots, char* buffer) {
+  const SegmentDesc& seg = segments[piece.segment];
+  const PlaneDesc& p = planes[seg.plane];
+  const int64_t* seg_slots = slots + seg.slot_offset;
+  int64_t i = piece.row_begin;
+  while (i < piece.row_end) {
+    const int64_t first = kvconnect::row_addr(p, seg_slots[i]);
+    int64_t n = 1;
+    while (i + n < piece.row_end && kvconnect::row_addr(p, seg_slots[i + n]) == first + n * p.row_bytes) ++n;
+    char* paged = reinterpret_cast<char*>(first);
+    char* flat = buffer + seg.buffer_offset + i * p.row_bytes;
+    if (kToBuffer)
+      std::memcpy(flat, paged, n * p.row_bytes);
+    else
+      std::memcpy(paged, flat, n * p.row_bytes);
+    i += n;
+  }
+}
+
+template <bool kToBuffer>
+void transfer(const Int64Array& planes_arr, const Int64Array& segments_arr, const Int64Array& slots_arr,
+              int64_t buffer_addr, int64_t buffer_bytes, int num_threads) {
+  if (planes_arr.ndim() != 2 || planes_arr.shape(1) != kvconnect::kPlaneCols)
+    throw std::invalid_argument("planes must be an int64 array of shape [P, 6]");
+  if (segments_arr.ndim() != 2 || segments_arr.shape(1) != kvconnect::kSegmentCols)
+    throw std::invalid_argument("segments must be an int64 array of shape [S, 4]");
+  if (slots_arr.ndim() != 1) throw std::invalid_argument("slots must be a 1-D int64 array");
+  const auto* planes = reinterpret_cast<const PlaneDesc*>(planes_arr.data());
+  const auto* segments = reinterpret_cast<const SegmentDesc*>(segments_arr.data());
+  const int64_t* slots = slots_arr.data();
+  const int64_t num_planes = planes_arr.shape(0);
+  const int64_t num_segments = segments_arr.shape(0);
+  char* buffer = reinterpret_cast<char*>(buffer_addr);
+
+  py::gil_scoped_release release;
+  kvconnect::validate_tables(planes, num_planes, segments, num_segments, slots, slots_arr.shape(0), buffer_bytes);
+  const std::vector<Piece> pieces = split(planes, segments, num_segments);
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+#pragma omp parallel for schedule(dynamic, 4) num_threads(std::max(1, num_threads)) if (num_pieces > 8)
+  for (int64_t k = 0; k < num_pieces; ++k) run_piece<kToBuffer>(pieces[k], planes, segments, slots, buffer);
+}
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_kernels, m) {
+  m.doc() = "kvconnect CPU transfer kernels (raw pointers + int64 descriptor tables; see csrc/transfer_desc.h)";
+  m.def("gather", &transfer<true>, "paged planes -> buffer", py::arg("planes"), py::arg("segments"),
+        py::arg("slots"), py::arg("buffer_addr"), py::arg("buffer_bytes"), py::arg("num_threads"));
+  m.def("scatter", &transfer<false>, "buffer -> paged planes", py::arg("planes"), py::arg("segments"),
+        py::arg("slots"), py::arg("buffer_addr"), py::arg("buffer_bytes"), py::arg("num_threads"));
+  m.def("max_threads", &max_threads);
+}

@@ -1,0 +1,29 @@
+"""kvconnect: KV-cache offload and connector library for LLM serving engines.
+
+Engine-neutral core for hybrid, multi-group KV caches. Start with::
+
+    from kvconnect import KVCacheEngine, KVLayout, GroupSpec, Config
+"""
+
+from .config import Config
+from .engine import EngineStats, KVCacheEngine
+from .errors import (
+    BlockTableError,
+    ConfigError,
+    CorruptChunkError,
+    KVConnectError,
+    LayoutError,
+    StorageError,
+    TokenError,
+    TransferError,
+)
+from .layout import FORMAT_VERSION, KVLayout
+from .spec import ChunkKey, DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockTableError", "ChunkKey", "Config", "ConfigError", "CorruptChunkError", "DCPSpec", "EngineStats",
+    "FORMAT_VERSION", "Fingerprint", "GroupKind", "GroupSpec", "KVCacheEngine", "KVConnectError", "KVLayout",
+    "LayoutError", "PlaneSpec", "StorageError", "TokenError", "TransferError",
+]

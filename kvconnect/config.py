@@ -1,0 +1,144 @@
+"""Configuration: the one module that reads the environment.
+
+Follows LMCache's names so users can switch without relearning. Precedence, lowest to
+highest: defaults, the YAML file named by ``LMCACHE_CONFIG_FILE``, ``LMCACHE_*`` /
+``KVCONNECT_*`` environment variables. Adapters may pass the same keys (YAML spelling) as
+a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict``.
+
+| environment variable           | YAML key             | type  | default | meaning |
+|--------------------------------|----------------------|-------|---------|---------|
+| LMCACHE_CHUNK_SIZE             | chunk_size           | int   | 256     | tokens per chunk |
+| LMCACHE_LOCAL_CPU              | local_cpu            | bool  | true    | keep a CPU pool |
+| LMCACHE_MAX_LOCAL_CPU_SIZE     | max_local_cpu_size   | float | 5.0     | CPU pool size, GB |
+| LMCACHE_LOCAL_DISK             | local_disk           | str   | none    | disk tier directory (``file://`` optional) |
+| LMCACHE_MAX_LOCAL_DISK_SIZE    | max_local_disk_size  | float | 0.0     | disk tier size, GB |
+| LMCACHE_REMOTE_URL             | remote_url           | str   | none    | remote tier (``redis://``, ``rediss://``, ``unix://``, ``redis-cluster://``) |
+| LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
+| KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
+| KVCONNECT_MODEL_NAME           | model_name           | str   | ""      | folded into the layout fingerprint |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+GB = 1 << 30
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    chunk_size: int = 256
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0
+    local_disk: Optional[str] = None
+    max_local_disk_size: float = 0.0
+    remote_url: Optional[str] = None
+    save_unfull_chunk: bool = False
+    num_threads: int = dataclasses.field(default_factory=_default_threads)
+    model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size (LMCACHE_CHUNK_SIZE) must be > 0, got {self.chunk_size}")
+        if self.max_local_cpu_size < 0:
+            raise ConfigError(f"max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE) must be >= 0 GB, got {self.max_local_cpu_size}")
+        if self.max_local_disk_size < 0:
+            raise ConfigError(f"max_local_disk_size (LMCACHE_MAX_LOCAL_DISK_SIZE) must be >= 0 GB, got {self.max_local_disk_size}")
+        if self.num_threads <= 0:
+            raise ConfigError(f"num_threads (KVCONNECT_NUM_THREADS) must be > 0, got {self.num_threads}")
+        if self.local_disk is not None and self.local_disk.startswith("file://"):
+            object.__setattr__(self, "local_disk", self.local_disk[len("file://") :])
+
+    @property
+    def max_local_cpu_bytes(self) -> int:
+        return int(self.max_local_cpu_size * GB)
+
+    @property
+    def max_local_disk_bytes(self) -> int:
+        return int(self.max_local_disk_size * GB)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config", base: Optional["Config"] = None) -> "Config":
+        """A Config from YAML-spelled keys; unknown keys are logged and ignored (LMCache files carry many)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        updates: dict[str, Any] = {}
+        for key, raw in values.items():
+            name = key.lower().removeprefix("lmcache_").removeprefix("kvconnect_")
+            if name not in fields:
+                logger.warning("kvconnect: ignoring unknown config key %r from %s", key, source)
+                continue
+            updates[name] = _parse(name, raw, fields[name], f"{key} ({source})")
+        return dataclasses.replace(base or cls(), **updates)
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":
+        env = os.environ if environ is None else environ
+        config = cls()
+        path = env.get("LMCACHE_CONFIG_FILE")
+        if path:
+            config = cls.from_dict(_read_yaml(path), source=path, base=config)
+        names = {f.name for f in dataclasses.fields(cls)}
+        overrides = {
+            var: value
+            for var, value in env.items()
+            if var.startswith(("LMCACHE_", "KVCONNECT_")) and var != "LMCACHE_CONFIG_FILE"
+            and var.lower().removeprefix("lmcache_").removeprefix("kvconnect_") in names
+        }
+        return cls.from_dict(overrides, source="environment", base=config) if overrides else config
+
+
+def _read_yaml(path: str) -> Mapping[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} cannot be read: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} is not valid YAML: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"LMCACHE_CONFIG_FILE={path!r} must hold a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _parse(name: str, raw: Any, field: dataclasses.Field, where: str) -> Any:
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    if raw is None:
+        if "Optional" in kind:
+            return None
+        raise ConfigError(f"{where}: a value is required")
+    try:
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+            raise ValueError(f"not a boolean: {raw!r}")
+        if kind == "int":
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError(f"not an integer: {raw!r}")
+            return int(str(raw).strip()) if not isinstance(raw, (int, float)) else int(raw)
+        if kind == "float":
+            return float(raw)
+        text = str(raw).strip()
+        return (text or None) if "Optional" in kind else text
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc

@@ -1,0 +1,208 @@
+"""KVCacheEngine: the Python API every engine adapter calls.
+
+    engine = KVCacheEngine(layout, Config.from_env())
+    engine.store(tokens, block_ids, mask=None)     -> tokens now stored (chunks present)
+    engine.lookup(tokens)                          -> P, tokens restorable from token 0
+    engine.retrieve(tokens, block_ids, mask=None)  -> tokens loaded into the paged memory
+
+Data flow of ``store``: tokens -> chunk bounds -> key chain; block ids -> per-group slots
+of the rows each chunk keeps (windowed groups keep only their trailing rows); one
+gather moves every plane of every chunk into pool slots; headers are committed.
+
+Data flow of ``retrieve``: key chain -> pinned pool entries -> restore gate (largest P at
+which every group can resume) -> exactly the rows each group needs at P -> one scatter
+into the engine's blocks. All validation happens before the first byte moves.
+
+``mask`` follows LMCache: a bool tensor over the tokens whose leading ``False`` run (a
+chunk multiple) marks tokens the engine already has; those chunks are neither stored nor
+loaded, and ``retrieve`` returns the tokens loaded beyond them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import transfer
+from .chunk_format import ChunkHeader
+from .config import Config
+from .errors import CorruptChunkError, TokenError
+from .keys import ChunkKeyer, Tokens, tokens_as_int64
+from .layout import KVLayout
+from .plan import (
+    BlockTables,
+    Chunk,
+    check_chunk_size,
+    max_chunk_payload_bytes,
+    plan_store,
+    restorable_boundary,
+    retrieve_segments,
+    store_segments,
+)
+from .rows import chunk_bounds
+from .storage import ChunkPool, StorageManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    stored_chunks: int = 0
+    stored_bytes: int = 0
+    skipped_chunks: int = 0  # already stored, or no room in the pool
+    retrieved_chunks: int = 0
+    retrieved_bytes: int = 0
+    retrieved_tokens: int = 0
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    corrupt_chunks: int = 0
+
+
+class KVCacheEngine:
+    def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None) -> None:
+        self.layout = layout
+        self.config = config or Config.from_env()
+        check_chunk_size(layout, self.config.chunk_size)
+        transfer.backend_for(layout, backend)  # fail now, not on the first store
+        self.backend = backend
+        self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)
+        self.max_chunk_bytes = max_chunk_payload_bytes(layout, self.config.chunk_size)
+        pool_bytes = self.config.max_local_cpu_bytes if self.config.local_cpu else 0
+        pool = ChunkPool(pool_bytes, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device))
+        self.storage = StorageManager(pool, layout.fingerprint)
+        self.stats = EngineStats()
+        self._stats_lock = threading.Lock()
+
+    @property
+    def pool(self) -> ChunkPool:
+        return self.storage.pool
+
+    # -- keys ------------------------------------------------------------------------
+    def chunks(self, tokens: Tokens, *, include_partial: bool) -> list[Chunk]:
+        """The chunks of a token sequence with their keys."""
+        return self._chunks(tokens_as_int64(tokens), include_partial)
+
+    def _chunks(self, tok: np.ndarray, include_partial: bool) -> list[Chunk]:
+        bounds = chunk_bounds(len(tok), self.config.chunk_size, include_partial)
+        keys = self.keyer.keys(tok, bounds)
+        return [Chunk(i, s, e, k) for i, ((s, e), k) in enumerate(zip(bounds, keys))]
+
+    def _masked_prefix(self, mask, num_tokens: int) -> int:
+        if mask is None:
+            return 0
+        m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
+        if m.dtype != np.bool_ or m.ndim != 1 or len(m) != num_tokens:
+            raise TokenError(f"mask must be a 1-D bool array of {num_tokens} tokens, got {m.dtype} {m.shape}")
+        skip = int(np.argmax(m)) if m.any() else num_tokens
+        if not m[skip:].all():
+            raise TokenError("mask must be a run of False followed by True only")
+        if skip % self.config.chunk_size and skip != num_tokens:
+            raise TokenError(f"the mask's False prefix ({skip} tokens) must be a multiple of the chunk size {self.config.chunk_size}")
+        return skip
+
+    # -- store -----------------------------------------------------------------------
+    def store(self, tokens: Tokens, block_ids, mask=None) -> int:
+        """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
+
+        Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
+        """
+        tok = tokens_as_int64(tokens)
+        skip = self._masked_prefix(mask, len(tok))
+        tables = BlockTables.of(self.layout, block_ids)
+        chunks = [c for c in self._chunks(tok, self.config.save_unfull_chunk) if c.start >= skip]
+        plans = [p for p in plan_store(self.layout, chunks, tables) if p.group_mask]
+        existing = self.storage.masks([p.chunk.key for p in plans])
+        todo = [p for p, m in zip(plans, existing) if m is None or (m | p.group_mask) != m]
+        done_tokens = sum(p.chunk.end - p.chunk.start for p, m in zip(plans, existing) if m is not None and (m | p.group_mask) == m)
+        slots = self.storage.reserve(len(todo))
+        writes = todo[: len(slots)]
+        if writes:
+            builder = store_segments(self.layout, writes, [self.pool.slot_offset(s) for s in slots])
+            try:
+                transfer.gather(self.layout, builder.build(), self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads)
+            except BaseException:
+                self.storage.abort(slots)
+                raise
+            for plan, slot in zip(writes, slots):
+                header = ChunkHeader(
+                    fingerprint=self.layout.fingerprint, key=plan.chunk.key, token_start=plan.chunk.start,
+                    token_end=plan.chunk.end, group_mask=plan.group_mask, plane_rows=plan.plane_rows,
+                    payload_bytes=plan.payload_bytes,
+                )
+                self.storage.commit(plan.chunk.key, header, slot)
+        with self._stats_lock:
+            self.stats.stored_chunks += len(writes)
+            self.stats.stored_bytes += sum(p.payload_bytes for p in writes)
+            self.stats.skipped_chunks += len(plans) - len(writes)
+        return done_tokens + sum(p.chunk.end - p.chunk.start for p in writes)
+
+    # -- lookup ----------------------------------------------------------------------
+    def lookup(self, tokens: Tokens) -> int:
+        """Tokens restorable from token 0: the largest chunk end at which every group can resume."""
+        chunks = self._chunks(tokens_as_int64(tokens), include_partial=True)
+        hit = restorable_boundary(self.layout, chunks, self.storage.masks([c.key for c in chunks]))
+        with self._stats_lock:
+            self.stats.lookups += 1
+            self.stats.lookup_hit_tokens += hit
+        return hit
+
+    # -- retrieve --------------------------------------------------------------------
+    def retrieve(self, tokens: Tokens, block_ids, mask=None) -> int:
+        """Load the rows needed to resume at the restorable boundary P into ``block_ids``.
+
+        Returns P minus the masked prefix (0 on a miss). Raises BlockTableError, before
+        anything is written, when a needed row has no valid block.
+        """
+        tok = tokens_as_int64(tokens)
+        skip = self._masked_prefix(mask, len(tok))
+        tables = BlockTables.of(self.layout, block_ids)
+        chunks = self._chunks(tok, include_partial=True)
+        entries = self.storage.acquire([c.key for c in chunks])
+        try:
+            masks = [e.header.group_mask if e is not None else None for e in entries]
+            boundary = restorable_boundary(self.layout, chunks, masks, present_below=skip)
+            if boundary <= skip:
+                return 0
+            load = [c for c in chunks if c.start >= skip and c.end <= boundary]
+            used = [entries[c.index] for c in load]
+            try:
+                builder = retrieve_segments(
+                    self.layout, load, [e.header if e is not None else None for e in used],
+                    [self.pool.slot_offset(e.slot) if e is not None else 0 for e in used], boundary, tables,
+                )
+            except CorruptChunkError:
+                logger.warning("kvconnect: dropping chunks of an inconsistent entry; reporting a miss", exc_info=True)
+                for e in used:
+                    if e is not None:
+                        self.storage.drop(e.key)
+                with self._stats_lock:
+                    self.stats.corrupt_chunks += 1
+                return 0
+            tables_built = builder.build()
+            transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads)
+            with self._stats_lock:
+                self.stats.retrieved_chunks += sum(e is not None for e in used)
+                self.stats.retrieved_bytes += tables_built.payload_bytes(self.layout)
+                self.stats.retrieved_tokens += boundary - skip
+            return boundary - skip
+        finally:
+            self.storage.release(entries)
+
+    def close(self) -> None:
+        self.pool.clear()
+
+
+def _want_pinned(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return False
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError:
+        logger.warning("kvconnect: pinned host memory unavailable; the CPU pool is pageable")
+        return False

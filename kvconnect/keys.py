@@ -1,0 +1,60 @@
+"""Chunk keys: a prefix hash chain over token ids, namespaced by layout and chunk size.
+
+key_0 = BLAKE3(seed || tokens[0:C]), key_i = BLAKE3(key_{i-1} || tokens[iC:(i+1)C]), where
+seed = BLAKE3(layout fingerprint || chunk size). Token ids are hashed as little-endian
+int64, so keys are a pure function of tokens and identity: equal across processes, TP
+ranks of the same shard, and machines, and independent of the engine's block size.
+BLAKE3 is cryptographic, so crafted prompts cannot collide into another prefix's chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import blake3
+import numpy as np
+import torch
+
+from .errors import TokenError
+from .spec import ChunkKey, Fingerprint
+
+KEY_BYTES = 16
+Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
+
+
+def tokens_as_int64(tokens: Tokens) -> np.ndarray:
+    """Token ids as a 1-D little-endian int64 array (no copy when already so)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise TokenError(f"tokens must be a 1-D integer tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}")
+        array = tokens.detach().to("cpu", torch.int64).numpy()
+    else:
+        array = np.asarray(tokens)
+        if array.size == 0:
+            array = array.astype(np.int64)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise TokenError(f"tokens must be a 1-D sequence of ints, got dtype {array.dtype} shape {array.shape}")
+        array = array.astype("<i8", copy=False)
+    if array.size and array.min() < 0:
+        raise TokenError("token ids must be >= 0")
+    return np.ascontiguousarray(array)
+
+
+class ChunkKeyer:
+    """Computes the key chain of a token sequence for one layout and chunk size."""
+
+    def __init__(self, fingerprint: Fingerprint, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self._seed = blake3.blake3(bytes(fingerprint) + int(chunk_tokens).to_bytes(8, "little")).digest(KEY_BYTES)
+
+    def keys(self, tokens: np.ndarray, bounds: Sequence[tuple[int, int]]) -> list[ChunkKey]:
+        """Keys of consecutive chunks ``bounds`` (which must start at 0 and tile the prefix)."""
+        data = memoryview(tokens).cast("B")
+        out: list[ChunkKey] = []
+        prev = self._seed
+        for start, end in bounds:
+            hasher = blake3.blake3(prev)
+            hasher.update(data[start * 8 : end * 8])
+            prev = hasher.digest(KEY_BYTES)
+            out.append(ChunkKey(prev))
+        return out

@@ -1,0 +1,207 @@
+"""KVLayout: an engine's paged KV memory as groups of planes, plus its identity.
+
+``KVLayout.from_tensors`` is the one entry point: it splits each layer's tensor (or
+tuple of tensors) into planes, binds each plane to its group, checks every plane against
+its group's geometry, and computes the layout fingerprint that namespaces chunk keys.
+
+The fingerprint covers what decides a stored chunk's bytes (model, dtypes, plane row bytes
+and order, group kinds, compress ratios and windows, TP and DCP shard, format version) and
+deliberately not the engine's block size or block stride of token planes: a chunk stored
+by a deployment with block size 128 is read by one with block size 32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence, Union
+
+import blake3
+import msgpack
+import torch
+
+from .errors import LayoutError
+from .layout_detect import plane_geometry, split_planes
+from .rows import GroupGeometry
+from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec
+
+FORMAT_VERSION = 1
+
+LayerValue = Union[torch.Tensor, Sequence[torch.Tensor]]
+GroupAssignment = Union[int, Sequence[int]]
+
+
+@dataclass(frozen=True, eq=False)
+class KVLayout:
+    """Planes of paged KV memory, grouped, with the identity their chunks are stored under."""
+
+    groups: tuple[GroupSpec, ...]
+    planes: tuple[PlaneSpec, ...]
+    tensors: tuple[torch.Tensor, ...] = field(repr=False)
+    geometries: tuple[GroupGeometry, ...]
+    dcp: DCPSpec
+    model_name: str
+    tp_rank: int
+    tp_size: int
+    fingerprint: Fingerprint
+
+    @classmethod
+    def from_tensors(
+        cls,
+        kv_caches: Mapping[str, LayerValue],
+        *,
+        groups: Sequence[GroupSpec],
+        layer_groups: Optional[Mapping[str, GroupAssignment]] = None,
+        layout_hints: Optional[Union[str, Mapping[str, str]]] = None,
+        model_name: str = "",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dcp: DCPSpec = DCPSpec(),
+        identity: Optional[Mapping[str, str]] = None,
+    ) -> "KVLayout":
+        """Build a layout from ``{layer_name: tensor | tuple_of_tensors}``.
+
+        groups: one GroupSpec per KV-cache group, in the engine's group order.
+        layer_groups: group index per layer, or a tuple with one index per plane of a tuple
+            value. Omitted: every layer is in group 0 (requires a single group).
+        layout_hints: one hint for all layers or one per layer (see layout_detect.HINTS).
+        identity: extra strings (e.g. quantisation, kv dtype flags) folded into the fingerprint.
+
+        Example::
+
+            kv = {"layers.0": torch.zeros(2, 100, 16, 8, 128, dtype=torch.bfloat16)}
+            layout = KVLayout.from_tensors(kv, groups=[GroupSpec(block_size=16)])
+        """
+        groups = tuple(groups)
+        if not groups:
+            raise LayoutError("a layout needs at least one GroupSpec")
+        if not 0 <= tp_rank < tp_size:
+            raise LayoutError(f"TP rank {tp_rank} is not in [0, {tp_size})")
+        if layer_groups is None:
+            if len(groups) != 1:
+                raise LayoutError(f"{len(groups)} groups given but no layer_groups to assign layers to them")
+            layer_groups = {name: 0 for name in kv_caches}
+        missing = [name for name in kv_caches if name not in layer_groups]
+        if missing:
+            raise LayoutError(f"layers without a group in layer_groups: {missing[:5]}")
+
+        planes: list[PlaneSpec] = []
+        tensors: list[torch.Tensor] = []
+        for layer_name, value in kv_caches.items():
+            values = list(value) if isinstance(value, (tuple, list)) else [value]
+            assignment = layer_groups[layer_name]
+            group_ids = list(assignment) if isinstance(assignment, (tuple, list)) else [assignment] * len(values)
+            if len(group_ids) != len(values):
+                raise LayoutError(
+                    f"layer {layer_name!r}: {len(values)} tensors but {len(group_ids)} group indices"
+                )
+            hint = layout_hints.get(layer_name) if isinstance(layout_hints, Mapping) else layout_hints
+            for tensor, group_index in zip(values, group_ids):
+                if not isinstance(group_index, int) or not 0 <= group_index < len(groups):
+                    raise LayoutError(f"layer {layer_name!r}: group index {group_index!r} not in [0, {len(groups)})")
+                group = groups[group_index]
+                if not isinstance(tensor, torch.Tensor):
+                    raise LayoutError(f"layer {layer_name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+                force_page = group.kind is GroupKind.STATE
+                views, is_page = split_planes(tensor, group.rows_per_block, "page" if force_page else hint)
+                for view in views:
+                    where = f"layer {layer_name!r} plane {len([p for p in planes if p.layer_name == layer_name])}"
+                    geo = plane_geometry(view, is_page=is_page, where=where)
+                    if not is_page and geo["rows_per_block"] != group.rows_per_block:
+                        raise LayoutError(
+                            f"{where}: {geo['rows_per_block']} rows per block, but group {group_index} "
+                            f"(block_size {group.block_size}, compress_ratio {group.compress_ratio}) has "
+                            f"{group.rows_per_block}"
+                        )
+                    planes.append(
+                        PlaneSpec(
+                            layer_name=layer_name,
+                            plane_index=len([p for p in planes if p.layer_name == layer_name]),
+                            group_index=group_index,
+                            tokens_per_row=group.block_size if is_page else group.compress_ratio,
+                            is_page=is_page,
+                            **geo,
+                        )
+                    )
+                    tensors.append(view)
+        return cls._assemble(groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity or {})
+
+    @classmethod
+    def _assemble(cls, groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity) -> "KVLayout":
+        if not planes:
+            raise LayoutError("a layout needs at least one plane")
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise LayoutError(f"all planes must be on one device, got {sorted(map(str, devices))}")
+        geometries = []
+        for g, group in enumerate(groups):
+            members = [p for p in planes if p.group_index == g]
+            if not members:
+                raise LayoutError(f"group {g} ({group}) has no planes")
+            kinds = {p.is_page for p in members}
+            if len(kinds) != 1:
+                raise LayoutError(f"group {g} mixes page planes and row planes; split it into two groups")
+            is_page = kinds.pop()
+            if is_page and dcp.size > 1:
+                raise LayoutError(f"group {g}: page planes cannot be sharded by decode context parallel")
+            geometries.append(GroupGeometry.of(group, is_page=is_page, dcp=dcp))
+        fingerprint = _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity)
+        return cls(
+            groups=tuple(groups),
+            planes=tuple(planes),
+            tensors=tuple(tensors),
+            geometries=tuple(geometries),
+            dcp=dcp,
+            model_name=model_name,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            fingerprint=fingerprint,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def group_num_blocks(self, group_index: int) -> int:
+        """Blocks addressable by every plane of a group (ids must be below this)."""
+        return min(p.num_blocks for p in self.planes if p.group_index == group_index)
+
+    def planes_of_group(self, group_index: int) -> list[int]:
+        return [i for i, p in enumerate(self.planes) if p.group_index == group_index]
+
+    def describe(self) -> list[dict]:
+        """One row per group: kind, geometry, planes and bytes per row (for tables and docs)."""
+        out = []
+        for g, (group, geo) in enumerate(zip(self.groups, self.geometries)):
+            members = [self.planes[i] for i in self.planes_of_group(g)]
+            out.append(
+                dict(
+                    group=g,
+                    kind=group.kind.value,
+                    block_size=group.block_size,
+                    compress_ratio=group.compress_ratio,
+                    window=geo.window_tokens,
+                    num_planes=len(members),
+                    row_bytes_per_row=sum(p.row_bytes for p in members),
+                )
+            )
+        return out
+
+
+def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity) -> Fingerprint:
+    doc = {
+        "format": FORMAT_VERSION,
+        "model": model_name,
+        "identity": sorted(identity.items()),
+        "tp": [tp_rank, tp_size],
+        "dcp": [dcp.rank, dcp.size, dcp.interleave_tokens],
+        "groups": [
+            [g.kind.value, geo.tokens_per_row, geo.window_tokens, geo.aligned_boundary]
+            for g, geo in zip(groups, geometries)
+        ],
+        "planes": [[p.group_index, p.dtype, p.row_bytes, p.tokens_per_row, p.is_page] for p in planes],
+    }
+    return Fingerprint(blake3.blake3(msgpack.packb(doc)).digest(16))

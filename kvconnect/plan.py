@@ -1,0 +1,298 @@
+"""Planning: which rows of which planes a store writes and a retrieve reads.
+
+Pure bookkeeping over the layout, the block tables and the chunk index; no byte moves
+here. The engine calls, in order:
+
+    tables = BlockTables.of(layout, block_ids)        # validated per-group block ids
+    plans  = plan_store(layout, chunks, tables)       # per chunk: rows per group, present?
+    P      = restorable_boundary(layout, chunks, masks)   # the restore gate
+    loads  = plan_retrieve(layout, chunks, entries, P, tables)
+
+and feeds the resulting segments to ``kvconnect.transfer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .errors import BlockTableError, CorruptChunkError, LayoutError
+from .layout import KVLayout
+from .rows import RowRange, intersect
+from .spec import ChunkKey
+from .transfer.tables import SegmentBuilder
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    start: int
+    end: int
+    key: ChunkKey
+
+
+# ---------------------------------------------------------------------------------------
+# layout-level facts
+
+
+def local_chunk_tokens(layout: KVLayout, chunk_tokens: int) -> int:
+    dcp = layout.dcp
+    return chunk_tokens if dcp.size == 1 else (chunk_tokens // dcp.period_tokens) * dcp.interleave_tokens
+
+
+def check_chunk_size(layout: KVLayout, chunk_tokens: int) -> None:
+    """Raise LayoutError unless every chunk boundary falls on a row edge of every full group."""
+    dcp = layout.dcp
+    if dcp.size > 1 and chunk_tokens % dcp.period_tokens:
+        raise LayoutError(
+            f"chunk size {chunk_tokens} is not a multiple of the DCP period {dcp.period_tokens} "
+            f"(size {dcp.size} x interleave {dcp.interleave_tokens})"
+        )
+    local = local_chunk_tokens(layout, chunk_tokens)
+    for g, (group, geo) in enumerate(zip(layout.groups, layout.geometries)):
+        if geo.window_tokens is None and local % geo.tokens_per_row:
+            what = "block size (page rows)" if geo.aligned_boundary else "compress ratio"
+            raise LayoutError(
+                f"chunk size {chunk_tokens} ({local} local tokens) is not a multiple of group {g}'s "
+                f"{what} {geo.tokens_per_row}: set LMCACHE_CHUNK_SIZE to a multiple of it"
+            )
+
+
+def max_group_rows(layout: KVLayout, chunk_tokens: int) -> list[int]:
+    """Upper bound of the rows one chunk stores, per group."""
+    dcp, local = layout.dcp, local_chunk_tokens(layout, chunk_tokens)
+    out = []
+    for geo in layout.geometries:
+        if geo.window_tokens is None:
+            out.append(local // geo.tokens_per_row)
+            continue
+        window = geo.window_tokens if dcp.size == 1 else (geo.window_tokens // dcp.period_tokens + 1) * dcp.interleave_tokens
+        span = min(local, window)
+        out.append(-(-span // geo.tokens_per_row))
+    return out
+
+
+def max_chunk_payload_bytes(layout: KVLayout, chunk_tokens: int) -> int:
+    rows = max_group_rows(layout, chunk_tokens)
+    return sum(rows[p.group_index] * p.row_bytes for p in layout.planes)
+
+
+# ---------------------------------------------------------------------------------------
+# block tables
+
+
+class BlockTables:
+    """Per-group block ids as int64 arrays; negative ids mean the block is absent."""
+
+    def __init__(self, layout: KVLayout, tables: list[np.ndarray]) -> None:
+        self.layout = layout
+        self.tables = tables
+
+    @classmethod
+    def of(cls, layout: KVLayout, block_ids) -> "BlockTables":
+        groups = layout.num_groups
+        if isinstance(block_ids, torch.Tensor) and block_ids.dim() == 1 and groups == 1:
+            block_ids = [block_ids]
+        elif isinstance(block_ids, (list, tuple)) and groups == 1 and (not block_ids or isinstance(block_ids[0], (int, np.integer))):
+            block_ids = [block_ids]
+        if not isinstance(block_ids, (list, tuple)) or len(block_ids) != groups:
+            got = len(block_ids) if isinstance(block_ids, (list, tuple)) else type(block_ids).__name__
+            raise BlockTableError(f"expected block ids for {groups} groups, got {got}")
+        tables = []
+        for g, ids in enumerate(block_ids):
+            if isinstance(ids, torch.Tensor):
+                ids = ids.detach().cpu().numpy()
+            arr = np.asarray(ids)
+            if arr.size == 0:
+                arr = arr.astype(np.int64)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise BlockTableError(f"group {g}: block ids must be a 1-D sequence of ints, got {arr.dtype} {arr.shape}")
+            arr = arr.astype(np.int64)
+            limit = layout.group_num_blocks(g)
+            if arr.size and arr.max() >= limit:
+                bad = int(arr.max())
+                raise BlockTableError(f"group {g}: block id {bad} is out of range (the group's planes have {limit} blocks)")
+            tables.append(np.where(arr < 0, -1, arr))
+        return cls(layout, tables)
+
+    def slots(self, group: int, rows: RowRange, *, required: bool, what: str) -> Optional[np.ndarray]:
+        """Slots of rows [r0, r1) of a group; None if a block is absent and not required."""
+        r0, r1 = rows
+        if r1 <= r0:
+            return np.zeros(0, np.int64)
+        rpb = self.layout.geometries[group].rows_per_block
+        table = self.tables[group]
+        need_blocks = (r1 - 1) // rpb + 1
+        if need_blocks > len(table):
+            raise BlockTableError(
+                f"group {group}: {what} needs rows [{r0}, {r1}) in {need_blocks} blocks, but only {len(table)} block ids were given"
+            )
+        row_ids = np.arange(r0, r1, dtype=np.int64)
+        blocks = table[row_ids // rpb]
+        if (blocks < 0).any():
+            if required:
+                missing = int(row_ids[np.argmax(blocks < 0)] // rpb)
+                raise BlockTableError(f"group {group}: {what} needs block index {missing}, which is absent (id < 0)")
+            return None
+        return blocks * rpb + row_ids % rpb
+
+
+# ---------------------------------------------------------------------------------------
+# store
+
+
+@dataclass
+class StorePlan:
+    chunk: Chunk
+    group_mask: int
+    plane_rows: tuple[tuple[int, int], ...]
+    payload_bytes: int
+    group_slots: list[Optional[np.ndarray]]
+
+
+class PlaneArrays:
+    """Per-plane integer arrays for vectorised segment building."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.group = np.array([p.group_index for p in layout.planes], dtype=np.int64)
+        self.row_bytes = np.array([p.row_bytes for p in layout.planes], dtype=np.int64)
+        self.index = np.arange(len(layout.planes), dtype=np.int64)
+
+
+def plan_store(layout: KVLayout, chunks: Sequence[Chunk], tables: BlockTables) -> list[StorePlan]:
+    arrays = PlaneArrays(layout)
+    plans = []
+    for chunk in chunks:
+        mask, starts, counts, group_slots = 0, [], [], []
+        for g, geo in enumerate(layout.geometries):
+            rows = geo.stored_rows(chunk.start, chunk.end)
+            slots = tables.slots(g, rows, required=False, what=f"storing chunk {chunk.index}")
+            group_slots.append(slots)
+            starts.append(rows[0])
+            counts.append(rows[1] - rows[0] if slots is not None else 0)
+            if slots is not None:
+                mask |= 1 << g
+        plane_first = np.asarray(starts, np.int64)[arrays.group]
+        plane_n = np.asarray(counts, np.int64)[arrays.group]
+        plans.append(
+            StorePlan(
+                chunk=chunk,
+                group_mask=mask,
+                plane_rows=tuple(zip(plane_first.tolist(), plane_n.tolist())),
+                payload_bytes=int((plane_n * arrays.row_bytes).sum()),
+                group_slots=group_slots,
+            )
+        )
+    return plans
+
+
+def store_segments(layout: KVLayout, plans: Sequence[StorePlan], buffer_offsets: Sequence[int]) -> SegmentBuilder:
+    arrays = PlaneArrays(layout)
+    builder = SegmentBuilder()
+    for plan, base in zip(plans, buffer_offsets):
+        group_offsets = np.zeros(layout.num_groups, np.int64)
+        for g, slots in enumerate(plan.group_slots):
+            if slots is not None and len(slots):
+                group_offsets[g] = builder.add_slots(slots)
+        plane_n = np.array([n for _, n in plan.plane_rows], np.int64)
+        plane_bytes = plane_n * arrays.row_bytes
+        plane_off = np.cumsum(plane_bytes) - plane_bytes
+        builder.add_segments(arrays.index, plane_n, group_offsets[arrays.group], base + plane_off)
+    return builder
+
+
+# ---------------------------------------------------------------------------------------
+# the restore gate
+
+
+def restorable_boundary(layout: KVLayout, chunks: Sequence[Chunk], masks: Sequence[Optional[int]], *, present_below: int = 0) -> int:
+    """Largest chunk end P at which every group can be restored from stored chunks, else 0.
+
+    Full/compressed groups need their rows in every chunk of [0, P); a windowed group needs
+    its rows in every chunk that holds rows of [P - W, P); page/state groups also need P on
+    a row edge. Chunks ending at or below ``present_below`` are already in the engine.
+    """
+    all_groups = (1 << layout.num_groups) - 1
+    geos = layout.geometries
+    full = [g for g, geo in enumerate(geos) if geo.window_tokens is None]
+    windowed = [g for g, geo in enumerate(geos) if geo.window_tokens is not None]
+    full_bits = sum(1 << g for g in full)
+    eff = [all_groups if c.end <= present_below else (m if m is not None else 0) for c, m in zip(chunks, masks)]
+    full_ok, running = [], True
+    for m in eff:
+        running = running and (m & full_bits) == full_bits
+        full_ok.append(running)
+    for k in range(len(chunks) - 1, -1, -1):
+        if not full_ok[k]:
+            continue
+        boundary = chunks[k].end
+        if boundary <= present_below and present_below:
+            return boundary
+        if not all(geo.boundary_ok(boundary) for geo in geos):
+            continue
+        if all(_window_present(geos[g], g, chunks, eff, k, boundary) for g in windowed):
+            return boundary
+    return 0
+
+
+def _window_present(geo, g: int, chunks: Sequence[Chunk], eff: Sequence[int], k: int, boundary: int) -> bool:
+    needed = geo.needed_rows(boundary)
+    for j in range(k, -1, -1):
+        rows = geo.chunk_rows(chunks[j].start, chunks[j].end)
+        if rows[1] <= needed[0] and rows[1] > rows[0]:
+            break
+        lo, hi = intersect(rows, needed)
+        if hi > lo and not (eff[j] >> g) & 1:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# retrieve
+
+
+def retrieve_segments(
+    layout: KVLayout,
+    chunks: Sequence[Chunk],
+    headers: Sequence,
+    buffer_offsets: Sequence[int],
+    boundary: int,
+    tables: BlockTables,
+) -> SegmentBuilder:
+    """Segments that load exactly the rows needed to resume at ``boundary`` from each chunk.
+
+    ``headers[i]`` is the stored header of ``chunks[i]`` (None: the chunk is not needed).
+    Raises BlockTableError (nothing written) when a needed row has no valid block, and
+    CorruptChunkError when a header does not hold rows the gate said it holds.
+    """
+    arrays = PlaneArrays(layout)
+    builder = SegmentBuilder()
+    needed = [geo.needed_rows(boundary) for geo in layout.geometries]
+    for chunk, header, base in zip(chunks, headers, buffer_offsets):
+        need = [intersect(needed[g], geo.chunk_rows(chunk.start, chunk.end)) for g, geo in enumerate(layout.geometries)]
+        if header is None:
+            if any(hi > lo for lo, hi in need):
+                raise CorruptChunkError(f"chunk {chunk.index} is needed but was not found")
+            continue
+        if len(header.plane_rows) != len(layout.planes):
+            raise CorruptChunkError(f"chunk {chunk.index} has {len(header.plane_rows)} planes, layout has {len(layout.planes)}")
+        stored = np.asarray(header.plane_rows, np.int64).reshape(-1, 2)
+        first, count = stored[:, 0], stored[:, 1]
+        stored_off = np.cumsum(count * arrays.row_bytes) - count * arrays.row_bytes
+        need_lo = np.array([lo for lo, _ in need], np.int64)[arrays.group]
+        need_hi = np.array([hi for _, hi in need], np.int64)[arrays.group]
+        need_n = need_hi - need_lo
+        wanted = need_n > 0
+        if (wanted & ((need_lo < first) | (need_hi > first + count))).any():
+            raise CorruptChunkError(f"chunk {chunk.index} does not hold the rows its group mask claims")
+        group_offsets = np.zeros(layout.num_groups, np.int64)
+        for g, rows in enumerate(need):
+            if rows[1] > rows[0]:
+                slots = tables.slots(g, rows, required=True, what=f"restoring at token {boundary}")
+                group_offsets[g] = builder.add_slots(slots)
+        buf = base + stored_off + (need_lo - first) * arrays.row_bytes
+        builder.add_segments(arrays.index, np.where(wanted, need_n, 0), group_offsets[arrays.group], buf)
+    return builder

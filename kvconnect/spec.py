@@ -1,0 +1,159 @@
+"""Value objects that describe a paged KV cache: groups, planes and sharding.
+
+A *group* is a set of layers that share one block table (one list of block ids per
+request). A *plane* is one tensor of paged memory: dim 0 indexes engine blocks, dim 1
+indexes rows within a block, and the remaining dims form one contiguous row. A layer
+has one or more planes (K and V; MLA nope + rope; indexer + scale).
+
+Row arithmetic. A plane stores one row per ``tokens_per_row`` tokens:
+- token planes: ``tokens_per_row = compress_ratio`` (1 for plain attention),
+- page planes (opaque per-block pages, recurrent state): ``tokens_per_row = block_size``.
+A row belongs to its last token; rows for tokens [a, b) are ``[a // tpr, b // tpr)``
+(vLLM counts compressed rows with floor).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType, Optional
+
+from .errors import LayoutError
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""16-byte key of one chunk: a prefix hash chain over token ids, namespaced by layout."""
+
+Fingerprint = NewType("Fingerprint", bytes)
+"""16-byte digest of everything that decides the bytes of a stored chunk."""
+
+
+class GroupKind(enum.Enum):
+    """What a group needs to resume computing at a prefix boundary P."""
+
+    ATTENTION = "attention"  # full (rows [0, P)) or sliding window (rows [P-W, P))
+    STATE = "state"  # a recurrent-state snapshot taken exactly at P (one page per block)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """One KV-cache group as the engine allocates it.
+
+    block_size: tokens per engine block, as engines count them.
+    compress_ratio: tokens per stored row (1 = a row per token).
+    sliding_window: tokens of history the group reads; None = full attention.
+    restore_window: tokens of trailing history that must be present to resume at a
+        boundary (default: the sliding window). An adapter may set it smaller when the
+        engine's kernel provably needs less (e.g. non-overlapping compressor windows).
+    kind: ATTENTION, or STATE for recurrent state whose snapshot per block is one page.
+    """
+
+    block_size: int
+    compress_ratio: int = 1
+    sliding_window: Optional[int] = None
+    restore_window: Optional[int] = None
+    kind: GroupKind = GroupKind.ATTENTION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise LayoutError(f"block_size must be a positive int, got {self.block_size!r}")
+        if not isinstance(self.compress_ratio, int) or self.compress_ratio <= 0:
+            raise LayoutError(f"compress_ratio must be a positive int, got {self.compress_ratio!r}")
+        if self.kind is GroupKind.ATTENTION and self.block_size % self.compress_ratio:
+            raise LayoutError(
+                f"block_size {self.block_size} is not a multiple of compress_ratio "
+                f"{self.compress_ratio}: a block must hold whole compressed rows"
+            )
+        for name in ("sliding_window", "restore_window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise LayoutError(f"{name} must be a positive int or None, got {value!r}")
+        if self.kind is GroupKind.STATE and (self.sliding_window or self.restore_window):
+            raise LayoutError("a STATE group has no window: its snapshot is taken per block")
+        if self.restore_window is not None and self.sliding_window is None:
+            raise LayoutError("restore_window needs a sliding_window (full groups restore everything)")
+
+    @property
+    def rows_per_block(self) -> int:
+        """Rows of a token plane in one block of this group."""
+        if self.kind is GroupKind.STATE:
+            return 1
+        return self.block_size // self.compress_ratio
+
+    @property
+    def window_tokens(self) -> Optional[int]:
+        """Trailing tokens needed to resume at a boundary, or None for all of them."""
+        if self.kind is GroupKind.STATE:
+            return self.block_size
+        return self.restore_window if self.restore_window is not None else self.sliding_window
+
+    @property
+    def is_windowed(self) -> bool:
+        return self.window_tokens is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DCPSpec:
+    """Decode context parallel: this process holds rank ``rank`` of ``size`` token shards.
+
+    Tokens are dealt to ranks in runs of ``interleave_tokens``: token t lives on rank
+    ``(t // interleave_tokens) % size``. A rank's block tables cover only its own tokens.
+    """
+
+    rank: int = 0
+    size: int = 1
+    interleave_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise LayoutError(f"DCP rank {self.rank} is not in [0, {self.size})")
+        if self.interleave_tokens < 1:
+            raise LayoutError(f"DCP interleave_tokens must be >= 1, got {self.interleave_tokens}")
+
+    @property
+    def period_tokens(self) -> int:
+        return self.size * self.interleave_tokens
+
+    def local_tokens_before(self, t: int) -> int:
+        """How many of the global tokens [0, t) live on this rank."""
+        if self.size == 1:
+            return t
+        full, rem = divmod(t, self.period_tokens)
+        return full * self.interleave_tokens + min(
+            max(rem - self.rank * self.interleave_tokens, 0), self.interleave_tokens
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlaneSpec:
+    """One paged tensor as kvconnect addresses it (no tensor reference: a pure value).
+
+    A row's address is ``base + block * block_stride_bytes + row * row_stride_bytes``;
+    its ``row_bytes`` bytes are contiguous.
+    """
+
+    layer_name: str
+    plane_index: int
+    group_index: int
+    dtype: str
+    num_blocks: int
+    rows_per_block: int
+    row_bytes: int
+    block_stride_bytes: int
+    row_stride_bytes: int
+    tokens_per_row: int
+    is_page: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"layer {self.layer_name!r} plane {self.plane_index}"
+        if self.num_blocks <= 0 or self.rows_per_block <= 0 or self.row_bytes <= 0:
+            raise LayoutError(f"{where}: empty plane (blocks, rows and row bytes must be > 0)")
+        if self.rows_per_block > 1 and self.row_stride_bytes < self.row_bytes:
+            raise LayoutError(f"{where}: rows overlap (row stride {self.row_stride_bytes} < row bytes {self.row_bytes})")
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.rows_per_block
+
+    @property
+    def name(self) -> str:
+        return f"{self.layer_name}[{self.plane_index}]"

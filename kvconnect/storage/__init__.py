@@ -1,0 +1,6 @@
+"""Storage tiers. ``ChunkPool`` is the CPU pool (L1); ``StorageManager`` fronts all tiers."""
+
+from .manager import StorageManager
+from .pool import ChunkPool, PoolEntry
+
+__all__ = ["ChunkPool", "PoolEntry", "StorageManager"]

@@ -1,0 +1,184 @@
+"""The CPU pool (L1): fixed-size slots in one host buffer, LRU eviction, reference pins.
+
+Every chunk of a layout fits one slot (slot_bytes = the layout's largest chunk), so the
+allocator cannot fragment: a free slot always fits, and when none is free the least
+recently used *unpinned* entry is evicted. A pinned entry (being read or written) is never
+evicted or reused; when every slot is pinned, ``reserve`` returns fewer slots than asked
+and the caller skips those chunks. Nothing ever spins or waits.
+
+Use, in order:
+    slots = pool.reserve(n)                      # writer owns these slots
+    ... gather rows into pool.slot_view(slot) ...
+    pool.commit(key, header, slot) / pool.abort([slot])
+    entries = pool.acquire(keys)                 # readers pin entries (None = miss)
+    ... scatter rows from pool.entry_view(e) ...
+    pool.release(entries)
+
+Thread-safe: one lock guards the index; bytes move outside it, protected by the pins.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..chunk_format import ChunkHeader
+from ..spec import ChunkKey
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PoolEntry:
+    key: ChunkKey
+    header: ChunkHeader
+    slot: int
+    refs: int = 0
+    live: bool = True  # False once replaced or evicted while pinned: freed at last release
+
+
+@dataclass
+class PoolStats:
+    num_slots: int = 0
+    slot_bytes: int = 0
+    used_slots: int = 0
+    evictions: int = 0
+    reserve_shortfalls: int = 0
+    commits: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class ChunkPool:
+    def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False) -> None:
+        if slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = max(0, capacity_bytes // slot_bytes)
+        self.buffer = torch.empty(self.num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self._entries: "OrderedDict[ChunkKey, PoolEntry]" = OrderedDict()
+        self._lock = threading.Lock()
+        self._stats = PoolStats(num_slots=self.num_slots, slot_bytes=slot_bytes)
+        self.on_evict: list[Callable[[PoolEntry], None]] = []
+
+    # -- readers ---------------------------------------------------------------------
+    def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
+        """Group mask of each key's entry, None where absent (no LRU touch)."""
+        with self._lock:
+            return [(e.header.group_mask if (e := self._entries.get(k)) is not None else None) for k in keys]
+
+    def acquire(self, keys: Sequence[ChunkKey]) -> list[Optional[PoolEntry]]:
+        """Pin and touch each present entry; None where absent."""
+        out: list[Optional[PoolEntry]] = []
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None:
+                    e.refs += 1
+                    self._entries.move_to_end(k)
+                out.append(e)
+        return out
+
+    def release(self, entries: Sequence[Optional[PoolEntry]]) -> None:
+        with self._lock:
+            for e in entries:
+                if e is None:
+                    continue
+                if e.refs <= 0:
+                    raise AssertionError(f"release of an unpinned pool entry (slot {e.slot})")
+                e.refs -= 1
+                if e.refs == 0 and not e.live:
+                    self._free.append(e.slot)
+
+    # -- writers ---------------------------------------------------------------------
+    def reserve(self, n: int) -> list[int]:
+        """Up to ``n`` slots owned by the caller, evicting unpinned LRU entries as needed."""
+        evicted: list[PoolEntry] = []
+        with self._lock:
+            slots: list[int] = []
+            while len(slots) < n:
+                if self._free:
+                    slots.append(self._free.pop())
+                    continue
+                victim = next((e for e in self._entries.values() if e.refs == 0), None)
+                if victim is None:
+                    self._stats.reserve_shortfalls += 1
+                    break
+                del self._entries[victim.key]
+                victim.live = False
+                self._stats.evictions += 1
+                evicted.append(victim)
+                slots.append(victim.slot)
+        for victim in evicted:
+            for callback in self.on_evict:
+                try:
+                    callback(victim)
+                except Exception:  # a listener must never break the pool
+                    logger.exception("kvconnect: pool eviction listener failed")
+        return slots
+
+    def commit(self, key: ChunkKey, header: ChunkHeader, slot: int) -> PoolEntry:
+        """Publish a written slot under ``key``, replacing an older entry (freed when unpinned)."""
+        if header.payload_bytes > self.slot_bytes:
+            raise ValueError(f"payload of {header.payload_bytes} bytes exceeds the {self.slot_bytes}-byte slot")
+        entry = PoolEntry(key=key, header=header, slot=slot)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                old.live = False
+                if old.refs == 0:
+                    self._free.append(old.slot)
+            self._entries[key] = entry
+            self._stats.commits += 1
+        return entry
+
+    def abort(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    def remove(self, key: ChunkKey) -> bool:
+        """Drop an entry (e.g. found corrupt); its slot is freed once unpinned."""
+        with self._lock:
+            e = self._entries.pop(key, None)
+            if e is None:
+                return False
+            e.live = False
+            if e.refs == 0:
+                self._free.append(e.slot)
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            for e in self._entries.values():
+                e.live = False
+                if e.refs == 0:
+                    self._free.append(e.slot)
+            self._entries.clear()
+
+    # -- views and stats -------------------------------------------------------------
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        start = self.slot_offset(slot)
+        return self.buffer[start : start + self.slot_bytes]
+
+    def entry_view(self, entry: PoolEntry) -> torch.Tensor:
+        start = self.slot_offset(entry.slot)
+        return self.buffer[start : start + entry.header.payload_bytes]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            s = PoolStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
+            s.used_slots = self.num_slots - len(self._free)
+            s.extra = {"pinned": sum(1 for e in self._entries.values() if e.refs)}
+            return s

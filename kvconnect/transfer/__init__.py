@@ -1,0 +1,123 @@
+"""Move rows between an engine's paged KV planes and flat chunk buffers.
+
+    gather(layout, tables, buffer)   # paged planes -> buffer  (store)
+    scatter(layout, tables, buffer)  # buffer -> paged planes  (retrieve)
+
+``buffer`` is a 1-D uint8 tensor (a CPU pool, pinned when the KV lives on an accelerator).
+Dispatch: the compiled CPU kernel for ``cpu`` planes, the compiled CUDA kernel for ``cuda``
+planes when it is built, the torch implementation for anything else (or when
+``backend="torch"`` is asked for). Every call is validated here before a pointer crosses;
+both calls return when the bytes have landed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..errors import TransferError
+from ..layout import KVLayout
+from . import torch_impl
+from .tables import PLANE_COLS, SEGMENT_COLS, SegmentBuilder, TransferTables, plane_table
+
+try:
+    from .. import _cpu_kernels
+except ImportError:  # not built: the torch implementation serves
+    _cpu_kernels = None
+
+try:
+    from .. import _cuda_kernels
+except ImportError:
+    _cuda_kernels = None
+
+__all__ = ["gather", "scatter", "backend_for", "SegmentBuilder", "TransferTables", "plane_table", "validate"]
+
+
+def backend_for(layout: KVLayout, requested: Optional[str] = None) -> str:
+    if requested is not None:
+        if requested not in ("cpu", "cuda", "torch"):
+            raise TransferError(f"unknown transfer backend {requested!r}")
+        if requested == "cpu" and (_cpu_kernels is None or layout.device.type != "cpu"):
+            raise TransferError("the compiled CPU kernel needs cpu planes and a built kvconnect._cpu_kernels")
+        if requested == "cuda" and (_cuda_kernels is None or layout.device.type != "cuda"):
+            raise TransferError("the compiled CUDA kernel needs cuda planes and a built kvconnect._cuda_kernels")
+        return requested
+    device = layout.device.type
+    if device == "cpu" and _cpu_kernels is not None:
+        return "cpu"
+    if device == "cuda" and _cuda_kernels is not None:
+        return "cuda"
+    return "torch"
+
+
+def validate(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, exact_slots: bool) -> None:
+    """Raise TransferError unless every index of the transfer lies inside its plane and the buffer."""
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise TransferError(f"buffer must be a 1-D uint8 tensor, got {getattr(buffer, 'dtype', type(buffer))}")
+    if not buffer.is_contiguous():
+        raise TransferError("buffer must be contiguous")
+    seg, slots = tables.segments, tables.slots
+    if seg.dtype != np.int64 or seg.ndim != 2 or seg.shape[1] != SEGMENT_COLS or slots.dtype != np.int64 or slots.ndim != 1:
+        raise TransferError("segments must be int64 [S, 4] and slots int64 [N]")
+    if not len(seg):
+        return
+    planes, num_rows, slot_off, buf_off = seg.T
+    if planes.min() < 0 or planes.max() >= len(layout.planes):
+        raise TransferError(f"segment plane index out of [0, {len(layout.planes)})")
+    if num_rows.min() < 0 or slot_off.min() < 0 or (slot_off + num_rows).max() > len(slots):
+        raise TransferError("segment slot range outside the slot table")
+    table = plane_table(layout)
+    ends = buf_off + num_rows * table[planes, 3]
+    if buf_off.min() < 0 or ends.max() > buffer.numel():
+        raise TransferError(f"segment bytes outside the {buffer.numel()}-byte buffer")
+    if exact_slots:  # the compiled kernels re-check every slot on the host in C++
+        seg_of_row = np.repeat(np.arange(len(seg)), num_rows)
+        first_row = np.cumsum(num_rows) - num_rows
+        idx = np.repeat(slot_off - first_row, num_rows) + np.arange(len(seg_of_row))
+        row_slots = slots[idx]
+        limit = table[planes[seg_of_row], 5]
+        bad = (row_slots < 0) | (row_slots >= limit)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TransferError(f"slot {int(row_slots[i])} out of [0, {int(limit[i])}) for plane {layout.planes[planes[seg_of_row[i]]].name}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "synchronize"):
+            module.synchronize()
+
+
+def _run(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, backend: Optional[str], num_threads: int) -> None:
+    chosen = backend_for(layout, backend)
+    validate(layout, tables, buffer, exact_slots=chosen == "torch")
+    if not len(tables.segments):
+        return
+    if chosen == "cpu":
+        if buffer.device.type != "cpu":
+            raise TransferError("the CPU kernel needs a CPU buffer")
+        fn = _cpu_kernels.gather if direction == "gather" else _cpu_kernels.scatter
+        try:
+            fn(plane_table(layout), tables.segments, tables.slots, buffer.data_ptr(), buffer.numel(), num_threads)
+        except (IndexError, ValueError) as exc:
+            raise TransferError(str(exc)) from exc
+    elif chosen == "cuda":
+        from . import cuda as cuda_backend
+
+        cuda_backend.run(direction, layout, tables, buffer)
+    else:
+        (torch_impl.gather if direction == "gather" else torch_impl.scatter)(layout, tables, buffer)
+        _sync(layout.device)
+
+
+def gather(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, backend: Optional[str] = None, num_threads: int = 1) -> None:
+    """Copy the rows named by ``tables`` from the paged planes into ``buffer``."""
+    _run("gather", layout, tables, buffer, backend, num_threads)
+
+
+def scatter(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, backend: Optional[str] = None, num_threads: int = 1) -> None:
+    """Copy rows from ``buffer`` into the paged planes at the slots named by ``tables``."""
+    _run("scatter", layout, tables, buffer, backend, num_threads)

@@ -1,0 +1,61 @@
+"""Builds kvconnect's compiled kernels (pybind11, no libtorch).
+
+- ``kvconnect._cpu_kernels``: always (gcc/clang with OpenMP where available).
+- ``kvconnect._cuda_kernels``: when ``nvcc`` is found. ``KVCONNECT_BUILD_CUDA=1`` forces it
+  (failing loudly without nvcc), ``KVCONNECT_BUILD_CUDA=0`` skips it, unset means auto.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+
+def _openmp_flags() -> list[str]:
+    """-fopenmp if the compiler accepts it (gcc does; Apple clang does not)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "t.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(){return omp_get_max_threads() > 0 ? 0 : 1;}\n")
+        cc = os.environ.get("CC", "cc")
+        ok = subprocess.run([cc, "-fopenmp", src, "-o", os.path.join(tmp, "t")], capture_output=True).returncode == 0
+    return ["-fopenmp"] if ok else []
+
+
+omp = _openmp_flags()
+ext_modules = [
+    Pybind11Extension(
+        "kvconnect._cpu_kernels",
+        ["csrc/cpu_transfer.cpp"],
+        include_dirs=["csrc"],
+        extra_compile_args=["-O3"] + omp,
+        extra_link_args=omp,
+        cxx_std=17,
+    )
+]
+cmdclass = {"build_ext": build_ext}
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc"))
+try:
+    from build_cuda import cuda_extension_and_cmd  # noqa: E402  (present once the CUDA kernel lands)
+except ImportError:  # pragma: no cover
+    cuda_extension_and_cmd = None
+if cuda_extension_and_cmd is not None:
+    cuda_ext, cmdclass = cuda_extension_and_cmd(cmdclass)
+    if cuda_ext is not None:
+        ext_modules.append(cuda_ext)
+
+setup(
+    packages=[
+        "kvconnect",
+        "kvconnect.transfer",
+        "kvconnect.storage",
+        "kvconnect.integrations",
+    ],
+    package_dir={"kvconnect.integrations": "integrations"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
