@@ -16,6 +16,9 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
 | KVCONNECT_MODEL_NAME           | model_name           | str   | ""      | folded into the layout fingerprint |
+| KVCONNECT_REMOTE_TIMEOUT_S     | remote_timeout_s     | float | 1.0     | bound on every remote-tier call |
+| KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
+| KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class Config:
     save_unfull_chunk: bool = False
     num_threads: int = dataclasses.field(default_factory=_default_threads)
     model_name: str = ""
+    remote_timeout_s: float = 1.0
+    server_url: Optional[str] = None
+    server_token: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -60,6 +66,8 @@ class Config:
             raise ConfigError(f"max_local_disk_size (LMCACHE_MAX_LOCAL_DISK_SIZE) must be >= 0 GB, got {self.max_local_disk_size}")
         if self.num_threads <= 0:
             raise ConfigError(f"num_threads (KVCONNECT_NUM_THREADS) must be > 0, got {self.num_threads}")
+        if self.remote_timeout_s <= 0:
+            raise ConfigError(f"remote_timeout_s (KVCONNECT_REMOTE_TIMEOUT_S) must be > 0, got {self.remote_timeout_s}")
         if self.local_disk is not None and self.local_disk.startswith("file://"):
             object.__setattr__(self, "local_disk", self.local_disk[len("file://") :])
 
