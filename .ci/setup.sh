@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs kvconnect and what its core tests need on a fresh machine (Python, gcc, pip).
+# Idempotent. torch comes from the pinned 2.13.0 CPU build (a newer unpinned torch would
+# pull several GB of CUDA packages); the compiled kernels never link libtorch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+$PY -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
+$PY -m pip install -q --disable-pip-version-check torch==2.13.0
+$PY -m pip install -q --disable-pip-version-check "pybind11>=2.11" numpy msgpack pyzmq blake3 xxhash pyyaml \
+    "pytest>=7" "hypothesis>=6" redis
+$PY -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[test,redis]"
