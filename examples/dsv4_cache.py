@@ -52,6 +52,7 @@ def _padded_plane(num_blocks: int, spec: GroupSpec, row_bytes: int, dtype: torch
 
 def build(num_layers: int, max_tokens: int) -> tuple[dict, list[GroupSpec], dict]:
     """kv_caches, groups and layer_groups for ``num_layers`` layers holding ``max_tokens`` tokens."""
+    used = [n for n in GROUP_NAMES if any(n in layer_caches(layer) for layer in range(num_layers))]
     kv_caches, layer_groups = {}, {}
     for layer in range(num_layers):
         for name in layer_caches(layer):
@@ -59,5 +60,10 @@ def build(num_layers: int, max_tokens: int) -> tuple[dict, list[GroupSpec], dict
             num_blocks = -(-max_tokens // spec.block_size) + 1
             key = f"layers.{layer}.{name}"
             kv_caches[key] = _padded_plane(num_blocks, spec, row_bytes, dtype, align)
-            layer_groups[key] = GROUP_NAMES.index(name)
-    return kv_caches, [GROUPS[n][0] for n in GROUP_NAMES], layer_groups
+            layer_groups[key] = used.index(name)
+    return kv_caches, [GROUPS[n][0] for n in used], layer_groups
+
+
+def group_names(num_layers: int) -> list[str]:
+    """Names of the groups ``build`` creates for ``num_layers`` layers, in group order."""
+    return [n for n in GROUP_NAMES if any(n in layer_caches(layer) for layer in range(num_layers))]

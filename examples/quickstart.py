@@ -139,7 +139,7 @@ def main() -> None:
           f"chunk {args.chunk_size} tokens, transfer backend '{engine.backend or 'auto'}'\n")
     print(f"{'group':<18}{'kind':<10}{'block':>6}{'cr':>5}{'window':>8}{'planes':>8}{'rows/chunk':>12}{'bytes/chunk':>13}")
     probe = engine.chunks(np.arange(args.chunk_size), include_partial=False)[0]
-    for g, (name, geo) in enumerate(zip(dsv4_cache.GROUP_NAMES, layout.geometries)):
+    for g, (name, geo) in enumerate(zip(dsv4_cache.group_names(args.layers), layout.geometries)):
         members = layout.planes_of_group(g)
         rows = geo.stored_rows(probe.start, probe.end)
         num_rows = rows[1] - rows[0]

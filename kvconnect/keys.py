@@ -1,10 +1,11 @@
 """Chunk keys: a prefix hash chain over token ids, namespaced by layout and chunk size.
 
-key_0 = BLAKE3(seed || tokens[0:C]), key_i = BLAKE3(key_{i-1} || tokens[iC:(i+1)C]), where
-seed = BLAKE3(layout fingerprint || chunk size). Token ids are hashed as little-endian
-int64, so keys are a pure function of tokens and identity: equal across processes, TP
-ranks of the same shard, and machines, and independent of the engine's block size.
-BLAKE3 is cryptographic, so crafted prompts cannot collide into another prefix's chunk.
+h_0 = BLAKE3(fingerprint || chunk size); h_i = BLAKE3-keyed(key=h_{i-1}, tokens of chunk i);
+the key of chunk i is the first 16 bytes of h_i. Token ids are hashed as little-endian
+uint32 (every real vocabulary fits; larger ids raise TokenError), so keys are a pure function
+of tokens and identity: equal across processes, TP ranks of the same shard, and machines,
+and independent of the engine's block size. BLAKE3 is cryptographic, so crafted prompts
+cannot collide into another prefix's chunk. A 128K-token prompt hashes in under a millisecond.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ KEY_BYTES = 16
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 
+TOKEN_BYTES = 4
+
+
 def tokens_as_int64(tokens: Tokens) -> np.ndarray:
-    """Token ids as a 1-D little-endian int64 array (no copy when already so)."""
+    """Token ids as a 1-D int64 array, validated to lie in [0, 2**32)."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
             raise TokenError(f"tokens must be a 1-D integer tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}")
@@ -35,8 +39,8 @@ def tokens_as_int64(tokens: Tokens) -> np.ndarray:
         if array.ndim != 1 or array.dtype.kind not in "iu":
             raise TokenError(f"tokens must be a 1-D sequence of ints, got dtype {array.dtype} shape {array.shape}")
         array = array.astype("<i8", copy=False)
-    if array.size and array.min() < 0:
-        raise TokenError("token ids must be >= 0")
+    if array.size and (array.min() < 0 or array.max() >= 1 << 32):
+        raise TokenError("token ids must lie in [0, 2**32)")
     return np.ascontiguousarray(array)
 
 
@@ -45,16 +49,14 @@ class ChunkKeyer:
 
     def __init__(self, fingerprint: Fingerprint, chunk_tokens: int) -> None:
         self.chunk_tokens = chunk_tokens
-        self._seed = blake3.blake3(bytes(fingerprint) + int(chunk_tokens).to_bytes(8, "little")).digest(KEY_BYTES)
+        self._seed = blake3.blake3(bytes(fingerprint) + int(chunk_tokens).to_bytes(8, "little")).digest()
 
     def keys(self, tokens: np.ndarray, bounds: Sequence[tuple[int, int]]) -> list[ChunkKey]:
         """Keys of consecutive chunks ``bounds`` (which must start at 0 and tile the prefix)."""
-        data = memoryview(tokens).cast("B")
+        data = memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
         out: list[ChunkKey] = []
-        prev = self._seed
+        chain = self._seed
         for start, end in bounds:
-            hasher = blake3.blake3(prev)
-            hasher.update(data[start * 8 : end * 8])
-            prev = hasher.digest(KEY_BYTES)
-            out.append(ChunkKey(prev))
+            chain = blake3.blake3(data[start * TOKEN_BYTES : end * TOKEN_BYTES], key=chain).digest()
+            out.append(ChunkKey(chain[:KEY_BYTES]))
         return out
