@@ -13,6 +13,7 @@ by a deployment with block size 128 is read by one with block size 32.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, Optional, Sequence, Union
 
 import blake3
@@ -165,9 +166,13 @@ class KVLayout:
     def num_groups(self) -> int:
         return len(self.groups)
 
+    @cached_property
+    def _group_num_blocks(self) -> tuple[int, ...]:
+        return tuple(min(p.num_blocks for p in self.planes if p.group_index == g) for g in range(len(self.groups)))
+
     def group_num_blocks(self, group_index: int) -> int:
         """Blocks addressable by every plane of a group (ids must be below this)."""
-        return min(p.num_blocks for p in self.planes if p.group_index == group_index)
+        return self._group_num_blocks[group_index]
 
     def planes_of_group(self, group_index: int) -> list[int]:
         return [i for i, p in enumerate(self.planes) if p.group_index == group_index]
