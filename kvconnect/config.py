@@ -12,6 +12,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | LMCACHE_MAX_LOCAL_CPU_SIZE     | max_local_cpu_size   | float | 5.0     | CPU pool size, GB |
 | LMCACHE_LOCAL_DISK             | local_disk           | str   | none    | disk tier directory (``file://`` optional) |
 | LMCACHE_MAX_LOCAL_DISK_SIZE    | max_local_disk_size  | float | 0.0     | disk tier size, GB |
+| KVCONNECT_LOCAL_DISK_FSYNC     | local_disk_fsync     | bool  | false   | fsync each disk-tier file before its rename (survives power loss) |
 | LMCACHE_REMOTE_URL             | remote_url           | str   | none    | remote tier (``redis://``, ``rediss://``, ``unix://``, ``redis-cluster://``) |
 | LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
@@ -49,6 +50,7 @@ class Config:
     max_local_cpu_size: float = 5.0
     local_disk: Optional[str] = None
     max_local_disk_size: float = 0.0
+    local_disk_fsync: bool = False
     remote_url: Optional[str] = None
     save_unfull_chunk: bool = False
     num_threads: int = dataclasses.field(default_factory=_default_threads)

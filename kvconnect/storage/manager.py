@@ -1,39 +1,166 @@
 """StorageManager: the one object the engine asks for chunks, whatever tier holds them.
 
-Today it fronts the CPU pool; lower tiers (disk, remote) plug in behind it without the
-engine changing. Contract used by the engine:
+Tiers, fastest first: the CPU pool, then the lower tiers (``tiers``: local disk, then the
+remote store). Contract used by the engine:
 
-    masks(keys)              -> group mask per key (None = miss), cheapest tier first
-    acquire(keys)            -> pinned pool entries (promoting from lower tiers), release()
-    reserve(n) / commit / abort   write path into the pool
+    masks(keys)              -> group mask per key (None = miss): pool, then each lower
+                                tier for the keys still missing (one batched call per tier)
+    acquire(keys)            -> pinned pool entries; a key missing from the pool is fetched
+                                from the first lower tier holding it, verified, and promoted
+                                into the pool (and written to the tiers above its source)
+    release(entries)
+    reserve(n) / commit / abort   write path into the pool; ``commit`` queues the chunk for
+                                every lower tier (write-behind, bounded: never blocks)
+    drop(key)                -> forget a bad chunk in every tier
     export_chunk(key)        -> the canonical encoded bytes (header + checksum + payload)
     import_chunk(data, ...)  verify and insert encoded bytes (a corrupt chunk is refused)
+    flush() / close()        wait for / stop the write-behind threads
+
+A failure of a lower tier is a miss and a counted error (``tier_stats``), never an
+exception into the engine.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+import threading
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 from .. import chunk_format
 from ..errors import CorruptChunkError
 from ..spec import ChunkKey, Fingerprint
 from .pool import ChunkPool, PoolEntry
+from .tier import LowerTier
+from .writer import WriteBehind
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+FETCH_BATCH_BYTES = 256 << 20  # bound on encoded chunks held in memory while promoting
+MAX_PENDING_WRITE_BYTES = 1 << 30  # per lower tier, further capped to a quarter of the pool
+
+
+def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
+    """The lower tiers ``config`` asks for, fastest first (disk, then remote).
+
+    Raises ConfigError / StorageError for a tier that cannot be set up (bad URL, missing
+    ``redis`` package, directory that cannot be created): configuration errors surface at
+    start, failures of a running tier become misses.
+    """
+    tiers: list[LowerTier] = []
+    if config.local_disk:
+        if config.max_local_disk_bytes <= 0:
+            logger.warning("kvconnect: local_disk is set but max_local_disk_size is 0 GB; the disk tier is off")
+        else:
+            from .disk import DiskTier
+
+            tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync))
+    if config.remote_url:
+        from .redis_tier import RedisTier
+
+        tiers.append(RedisTier(config.remote_url, fingerprint, timeout_s=config.remote_timeout_s))
+    return tiers
+
 
 class StorageManager:
-    def __init__(self, pool: ChunkPool, fingerprint: Fingerprint) -> None:
+    def __init__(self, pool: ChunkPool, fingerprint: Fingerprint, tiers: Sequence[LowerTier] = (), *,
+                 max_pending_write_bytes: Optional[int] = None, max_queued_writes: int = 4096) -> None:
+        """Front ``pool`` and the lower ``tiers`` (fastest first; the manager owns and closes them).
+
+        max_pending_write_bytes: payload bytes each tier's write-behind queue keeps pinned
+            in the pool (default: 1 GiB, at most a quarter of the pool, at least one slot).
+        max_queued_writes: further chunks each queue holds unpinned (see writer.py).
+        """
         self.pool = pool
         self.fingerprint = fingerprint
         self.corrupt_chunks = 0
+        self.promotions = 0
+        self.promotion_failures = 0  # found below but no pool slot to promote into
+        self.tier_failures = 0  # a tier raised (it should not); counted, treated as a miss
+        self._counter_lock = threading.Lock()
+        self.tiers = list(tiers)
+        if max_pending_write_bytes is None:
+            pool_bytes = pool.num_slots * pool.slot_bytes
+            max_pending_write_bytes = max(pool.slot_bytes, min(MAX_PENDING_WRITE_BYTES, pool_bytes // 4))
+        self.writers = [
+            WriteBehind(t, pool, max_pending_bytes=max_pending_write_bytes, max_queue_items=max_queued_writes)
+            for t in self.tiers
+        ]
+        self._fetch_batch = max(1, FETCH_BATCH_BYTES // max(pool.slot_bytes, 1))
 
+    @classmethod
+    def from_config(cls, pool: ChunkPool, fingerprint: Fingerprint, config: "Config") -> "StorageManager":
+        return cls(pool, fingerprint, open_tiers(config, fingerprint))
+
+    # -- reads -----------------------------------------------------------------------
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
-        return self.pool.masks(keys)
+        out = self.pool.masks(keys)
+        missing = [i for i, m in enumerate(out) if m is None]
+        for tier in self.tiers:
+            if not missing:
+                break
+            found = self._call(tier, tier.masks, [keys[i] for i in missing])
+            if found is None:
+                continue
+            for i, m in zip(missing, found):
+                out[i] = m
+            missing = [i for i in missing if out[i] is None]
+        return out
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[Optional[PoolEntry]]:
-        return self.pool.acquire(keys)
+        entries = self.pool.acquire(keys)
+        missing = [i for i, e in enumerate(entries) if e is None]
+        for level, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            if not tier.healthy():
+                continue
+            for start in range(0, len(missing), self._fetch_batch):
+                batch = missing[start : start + self._fetch_batch]
+                fetched = self._call(tier, tier.get, [keys[i] for i in batch])
+                for i, data in zip(batch, fetched or ()):
+                    if data is not None:
+                        entries[i] = self._promote(keys[i], data, level)
+            missing = [i for i in missing if entries[i] is None]
+        return entries
+
+    def _promote(self, key: ChunkKey, data, level: int) -> Optional[PoolEntry]:
+        """Copy a chunk verified by tier ``level`` into the pool; the pinned entry or None."""
+        try:
+            header = chunk_format.decode_header(data)
+        except CorruptChunkError:  # the tier verified it; a failure here is a tier bug
+            logger.exception("kvconnect: a chunk verified by the %s tier has a bad header", self.tiers[level].name)
+            return None
+        if header.payload_bytes > self.pool.slot_bytes or header.key != key:
+            logger.warning("kvconnect: %s tier chunk does not fit this layout's slots; ignoring it", self.tiers[level].name)
+            return None
+        slots = self.pool.reserve(1)
+        if not slots:
+            with self._counter_lock:
+                self.promotion_failures += 1
+            return None
+        view = self.pool.slot_view(slots[0])[: header.payload_bytes]
+        view.numpy()[:] = memoryview(data).cast("B")[header.header_bytes :]
+        self.pool.commit(key, header, slots[0])
+        (entry,) = self.pool.acquire([key])  # None only if evicted in between: a miss
+        for writer in self.writers[:level]:
+            writer.submit(key)
+        with self._counter_lock:
+            self.promotions += entry is not None
+        return entry
+
+    def _call(self, tier: LowerTier, method: Callable[[Sequence[ChunkKey]], _T], keys: Sequence[ChunkKey]) -> Optional[_T]:
+        """A tier call that cannot raise into the engine (tiers promise not to; this makes sure)."""
+        try:
+            return method(keys)
+        except Exception:
+            logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
+            with self._counter_lock:
+                self.tier_failures += 1
+            return None
 
     def release(self, entries: Sequence[Optional[PoolEntry]]) -> None:
         self.pool.release(entries)
@@ -42,19 +169,30 @@ class StorageManager:
         return self.pool.reserve(n)
 
     def commit(self, key: ChunkKey, header: chunk_format.ChunkHeader, slot: int) -> PoolEntry:
-        return self.pool.commit(key, header, slot)
+        """Publish a written slot and queue the chunk for every lower tier (never blocks)."""
+        entry = self.pool.commit(key, header, slot)
+        for writer in self.writers:
+            writer.submit(key)
+        return entry
 
     def abort(self, slots: Sequence[int]) -> None:
         self.pool.abort(slots)
 
     def drop(self, key: ChunkKey) -> None:
         """Forget a chunk found unusable, in every tier."""
-        self.corrupt_chunks += 1
+        with self._counter_lock:
+            self.corrupt_chunks += 1
         self.pool.remove(key)
+        for writer in self.writers:
+            writer.submit_delete(key)
 
     def export_chunk(self, key: ChunkKey) -> Optional[bytes]:
         (entry,) = self.pool.acquire([key])
         if entry is None:
+            for tier in self.tiers:
+                fetched = self._call(tier, tier.get, [key]) if tier.healthy() else None
+                if fetched and fetched[0] is not None:
+                    return bytes(fetched[0])
             return None
         try:
             payload = self.pool.entry_view(entry).numpy()
@@ -77,4 +215,31 @@ class StorageManager:
         view = self.pool.slot_view(slots[0])[: header.payload_bytes]
         view.numpy()[:] = memoryview(payload)
         self.pool.commit(key, header, slots[0])
+        for writer in self.writers:
+            writer.submit(key)
         return True
+
+    # -- lifecycle and stats -----------------------------------------------------------
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every chunk committed so far reached (or failed to reach) each lower tier."""
+        return all([w.flush(timeout_s) for w in self.writers])
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush the write-behind queues (up to ``timeout_s`` each), stop them, close the tiers."""
+        for writer in self.writers:
+            if not writer.close(timeout_s):
+                logger.warning("kvconnect: %s tier writes still queued at close were dropped", writer.tier.name)
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception:
+                logger.exception("kvconnect: closing the %s tier failed", tier.name)
+
+    def tier_stats(self) -> dict:
+        """Counters per lower tier (the tier's own and its writer's) and of promotion."""
+        return {
+            "promotions": self.promotions,
+            "promotion_failures": self.promotion_failures,
+            "tier_failures": self.tier_failures,
+            "tiers": [{**t.stats().as_dict(), "writer": vars(w.stats())} for t, w in zip(self.tiers, self.writers)],
+        }

@@ -1,0 +1,326 @@
+"""The local disk tier: one file per chunk under a directory, LRU by bytes, crash-safe.
+
+Files live in ``<root>/<fingerprint hex>/<key hex[:2]>/<key hex>-<group mask hex>.kvc``:
+the fingerprint directory keeps layouts (models, ranks, format versions) apart, and the
+name carries what ``masks`` answers, so the index is rebuilt at start from a directory
+scan without reading a byte of any chunk.
+
+Crash safety: a chunk is written to a temporary name in the same directory (optionally
+fsynced), then renamed over its final name; a reader therefore sees a whole old file or a
+whole new one, and a process killed mid-write leaves only a temporary file, which the
+next start removes. Every read verifies the chunk (magic, version, fingerprint, key,
+size, checksum); any failure (missing file, short read, flipped byte, permission) is a
+miss, a counted error, and the file is removed.
+
+The size limit (``capacity_bytes``) counts the files of this fingerprint; when a write
+needs room, the least recently used files go first. Recency survives a restart only as
+file modification order (reads do not touch files).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .. import chunk_format
+from ..errors import StorageError
+from ..spec import ChunkKey, Fingerprint
+from .tier import LowerTier, StoreItem, TierStats
+
+logger = logging.getLogger(__name__)
+
+_SUFFIX = ".kvc"
+_TMP_SUFFIX = ".tmp"
+_KEY_HEX_CHARS = 32
+
+
+@dataclass(eq=False)
+class _Entry:
+    mask: int
+    size_bytes: int
+
+
+def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
+    """Write every byte of ``parts`` to ``fd`` (module-level so tests can inject ENOSPC)."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while len(view):
+            written = os.write(fd, view)
+            view = view[written:]
+
+
+def _read_file(path: str, size_bytes: int) -> bytearray:
+    """The whole file at ``path``; raises OSError, or StorageError when its size changed."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size_bytes:
+            raise StorageError(f"{path} is {actual} bytes, indexed as {size_bytes}")
+        buf = bytearray(size_bytes)
+        view = memoryview(buf)
+        while len(view):
+            n = os.readv(fd, [view])
+            if n == 0:
+                raise StorageError(f"{path} ended early")
+            view = view[n:]
+        return buf
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskTier(LowerTier):
+    name = "disk"
+
+    def __init__(self, root: str, fingerprint: Fingerprint, capacity_bytes: int, *, fsync: bool = False) -> None:
+        """Open (creating if needed) the tier at ``root`` and rebuild its index from the files.
+
+        Raises StorageError when the directory cannot be created or listed.
+        """
+        super().__init__(fingerprint)
+        if capacity_bytes <= 0:
+            raise StorageError(f"disk tier capacity must be > 0 bytes, got {capacity_bytes}")
+        self.root = os.path.abspath(root)
+        self.dir = os.path.join(self.root, bytes(fingerprint).hex())
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._index: "OrderedDict[ChunkKey, _Entry]" = OrderedDict()
+        self._used_bytes = 0  # indexed files plus writes in flight
+        self._tmp_counter = 0
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"disk tier directory {self.dir!r} cannot be created: {exc}") from exc
+        self._rebuild()
+
+    # -- paths -----------------------------------------------------------------------
+    def _path(self, key: ChunkKey, mask: int) -> str:
+        hexkey = bytes(key).hex()
+        return os.path.join(self.dir, hexkey[:2], f"{hexkey}-{mask:x}{_SUFFIX}")
+
+    def _tmp_path(self, key: ChunkKey) -> str:
+        with self._lock:
+            self._tmp_counter += 1
+            n = self._tmp_counter
+        hexkey = bytes(key).hex()
+        return os.path.join(self.dir, hexkey[:2], f".{hexkey}.{os.getpid()}.{threading.get_ident()}.{n}{_TMP_SUFFIX}")
+
+    # -- index rebuild ---------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Index every well-named chunk file of this fingerprint, oldest first; drop leftovers."""
+        found: dict[ChunkKey, tuple[float, str, _Entry]] = {}
+        try:
+            subdirs = [d for d in os.scandir(self.dir) if d.is_dir(follow_symlinks=False) and len(d.name) == 2]
+        except OSError as exc:
+            raise StorageError(f"disk tier directory {self.dir!r} cannot be listed: {exc}") from exc
+        for sub in subdirs:
+            try:
+                files = list(os.scandir(sub.path))
+            except OSError:
+                logger.warning("kvconnect: disk tier cannot list %s; skipping it", sub.path)
+                continue
+            for f in files:
+                self._index_file(f, found)
+        for key, (_, _, entry) in sorted(found.items(), key=lambda kv: kv[1][0]):
+            self._index[key] = entry
+            self._used_bytes += entry.size_bytes
+        self._evict_locked(0)
+        if found:
+            logger.info("kvconnect: disk tier %s indexed %d chunks (%d bytes)", self.dir, len(self._index), self._used_bytes)
+
+    def _index_file(self, f: os.DirEntry, found: dict) -> None:
+        name = f.name
+        if name.endswith(_TMP_SUFFIX):
+            # A temporary file of a dead writer is a torn write: remove it. A live writer
+            # (another process sharing the directory) still owns its file.
+            parts = name.split(".")
+            pid = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else -1
+            if pid != os.getpid() and not _pid_alive(pid):
+                _unlink_quietly(f.path)
+            return
+        if not name.endswith(_SUFFIX):
+            return
+        stem = name[: -len(_SUFFIX)]
+        hexkey, _, hexmask = stem.partition("-")
+        try:
+            key = ChunkKey(bytes.fromhex(hexkey))
+            mask = int(hexmask, 16)
+            st = f.stat(follow_symlinks=False)
+        except (ValueError, OSError):
+            return
+        if len(hexkey) != _KEY_HEX_CHARS or not f.is_file(follow_symlinks=False):
+            return
+        if st.st_size < chunk_format.FIXED_HEADER_BYTES:
+            _unlink_quietly(f.path)  # cannot be a chunk (e.g. zero-length after a power loss)
+            return
+        previous = found.get(key)
+        if previous is not None:
+            # A crash between rename and unlinking the older mask's file: keep the newer.
+            loser = f.path if previous[0] >= st.st_mtime else previous[1]
+            _unlink_quietly(loser)
+            if loser == previous[1]:
+                found[key] = (st.st_mtime, f.path, _Entry(mask, st.st_size))
+            return
+        found[key] = (st.st_mtime, f.path, _Entry(mask, st.st_size))
+
+    # -- reads -----------------------------------------------------------------------
+    def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
+        with self._lock:
+            out = [(e.mask if (e := self._index.get(k)) is not None else None) for k in keys]
+        self._count(lookups=len(keys), lookup_hits=sum(m is not None for m in out))
+        return out
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
+        out: list[Optional[bytes]] = []
+        for key in keys:
+            out.append(self._get_one(key))
+        self._count(gets=len(keys), get_hits=sum(d is not None for d in out), bytes_read=sum(len(d) for d in out if d is not None))
+        return out
+
+    def _get_one(self, key: ChunkKey) -> Optional[bytes]:
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return None
+        path = self._path(key, entry.mask)
+        try:
+            data = _read_file(path, entry.size_bytes)
+        except (OSError, StorageError) as exc:
+            logger.warning("kvconnect: disk tier read of %s failed (%s); dropping it", path, exc)
+            self._forget(key, entry, path)
+            self._count(errors=1)
+            return None
+        if not self._verify(data, key):
+            logger.warning("kvconnect: disk tier chunk %s is corrupt; dropping it", path)
+            self._forget(key, entry, path)
+            self._count(errors=1, corrupt=1)
+            return None
+        with self._lock:
+            if self._index.get(key) is entry:
+                self._index.move_to_end(key)
+        return data
+
+    def _forget(self, key: ChunkKey, entry: _Entry, path: str) -> None:
+        """Drop ``entry`` if it is still the indexed one (a concurrent rewrite wins)."""
+        with self._lock:
+            if self._index.get(key) is not entry:
+                return
+            del self._index[key]
+            self._used_bytes -= entry.size_bytes
+            _unlink_quietly(path)
+
+    # -- writes ----------------------------------------------------------------------
+    def put(self, items: Sequence[StoreItem]) -> list[bool]:
+        return [self._put_one(item) for item in items]
+
+    def _put_one(self, item: StoreItem) -> bool:
+        size_bytes = item.header.header_bytes + item.header.payload_bytes
+        if size_bytes > self.capacity_bytes:
+            self._count(errors=1)
+            return False
+        with self._lock:
+            num_evicted = self._evict_locked(size_bytes)
+            self._used_bytes += size_bytes  # reserved for this write; an older version stays readable
+        final = self._path(item.key, item.header.group_mask)
+        tmp = self._tmp_path(item.key)
+        try:
+            self._write_tmp(tmp, [memoryview(item.sealed_header()), item.payload])
+            with self._lock:
+                # Rename and index change together: a reader holding the old entry either
+                # reads a whole file or fails the identity check in _forget (never unlinks ours).
+                os.rename(tmp, final)
+                old = self._index.pop(item.key, None)
+                if old is not None:
+                    self._used_bytes -= old.size_bytes
+                    if old.mask != item.header.group_mask:
+                        _unlink_quietly(self._path(item.key, old.mask))
+                self._index[item.key] = _Entry(item.header.group_mask, size_bytes)
+            if self.fsync:
+                _fsync_dir(os.path.dirname(final))
+        except OSError as exc:
+            level = logging.WARNING if exc.errno in (errno.ENOSPC, errno.EDQUOT) else logging.ERROR
+            logger.log(level, "kvconnect: disk tier write of %s failed: %s", final, exc)
+            _unlink_quietly(tmp)
+            with self._lock:
+                self._used_bytes -= size_bytes
+            self._count(errors=1, evictions=num_evicted)
+            return False
+        self._count(puts=1, bytes_written=size_bytes, evictions=num_evicted)
+        return True
+
+    def _write_tmp(self, tmp: str, parts: Sequence[memoryview]) -> None:
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, parts)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _evict_locked(self, need_bytes: int) -> int:
+        """Remove LRU entries (index and file) until ``need_bytes`` more fit; how many went."""
+        num = 0
+        while self._index and self._used_bytes + need_bytes > self.capacity_bytes:
+            key, entry = self._index.popitem(last=False)
+            self._used_bytes -= entry.size_bytes
+            _unlink_quietly(self._path(key, entry.mask))
+            num += 1
+        return num
+
+    def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        out = []
+        for key in keys:
+            with self._lock:
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._used_bytes -= entry.size_bytes
+                    _unlink_quietly(self._path(key, entry.mask))
+            out.append(entry is not None)
+        self._count(deletes=sum(out))
+        return out
+
+    # -- stats -----------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        s = super().stats()
+        with self._lock:
+            s.entries = len(self._index)
+            s.used_bytes = self._used_bytes
+        s.capacity_bytes = self.capacity_bytes
+        return s
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("kvconnect: disk tier cannot remove %s: %s", path, exc)

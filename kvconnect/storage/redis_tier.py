@@ -1,0 +1,253 @@
+"""The remote tier on Redis or Valkey: one key per chunk, pipelined batches, bounded waits.
+
+URL forms (``LMCACHE_REMOTE_URL``):
+
+    redis://[user:password@]host:port[/db]        plain TCP
+    rediss://[user:password@]host:port[/db]       TLS
+    unix:///path/to/redis.sock[?db=N&password=P]  unix socket
+    redis-cluster://[user:password@]host:port[,host:port...]    Redis Cluster (seed nodes)
+    rediss-cluster://...                          Redis Cluster over TLS
+    valkey://, valkeys://, valkey-cluster://, valkeys-cluster://  the same, spelled for Valkey
+
+Each chunk is one key ``kvconnect:<fingerprint hex>:<chunk key hex>`` whose value is the
+encoded chunk (header + checksum + payload), so the store's own eviction can never leave
+half an entry, and chunks of a cluster spread over every shard by key hash. Configure the
+store as a cache (``maxmemory`` with ``maxmemory-policy allkeys-lru``).
+
+``masks`` reads only the first bytes of each value (GETRANGE, the fixed header) and
+checks its identity; ``get`` reads whole values and verifies the checksum, deleting a bad
+value. Every socket operation is bounded by ``timeout_s``; any failure of the store
+(refused, reset, timeout, cluster down) is a miss or a failed put, counted, and opens a
+breaker that skips the store for a short, growing while, so a dead or stalled store costs
+the engine at most one timeout per back-off period. The client is rebuilt after a failure,
+which is how a restarted server is picked up again.
+
+Needs the ``redis`` package (``pip install 'kvconnect[redis]'``), imported only here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.parse
+from typing import Any, Callable, Optional, Sequence
+
+from .. import chunk_format
+from ..errors import ConfigError, StorageError
+from ..spec import ChunkKey, Fingerprint
+from .tier import Breaker, LowerTier, StoreItem, peek_mask
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"kvconnect:"
+_ALIASES = {"valkey": "redis", "valkeys": "rediss", "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
+_SINGLE = ("redis", "rediss", "unix")
+_CLUSTER = ("redis-cluster", "rediss-cluster")
+
+
+def _import_redis():
+    try:
+        import redis  # noqa: F401  (optional dependency)
+        import redis.backoff
+        import redis.cluster
+        import redis.retry
+    except ImportError as exc:
+        raise StorageError(
+            "the remote tier (LMCACHE_REMOTE_URL) needs the 'redis' package: pip install 'kvconnect[redis]'"
+        ) from exc
+    return redis
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """(scheme, url) with Valkey spellings mapped to Redis ones; ConfigError when unsupported."""
+    scheme, sep, rest = url.partition("://")
+    scheme = _ALIASES.get(scheme.lower(), scheme.lower())
+    if not sep or scheme not in _SINGLE + _CLUSTER:
+        raise ConfigError(
+            f"remote_url (LMCACHE_REMOTE_URL) {url!r}: expected redis://, rediss://, unix://, "
+            "redis-cluster://host:port[,host:port...] or a valkey spelling of these"
+        )
+    return scheme, f"{scheme}://{rest}"
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], Optional[str], Optional[str]]:
+    """Seed nodes, username and password of a ``redis-cluster://`` URL."""
+    rest = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0]
+    creds, at, hosts = rest.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = creds.partition(":")
+        username = urllib.parse.unquote(user) or None
+        password = urllib.parse.unquote(pw) if colon else None
+    nodes = []
+    for item in filter(None, hosts.split(",")):
+        host, colon, port = item.rpartition(":")
+        if not colon or not port.isdigit():
+            raise ConfigError(f"remote_url (LMCACHE_REMOTE_URL) {url!r}: node {item!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise ConfigError(f"remote_url (LMCACHE_REMOTE_URL) {url!r}: no cluster nodes given")
+    return nodes, username, password
+
+
+class RedisTier(LowerTier):
+    name = "remote"
+
+    def __init__(self, url: str, fingerprint: Fingerprint, *, timeout_s: float = 1.0,
+                 retry_after_s: float = 0.5, max_retry_after_s: float = 10.0) -> None:
+        """A tier on the store at ``url``; connects lazily, so a store that is down is a miss.
+
+        Raises ConfigError for an unsupported URL and StorageError when ``redis`` is missing.
+        """
+        super().__init__(fingerprint)
+        self._redis = _import_redis()
+        self.scheme, self.url = parse_url(url)
+        if self.scheme in _CLUSTER:
+            cluster_nodes(self.url)  # validate now, not on first use
+        self.timeout_s = timeout_s
+        self._prefix = KEY_PREFIX + bytes(fingerprint).hex().encode() + b":"
+        self._breaker = Breaker(retry_after_s, max_retry_after_s)
+        self._client_lock = threading.Lock()
+        self._client: Any = None
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.scheme in _CLUSTER
+
+    def redis_key(self, key: ChunkKey) -> bytes:
+        return self._prefix + bytes(key).hex().encode()
+
+    # -- connection ------------------------------------------------------------------
+    def _connect(self) -> Any:
+        r = self._redis
+        no_retry = r.retry.Retry(r.backoff.NoBackoff(), 0)
+        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
+        if not self.is_cluster:
+            return r.Redis.from_url(self.url, retry=no_retry, **common)
+        nodes, username, password = cluster_nodes(self.url)
+        return r.cluster.RedisCluster(
+            startup_nodes=[r.cluster.ClusterNode(h, p) for h, p in nodes],
+            username=username, password=password, ssl=self.scheme == "rediss-cluster",
+            require_full_coverage=False,  # a cache serves the slots that are up
+            retry=r.retry.Retry(r.backoff.NoBackoff(), 1), **common,
+        )
+
+    def _client_or_connect(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._connect()
+            return self._client
+
+    def _reset_client(self, client: Any) -> None:
+        with self._client_lock:
+            if self._client is client:
+                self._client = None
+        try:
+            client.close()
+        except Exception:  # closing a broken client may fail too; it is being dropped anyway
+            pass
+
+    def _pipeline(self, op: str, build: Callable[[Any], None]) -> Optional[list]:
+        """Results of a pipelined batch (per-command exceptions kept), None when the store failed."""
+        if not self._breaker.allow():
+            self._count(skipped_unhealthy=1)
+            return None
+        client = None
+        try:
+            client = self._client_or_connect()
+            pipe = client.pipeline(transaction=False)
+            build(pipe)
+            results = pipe.execute(raise_on_error=False)
+        except Exception as exc:  # any failure of the store or the client library is a miss
+            was_open = self._breaker.open
+            self._breaker.failure()
+            self._count(errors=1)
+            log = logger.debug if was_open else logger.warning
+            log("kvconnect: remote tier %s failed during %s (%s: %s); skipping it for a while",
+                self.url_for_logs, op, type(exc).__name__, exc)
+            if client is not None:
+                self._reset_client(client)
+            return None
+        self._breaker.success()
+        return results
+
+    @property
+    def url_for_logs(self) -> str:
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.password:
+            return self.url.replace(parts.password, "***")
+        return self.url
+
+    def healthy(self) -> bool:
+        return self._breaker.allow()
+
+    # -- reads -----------------------------------------------------------------------
+    def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
+        if not keys:
+            return []
+        header_end = chunk_format.FIXED_HEADER_BYTES - 1
+        results = self._pipeline("lookup", lambda p: [p.getrange(self.redis_key(k), 0, header_end) for k in keys])
+        out: list[Optional[int]] = [None] * len(keys)
+        if results is not None:
+            for i, (key, value) in enumerate(zip(keys, results)):
+                if isinstance(value, Exception):
+                    self._count(errors=1)
+                elif value:
+                    out[i] = peek_mask(value, self.fingerprint, key)
+        self._count(lookups=len(keys), lookup_hits=sum(m is not None for m in out))
+        return out
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
+        if not keys:
+            return []
+        results = self._pipeline("get", lambda p: [p.get(self.redis_key(k)) for k in keys])
+        out: list[Optional[bytes]] = [None] * len(keys)
+        bad: list[ChunkKey] = []
+        if results is not None:
+            for i, (key, value) in enumerate(zip(keys, results)):
+                if isinstance(value, Exception):
+                    self._count(errors=1)
+                elif value is not None:
+                    if self._verify(value, key):
+                        out[i] = value
+                    else:
+                        bad.append(key)
+        if bad:
+            logger.warning("kvconnect: remote tier held %d corrupt chunk(s); deleting them", len(bad))
+            self._count(errors=len(bad), corrupt=len(bad))
+            self.delete(bad)
+        hits = [d for d in out if d is not None]
+        self._count(gets=len(keys), get_hits=len(hits), bytes_read=sum(map(len, hits)))
+        return out
+
+    # -- writes ----------------------------------------------------------------------
+    def put(self, items: Sequence[StoreItem]) -> list[bool]:
+        if not items:
+            return []
+        values = [b"".join((item.sealed_header(), item.payload)) for item in items]
+        results = self._pipeline("put", lambda p: [p.set(self.redis_key(it.key), v) for it, v in zip(items, values)])
+        if results is None:
+            return [False] * len(items)
+        ok = [r is True for r in results]
+        self._count(puts=sum(ok), bytes_written=sum(len(v) for v, good in zip(values, ok) if good),
+                    errors=len(ok) - sum(ok))
+        return ok
+
+    def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        results = self._pipeline("delete", lambda p: [p.delete(self.redis_key(k)) for k in keys])
+        if results is None:
+            return [False] * len(keys)
+        out = [r == 1 for r in results]
+        self._count(deletes=sum(out))
+        return out
+
+    def close(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass

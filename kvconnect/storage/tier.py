@@ -1,0 +1,168 @@
+"""The contract of a lower storage tier (disk, remote store, ...) behind the CPU pool.
+
+A tier stores encoded chunks (``chunk_format``: header + checksum + payload) under their
+chunk keys, for one layout fingerprint. Every call is batched and answers per key,
+because in a cache partial success is the normal case. Calls never raise for a failure
+of the medium: a failed read is a miss, a failed write is ``False``, and both are counted
+in ``stats()``. Methods, in the order a caller uses them:
+
+    masks(keys)   -> group mask per key, None where absent (cheap: no payload moves)
+    get(keys)     -> verified encoded chunk per key, None where absent or bad
+                     (a bad entry is deleted from the tier and counted)
+    put(items)    -> True per item written (header + payload; the tier encodes)
+    delete(keys)  -> True per key that was present
+    healthy()     -> False while the tier is known to be failing (callers may skip it)
+    stats()       -> TierStats counters
+    close()       -> release files, sockets, threads
+
+Tiers are thread-safe: the engine's thread reads while a write-behind thread writes.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .. import chunk_format
+from ..chunk_format import ChunkHeader
+from ..errors import CorruptChunkError
+from ..spec import ChunkKey, Fingerprint
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreItem:
+    """One chunk to write: its header (checksum not yet computed) and a view of its payload."""
+
+    key: ChunkKey
+    header: ChunkHeader
+    payload: memoryview
+
+    def sealed_header(self) -> bytes:
+        """The packed header with the checksum over header and payload filled in."""
+        return self.header.pack(chunk_format.compute_checksum(self.header, self.payload))
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier; ``errors`` counts every failure that became a miss or a False."""
+
+    name: str = ""
+    lookups: int = 0
+    lookup_hits: int = 0
+    gets: int = 0
+    get_hits: int = 0
+    bytes_read: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    deletes: int = 0
+    evictions: int = 0
+    errors: int = 0
+    corrupt: int = 0
+    skipped_unhealthy: int = 0
+    entries: int = 0
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class LowerTier(abc.ABC):
+    """Base of every tier below the CPU pool; see the module docstring for the contract."""
+
+    name: str = "tier"
+
+    def __init__(self, fingerprint: Fingerprint) -> None:
+        self.fingerprint = fingerprint
+        self._stats = TierStats(name=self.name)
+        self._stats_lock = threading.Lock()
+
+    @abc.abstractmethod
+    def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]: ...
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]: ...
+
+    @abc.abstractmethod
+    def put(self, items: Sequence[StoreItem]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+
+    def healthy(self) -> bool:
+        return True
+
+    def stats(self) -> TierStats:
+        with self._stats_lock:
+            return dataclasses.replace(self._stats)
+
+    def close(self) -> None:
+        pass
+
+    # -- helpers for implementations --------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _verify(self, data, key: ChunkKey) -> bool:
+        """True when ``data`` is a complete, intact chunk of this layout stored under ``key``."""
+        try:
+            chunk_format.decode(data, fingerprint=self.fingerprint, key=key)
+            return True
+        except CorruptChunkError:
+            return False
+
+
+def peek_mask(data, fingerprint: Fingerprint, key: ChunkKey) -> Optional[int]:
+    """Group mask from the first bytes of an encoded chunk, None unless its identity matches.
+
+    Reads only the fixed header (magic, version, fingerprint, key): the checksum is
+    verified later, when the whole chunk is read.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < chunk_format.FIXED_HEADER_BYTES:
+        return None
+    magic, version, _, fp, chunk_key, start, end, mask, *_ = chunk_format._FIXED.unpack_from(view)
+    if magic != chunk_format.MAGIC or version != chunk_format.FORMAT_VERSION:
+        return None
+    if fp != bytes(fingerprint) or chunk_key != bytes(key) or end < start:
+        return None
+    return int(mask)
+
+
+class Breaker:
+    """Skip a failing tier for a while instead of paying its timeout on every call.
+
+    After a failure the tier is skipped for ``retry_after_s`` (doubling per consecutive
+    failure up to ``max_retry_after_s``); the first call after that probes it again.
+    """
+
+    def __init__(self, retry_after_s: float = 0.5, max_retry_after_s: float = 10.0) -> None:
+        self.retry_after_s = retry_after_s
+        self.max_retry_after_s = max_retry_after_s
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_until = 0.0
+
+    def allow(self) -> bool:
+        with self._lock:
+            return self._failures == 0 or time.monotonic() >= self._open_until
+
+    def success(self) -> None:
+        with self._lock:
+            self._failures = 0
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            backoff = min(self.max_retry_after_s, self.retry_after_s * (2 ** min(self._failures - 1, 16)))
+            self._open_until = time.monotonic() + backoff
+
+    @property
+    def open(self) -> bool:
+        return not self.allow()

@@ -1,0 +1,192 @@
+"""Write-behind: copies committed pool entries into one lower tier on a background thread.
+
+    writer = WriteBehind(tier, pool, max_pending_bytes=...)
+    writer.submit(key)          # engine thread: pin the pool entry and queue it (never blocks)
+    writer.submit_delete(key)   # queue a delete (ordered after earlier puts of the key)
+    writer.flush(timeout_s)     # wait until everything queued so far is written
+    writer.close(timeout_s)     # flush, stop the thread, release what is left
+
+The queue holds pool entries, never copies: the payload stays in its pool slot and the
+thread encodes it (checksum) and hands it to the tier. Up to ``max_pending_bytes`` of queued
+payload is *pinned* (guaranteed to be written; pinned slots cannot be evicted, so this also
+caps how much of the pool a slow tier can hold). Beyond that, up to ``max_queue_items``
+more keys are queued unpinned and written if still in the pool when their turn comes
+(``evicted_before_write`` counts those that were not). Past both bounds a submit is dropped
+and counted (``dropped_full``): a slow tier never blocks the engine's step and never grows
+memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from ..spec import ChunkKey
+from .pool import ChunkPool, PoolEntry
+from .tier import LowerTier, StoreItem
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WriterStats:
+    tier: str = ""
+    submitted: int = 0
+    written: int = 0
+    written_bytes: int = 0
+    failed: int = 0
+    dropped_full: int = 0  # refused at submit: the queue was at both of its bounds
+    evicted_before_write: int = 0  # queued unpinned and gone from the pool when its turn came
+    dropped_closed: int = 0  # still queued when the writer was closed
+    deletes: int = 0
+    pending: int = 0
+    pending_bytes: int = 0
+
+
+@dataclass(eq=False)
+class _Op:
+    kind: str  # "put" | "delete"
+    key: ChunkKey
+    entry: Optional[PoolEntry] = None  # pinned at submit; None: looked up when written
+    pinned_bytes: int = 0  # counted in the writer's pending bytes until the op is done
+
+
+class WriteBehind:
+    def __init__(self, tier: LowerTier, pool: ChunkPool, *, max_pending_bytes: int, max_queue_items: int = 4096,
+                 max_batch_bytes: int = 64 << 20, max_batch_items: int = 64) -> None:
+        self.tier = tier
+        self.pool = pool
+        self.max_pending_bytes = max_pending_bytes
+        self.max_queue_items = max_queue_items
+        self.max_batch_bytes = max_batch_bytes
+        self.max_batch_items = max_batch_items
+        self._queue: "collections.deque[_Op]" = collections.deque()
+        self._cond = threading.Condition()
+        self._pending_bytes = 0  # queued + in flight
+        self._in_flight = 0
+        self._closing = False
+        self._stats = WriterStats(tier=tier.name)
+        self._thread = threading.Thread(target=self._run, name=f"kvconnect-writer-{tier.name}", daemon=True)
+        self._thread.start()
+
+    # -- engine side -----------------------------------------------------------------
+    def submit(self, key: ChunkKey) -> bool:
+        """Queue the pool's current entry for ``key``; False when absent, closed or full."""
+        (entry,) = self.pool.acquire([key])
+        if entry is None:
+            return False
+        size = entry.header.payload_bytes
+        with self._cond:
+            pinned = self._pending_bytes + size <= self.max_pending_bytes
+            accepted = not self._closing and (pinned or len(self._queue) < self.max_queue_items)
+            if accepted:
+                self._queue.append(_Op("put", key, entry, size) if pinned else _Op("put", key))
+                self._pending_bytes += size if pinned else 0
+                self._stats.submitted += 1
+                self._cond.notify()
+            else:
+                self._stats.dropped_full += not self._closing
+        if not (accepted and pinned):
+            self.pool.release([entry])
+        return accepted
+
+    def submit_delete(self, key: ChunkKey) -> bool:
+        with self._cond:
+            if self._closing:
+                return False
+            self._queue.append(_Op("delete", key))
+            self._cond.notify()
+        return True
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until the queue is empty and nothing is in flight; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Flush up to ``timeout_s``, stop the thread, release pins of what was not written."""
+        flushed = self.flush(timeout_s)
+        with self._cond:
+            self._closing = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._stats.dropped_closed += sum(op.kind == "put" for op in left)
+            self._pending_bytes -= sum(op.pinned_bytes for op in left)
+            self._cond.notify_all()
+        self.pool.release([op.entry for op in left if op.entry is not None])
+        self._thread.join(timeout_s)
+        return flushed and not left
+
+    def stats(self) -> WriterStats:
+        with self._cond:
+            s = dataclasses.replace(self._stats)
+            s.pending = len(self._queue) + self._in_flight
+            s.pending_bytes = self._pending_bytes
+            return s
+
+    # -- writer thread ---------------------------------------------------------------
+    def _next_batch(self) -> list[_Op]:
+        """Consecutive ops of one kind, up to the batch bounds (at least one)."""
+        batch = [self._queue.popleft()]
+        size = self.pool.slot_bytes
+        while self._queue and len(batch) < self.max_batch_items:
+            op = self._queue[0]
+            if op.kind != batch[0].kind or size + self.pool.slot_bytes > self.max_batch_bytes:
+                break
+            batch.append(self._queue.popleft())
+            size += self.pool.slot_bytes
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                batch = self._next_batch()
+                self._in_flight = len(batch)
+            try:
+                self._process(batch)
+            except Exception:  # a tier must not raise; if one does, the batch is failed, not the thread
+                logger.exception("kvconnect: %s writer failed a batch", self.tier.name)
+                with self._cond:
+                    self._stats.failed += sum(op.kind == "put" for op in batch)
+            finally:
+                self.pool.release([op.entry for op in batch if op.entry is not None])
+                with self._cond:
+                    self._pending_bytes -= sum(op.pinned_bytes for op in batch)
+                    self._in_flight = 0
+                    self._cond.notify_all()
+
+    def _process(self, batch: list[_Op]) -> None:
+        if batch[0].kind == "delete":
+            self.tier.delete([op.key for op in batch])
+            with self._cond:
+                self._stats.deletes += len(batch)
+            return
+        late = [op for op in batch if op.entry is None]
+        for op, entry in zip(late, self.pool.acquire([op.key for op in late])):
+            op.entry = entry  # pinned now; released with the batch
+        ready = [op for op in batch if op.entry is not None]
+        items = [
+            StoreItem(key=op.key, header=op.entry.header, payload=memoryview(self.pool.entry_view(op.entry).numpy()).cast("B"))
+            for op in ready
+        ]
+        ok = self.tier.put(items) if items else []
+        with self._cond:
+            self._stats.evicted_before_write += len(batch) - len(ready)
+            self._stats.written += sum(ok)
+            self._stats.written_bytes += sum(op.entry.header.payload_bytes for op, good in zip(ready, ok) if good)
+            self._stats.failed += len(ok) - sum(ok)

@@ -1,0 +1,192 @@
+"""The Redis/Valkey tier against real redis-server processes started here (TCP, unix socket,
+three-node cluster), and its failures: killed mid-write and mid-read, restarted, stalled
+beyond the timeout, corrupt values. A failure is a miss and a counted error, never wrong
+bytes, never an exception."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from kvconnect.errors import ConfigError, StorageError
+from kvconnect.storage import redis_tier
+from kvconnect.storage.redis_tier import RedisTier, cluster_nodes, parse_url
+
+import kv_rig
+from redis_server import RedisClusterNodes, RedisNode, redis_available
+from test_disk import FP, OTHER_FP, encoded, key_of, make_item
+
+needs_redis = pytest.mark.skipif(redis_available() is not None, reason=str(redis_available()))
+pytestmark = pytest.mark.redis
+
+HANG_GUARD_S = 20.0  # generous: only catches a call that hangs, says nothing about speed
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    if redis_available() is not None:
+        pytest.skip(redis_available())
+    with RedisNode(tmp_path_factory.mktemp("redis")) as n:
+        yield n
+
+
+@pytest.fixture
+def fresh(node):
+    node.cli("flushall")
+    return node
+
+
+def wait_until(predicate, what: str, timeout_s: float = HANG_GUARD_S):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# -- configuration (no server needed) ------------------------------------------------
+def test_url_forms():
+    assert parse_url("valkey://h:1/0") == ("redis", "redis://h:1/0")
+    assert parse_url("valkeys://h:1") == ("rediss", "rediss://h:1")
+    assert parse_url("unix:///tmp/r.sock?db=2") == ("unix", "unix:///tmp/r.sock?db=2")
+    assert parse_url("valkey-cluster://a:1,b:2")[0] == "redis-cluster"
+    assert cluster_nodes("redis-cluster://u:p%40ss@10.0.0.1:7000,[::1]:7001/") == ([("10.0.0.1", 7000), ("::1", 7001)], "u", "p@ss")
+    for bad in ("lm://h:1", "h:6379", "redis-cluster://", "redis-cluster://host"):
+        with pytest.raises(ConfigError):
+            RedisTier(bad, FP)
+
+
+def test_missing_redis_package_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(StorageError, match="pip install 'kvconnect\\[redis\\]'"):
+        redis_tier._import_redis()
+
+
+def test_store_down_at_start_is_a_miss_not_an_error():
+    tier = RedisTier("redis://127.0.0.1:1/0", FP, timeout_s=0.5)  # nothing listens on port 1
+    assert tier.masks([key_of(1)]) == [None]
+    assert tier.put([make_item(1)]) == [False]
+    assert tier.get([key_of(1)]) == [None]  # the breaker is open now: skipped, not retried
+    s = tier.stats()
+    assert s.errors == 1 and s.skipped_unhealthy == 2 and not tier.healthy()
+
+
+# -- a real server -------------------------------------------------------------------
+@needs_redis
+@pytest.mark.parametrize("via", ["tcp", "unix"])
+def test_round_trip_one_key_per_chunk(fresh, via):
+    tier = RedisTier(fresh.url if via == "tcp" else fresh.unix_url, FP)
+    items = [make_item(i, payload_bytes=10_000 + i, mask=1 + i) for i in range(6)]
+    assert tier.put(items) == [True] * 6
+    keys = [it.key for it in items] + [key_of(77)]
+    assert tier.masks(keys) == [1, 2, 3, 4, 5, 6, None]
+    got = tier.get(keys)
+    assert [bytes(g) for g in got[:-1]] == [encoded(it) for it in items] and got[-1] is None
+    stored = sorted(fresh.cli("--raw", "keys", "*").split())
+    assert stored == sorted(tier.redis_key(k).decode() for k in keys[:-1])
+    assert all(bytes(FP).hex() in k for k in stored)
+    assert RedisTier(fresh.url, OTHER_FP).masks(keys[:2]) == [None, None]  # another layout: other keys
+    assert tier.delete([keys[0], key_of(77)]) == [True, False]
+    assert tier.masks([keys[0]]) == [None]
+    assert tier.stats().errors == 0
+    tier.close()
+
+
+@needs_redis
+def test_corrupt_and_foreign_values_are_misses_and_deleted(fresh):
+    import redis
+
+    tier = RedisTier(fresh.url, FP)
+    tier.put([make_item(i) for i in range(3)])
+    raw = redis.Redis.from_url(fresh.url)
+    bad = bytearray(raw.get(tier.redis_key(key_of(0))))
+    bad[-1] ^= 0x40
+    raw.set(tier.redis_key(key_of(0)), bytes(bad))
+    raw.set(tier.redis_key(key_of(1)), encoded(make_item(1, fp=OTHER_FP)))  # wrong fingerprint inside
+    raw.set(tier.redis_key(key_of(2)), b"garbage")
+    assert tier.masks([key_of(0), key_of(1), key_of(2)]) == [1, None, None]  # header is fine for 0
+    assert tier.get([key_of(0), key_of(1), key_of(2)]) == [None, None, None]
+    assert tier.stats().corrupt == 3
+    assert raw.exists(*[tier.redis_key(key_of(i)) for i in range(3)]) == 0
+    raw.close()
+
+
+@needs_redis
+def test_killed_mid_write_and_mid_read_then_restarted(tmp_path):
+    with RedisNode(tmp_path / "r") as node:
+        tier = RedisTier(node.url, FP, timeout_s=2.0, retry_after_s=0.05, max_retry_after_s=0.2)
+        items = [make_item(i, payload_bytes=1 << 20) for i in range(48)]
+        wanted = {it.key: encoded(it) for it in items}
+        result: dict = {}
+        writer = threading.Thread(target=lambda: result.setdefault("put", tier.put(items)))
+        writer.start()
+        wait_until(lambda: tier.stats().bytes_written or int(node.cli("dbsize") or 0) or not writer.is_alive(), "a write")
+        node.kill()
+        writer.join(HANG_GUARD_S)
+        assert not writer.is_alive()
+        assert len(result["put"]) == 48 and not all(result["put"])  # the kill failed (part of) the batch
+        assert tier.stats().errors >= 1
+        assert tier.get([key_of(0)]) == [None]  # dead store: a miss
+
+        node.start()  # empty: nothing persisted
+        wait_until(lambda: tier.put(items[:4]) == [True] * 4, "reconnect after restart")
+        assert tier.put(items[4:]) == [True] * 44
+
+        reads: list = []
+        reader = threading.Thread(target=lambda: reads.extend(tier.get([it.key for it in items])))
+        reader.start()
+        node.kill()
+        reader.join(HANG_GUARD_S)
+        assert not reader.is_alive() and len(reads) == 48
+        assert all(data is None or bytes(data) == wanted[k] for k, data in zip(wanted, reads))
+
+        node.start()
+        wait_until(lambda: tier.put(items[:1]) == [True], "reconnect after the second restart")
+        assert bytes(tier.get([key_of(0)])[0]) == wanted[key_of(0)]
+        tier.close()
+
+
+@needs_redis
+def test_stalled_store_beyond_timeout_is_a_miss_without_stalling(tmp_path):
+    with RedisNode(tmp_path / "r") as node:
+        layout = kv_rig.mla_layout()
+        eng = kv_rig.make_engine(layout, remote_url=node.url, remote_timeout_s=0.3)
+        n = 3 * kv_rig.CHUNK_TOKENS
+        kv_rig.store_prompt(eng, 1, n)
+        assert eng.storage.flush(HANG_GUARD_S)
+        eng.pool.clear()
+        tier = eng.storage.tiers[0]
+        node.pause()
+        try:
+            t0 = time.monotonic()
+            assert eng.lookup(kv_rig.tokens(1, n)) == 0
+            assert kv_rig.retrieve_prompt(eng, 1, n) == 0
+            kv_rig.store_prompt(eng, 2, n)  # the write-behind absorbs it; the step goes on
+            assert time.monotonic() - t0 < HANG_GUARD_S
+            assert tier.stats().errors >= 1 and not tier.healthy()
+        finally:
+            node.resume()
+        wait_until(lambda: eng.lookup(kv_rig.tokens(1, n)) == n, "the store answering again")
+        assert kv_rig.retrieve_prompt(eng, 1, n) == n
+        eng.close()
+
+
+@needs_redis
+def test_engine_round_trip_through_a_three_node_cluster(tmp_path):
+    with RedisClusterNodes(tmp_path / "cluster") as cluster:
+        layout = kv_rig.mla_layout()
+        eng = kv_rig.make_engine(layout, remote_url=cluster.url)
+        n = 12 * kv_rig.CHUNK_TOKENS + 5
+        assert kv_rig.store_prompt(eng, 3, n) == 12 * kv_rig.CHUNK_TOKENS
+        assert eng.storage.flush(HANG_GUARD_S)
+        per_node = [int(nd.cli("dbsize")) for nd in cluster.nodes]
+        assert sum(per_node) == 12 and sum(c > 0 for c in per_node) >= 2  # spread over the shards
+        eng.pool.clear()
+        assert eng.lookup(kv_rig.tokens(3, n)) == 12 * kv_rig.CHUNK_TOKENS
+        assert kv_rig.retrieve_prompt(eng, 3, n) == 12 * kv_rig.CHUNK_TOKENS
+        eng.close()
+        valkey = kv_rig.make_engine(layout, remote_url=cluster.url.replace("redis-cluster", "valkey-cluster"))
+        assert kv_rig.retrieve_prompt(valkey, 3, n) == 12 * kv_rig.CHUNK_TOKENS
+        valkey.close()
