@@ -45,6 +45,7 @@ from .plan import (
     store_segments,
 )
 from .rows import chunk_bounds
+from .server import close_pool, make_pool
 from .storage import ChunkPool, StorageManager
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,8 @@ class KVCacheEngine:
         self.backend = backend
         self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)
         self.max_chunk_bytes = max_chunk_payload_bytes(layout, self.config.chunk_size)
-        pool_bytes = self.config.max_local_cpu_bytes if self.config.local_cpu else 0
-        pool = ChunkPool(pool_bytes, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device))
+        # a private ChunkPool, or the node cache server's shared pool when server_url is set
+        pool = make_pool(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
         self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config)
         self.stats = EngineStats()
         self._stats_lock = threading.Lock()
@@ -196,7 +197,7 @@ class KVCacheEngine:
     def close(self) -> None:
         """Flush queued lower-tier writes, stop their threads, close the tiers, empty the pool."""
         self.storage.close()
-        self.pool.clear()
+        close_pool(self.pool)
 
 
 def _want_pinned(device: torch.device) -> bool:

@@ -1,0 +1,51 @@
+"""The node-level cache server: one shared CPU pool for every engine process on a node.
+
+    kvconnect server --url ipc:///tmp/kvc.sock --size-gb 8      # once per node
+    KVCONNECT_SERVER_URL=ipc:///tmp/kvc.sock <engine>            # every engine process
+
+Modules, by who runs them:
+- ``protocol``: frame schema, limits, HMAC (both sides).
+- ``shm``: the shared-memory segment (server creates, clients map).
+- ``allocator`` + ``index``: page runs, entries, LRU, per-client pins and leases (server).
+- ``server``: the ZMQ loop (server). ``client``: ``SharedPoolClient``, a ``ChunkPool``
+  look-alike over the shared segment (engine processes).
+
+``make_pool`` is where the engine chooses between the in-process pool and the server.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from ..config import Config
+from ..spec import Fingerprint
+from ..storage.pool import ChunkPool
+
+__all__ = ["make_pool", "close_pool"]
+
+
+def make_pool(config: Config, slot_bytes: int, *, pin_memory: bool, fingerprint: Optional[Fingerprint] = None) -> Union[ChunkPool, "SharedPoolClient"]:  # noqa: F821
+    """The engine's CPU pool: ``SharedPoolClient`` when ``config.server_url`` is set, else a
+    private ``ChunkPool`` of ``config.max_local_cpu_bytes`` (0 when local_cpu is off).
+
+    In server mode the pool size is the server's (``--size-gb``); ``pin_memory`` page-locks
+    the mapping with cudaHostRegister; every call is bounded by ``config.remote_timeout_s``.
+    """
+    if config.server_url:
+        from .client import SharedPoolClient
+
+        return SharedPoolClient(
+            config.server_url, slot_bytes, token=config.server_token, timeout_s=config.remote_timeout_s,
+            pin_memory=pin_memory, fingerprint=fingerprint,
+        )
+    pool_bytes = config.max_local_cpu_bytes if config.local_cpu else 0
+    return ChunkPool(pool_bytes, slot_bytes, pin_memory=pin_memory)
+
+
+def close_pool(pool) -> None:
+    """End an engine's use of its pool: a private pool is emptied; a shared one is left to the
+    other engines (this process's pins and reservations are released, its mapping dropped)."""
+    if isinstance(pool, ChunkPool):
+        pool.clear()
+    else:
+        pool.close()

@@ -1,0 +1,97 @@
+"""One request/reply channel from a client to the cache server, bounded in time.
+
+    channel = Channel(ctx, url, token=token, limits=limits, timeout_s=1.0)
+    status, result = channel.request("masks", [keys], client_id, instance)  # or StorageError
+    channel.post("bye", [], client_id, instance)                            # fire and forget
+    channel.reset()                                                          # after a failure
+    channel.close()
+
+A DEALER socket with IMMEDIATE set (nothing queues towards a server that is not there),
+replies matched to requests by id (a late reply to a request that timed out is skipped),
+every reply authenticated and decoded under the same limits as requests. Not thread-safe,
+like the ZMQ socket under it: the owner serialises calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Optional
+
+import zmq
+
+from ..errors import StorageError
+from . import protocol
+from .protocol import Limits, ProtocolError
+
+_request_ids = itertools.count(1)  # shared by all channels of a process: ids never repeat
+
+
+class Channel:
+    def __init__(self, ctx: zmq.Context, url: str, *, token: Optional[bytes], limits: Limits, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.bad_replies = 0
+        self._ctx = ctx
+        self._token = token
+        self._limits = limits
+        self._sock: Optional[zmq.Socket] = self._open()
+
+    def _open(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes + protocol.TAG_BYTES + 64)
+        sock.connect(self.url)
+        return sock
+
+    def request(self, op: str, args: list, client_id: bytes, instance: Optional[bytes]) -> tuple[int, Any]:
+        """(status, result) of one request; StorageError when it cannot be sent or no reply
+        comes within ``timeout_s`` (the whole call, send included, is bounded by it)."""
+        deadline = time.monotonic() + self.timeout_s
+        request_id = self._send(op, args, client_id, instance, wait=True)
+        sock = self._sock
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                continue
+            frame = sock.recv(zmq.NOBLOCK)
+            try:
+                reply_id, status, result = protocol.check_reply(protocol.open_frame(frame, self._token, self._limits, reply=True))
+            except ProtocolError:
+                self.bad_replies += 1
+                continue
+            if reply_id == request_id:
+                return status, result
+        raise StorageError(f"{op} to {self.url}: no reply within {self.timeout_s} s")
+
+    def post(self, op: str, args: list, client_id: bytes, instance: Optional[bytes]) -> None:
+        """Send without waiting for the reply (best effort: dropped when not connected)."""
+        try:
+            self._send(op, args, client_id, instance, wait=False)
+        except StorageError:
+            pass
+
+    def _send(self, op: str, args: list, client_id: bytes, instance: Optional[bytes], *, wait: bool) -> int:
+        if self._sock is None:
+            raise StorageError("channel closed")
+        request_id = next(_request_ids)
+        frame = protocol.pack_request(op, request_id, client_id, instance, args, self._token)
+        sock = self._sock
+        try:  # with IMMEDIATE, the socket is writable only once the connection is up
+            writable = sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT
+            if not writable and not (wait and sock.poll(max(1, int(self.timeout_s * 1000)), zmq.POLLOUT)):
+                raise StorageError(f"{op}: no connection to {self.url} within {self.timeout_s if wait else 0} s")
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise StorageError(f"cannot send {op} to {self.url}: {exc}") from exc
+        return request_id
+
+    def reset(self) -> None:
+        """A fresh socket: whatever was queued towards a dead or hung server is dropped."""
+        self.close()
+        self._sock = self._open()
+
+    def close(self, linger_ms: int = 0) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=linger_ms)
+            self._sock = None
