@@ -77,6 +77,9 @@ class RedisForBench:
 def bench_tier(name: str, layout: KVLayout, engine: KVCacheEngine, args, rng: np.random.Generator) -> dict:
     num_tokens = args.tokens
     tables = full_block_tables(layout, num_tokens)
+    buffer = getattr(engine.pool, "buffer", None)
+    if buffer is not None:
+        buffer.zero_()  # fault the pool's pages in now: first-touch cost is not a tier's
     lower = name != "pool"
     store_s, step_s, retrieve_s, nbytes, loaded_bytes = [], [], [], 0, 0
     prompts = []

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .. import chunk_format
-from ..errors import StorageError
+from ..chunk_format import ChunkHeader
+from ..errors import CorruptChunkError, StorageError
 from ..spec import ChunkKey, Fingerprint
-from .tier import LowerTier, StoreItem, TierStats
+from .tier import LowerTier, StoreItem, TierStats, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -54,23 +55,63 @@ def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
             view = view[written:]
 
 
-def _read_file(path: str, size_bytes: int) -> bytearray:
-    """The whole file at ``path``; raises OSError, or StorageError when its size changed."""
+def _open_for_read(path: str, size_bytes: int) -> int:
+    """An fd of ``path``; raises OSError, or StorageError when its size is not the indexed one."""
     fd = os.open(path, os.O_RDONLY)
     try:
         actual = os.fstat(fd).st_size
-        if actual != size_bytes:
-            raise StorageError(f"{path} is {actual} bytes, indexed as {size_bytes}")
+    except OSError:
+        os.close(fd)
+        raise
+    if actual != size_bytes:
+        os.close(fd)
+        raise StorageError(f"{path} is {actual} bytes, indexed as {size_bytes}")
+    return fd
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise StorageError("file ended early")
+        view, offset = view[n:], offset + n
+
+
+def _read_file(path: str, size_bytes: int) -> bytearray:
+    """The whole file at ``path``; raises OSError or StorageError."""
+    fd = _open_for_read(path, size_bytes)
+    try:
         buf = bytearray(size_bytes)
-        view = memoryview(buf)
-        while len(view):
-            n = os.readv(fd, [view])
-            if n == 0:
-                raise StorageError(f"{path} ended early")
-            view = view[n:]
+        _pread_into(fd, memoryview(buf), 0)
         return buf
     finally:
         os.close(fd)
+
+
+def _read_file_into(path: str, size_bytes: int, fingerprint: Fingerprint, key: ChunkKey, out: memoryview) -> ChunkHeader:
+    """Read the chunk at ``path``: verified header returned, payload placed in ``out``.
+
+    Raises OSError, StorageError, or CorruptChunkError (``out`` may be partly written).
+    """
+    fd = _open_for_read(path, size_bytes)
+    try:
+        fixed = os.pread(fd, chunk_format.FIXED_HEADER_BYTES, 0)
+        if len(fixed) < chunk_format.FIXED_HEADER_BYTES:
+            raise CorruptChunkError("file is shorter than a chunk header")
+        header_bytes = chunk_format.FIXED_HEADER_BYTES + 8 * int.from_bytes(fixed[64:68], "little")
+        payload_bytes = size_bytes - header_bytes
+        if not 0 <= payload_bytes <= len(out):
+            raise CorruptChunkError(f"payload of {payload_bytes} bytes does not fit a {len(out)}-byte slot")
+        head = bytearray(header_bytes)
+        _pread_into(fd, memoryview(head), 0)
+        header = read_header(head, fingerprint=fingerprint, key=key, payload_bytes=payload_bytes)
+        payload = out[:payload_bytes]
+        _pread_into(fd, payload, header_bytes)
+    finally:
+        os.close(fd)
+    if chunk_format.compute_checksum(header, payload) != header.checksum:
+        raise CorruptChunkError("checksum mismatch")
+    return header
 
 
 def _pid_alive(pid: int) -> bool:
@@ -85,6 +126,7 @@ def _pid_alive(pid: int) -> bool:
 
 class DiskTier(LowerTier):
     name = "disk"
+    reads_into = True  # straight from the file into a pool slot: no intermediate buffer
 
     def __init__(self, root: str, fingerprint: Fingerprint, capacity_bytes: int, *, fsync: bool = False) -> None:
         """Open (creating if needed) the tier at ``root`` and rebuild its index from the files.
@@ -214,6 +256,26 @@ class DiskTier(LowerTier):
             if self._index.get(key) is entry:
                 self._index.move_to_end(key)
         return data
+
+    def read_into(self, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            self._count(gets=1)
+            return None
+        path = self._path(key, entry.mask)
+        try:
+            header = _read_file_into(path, entry.size_bytes, self.fingerprint, key, out)
+        except (OSError, StorageError, CorruptChunkError) as exc:
+            logger.warning("kvconnect: disk tier read of %s failed (%s); dropping it", path, exc)
+            self._forget(key, entry, path)
+            self._count(gets=1, errors=1, corrupt=int(isinstance(exc, CorruptChunkError)))
+            return None
+        with self._lock:
+            if self._index.get(key) is entry:
+                self._index.move_to_end(key)
+        self._count(gets=1, get_hits=1, bytes_read=entry.size_bytes)
+        return header
 
     def _forget(self, key: ChunkKey, entry: _Entry, path: str) -> None:
         """Drop ``entry`` if it is still the indexed one (a concurrent rewrite wins)."""

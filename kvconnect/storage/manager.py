@@ -118,6 +118,13 @@ class StorageManager:
                 break
             if not tier.healthy():
                 continue
+            if tier.reads_into:
+                present = self._call(tier, tier.masks, [keys[i] for i in missing]) or []
+                for i, mask in zip(missing, present):
+                    if mask is not None:
+                        entries[i] = self._promote_into(keys[i], level)
+                missing = [i for i in missing if entries[i] is None]
+                continue
             for start in range(0, len(missing), self._fetch_batch):
                 batch = missing[start : start + self._fetch_batch]
                 fetched = self._call(tier, tier.get, [keys[i] for i in batch])
@@ -144,7 +151,32 @@ class StorageManager:
             return None
         view = self.pool.slot_view(slots[0])[: header.payload_bytes]
         view.numpy()[:] = memoryview(data).cast("B")[header.header_bytes :]
-        self.pool.commit(key, header, slots[0])
+        return self._publish(key, header, slots[0], level)
+
+    def _promote_into(self, key: ChunkKey, level: int) -> Optional[PoolEntry]:
+        """Have tier ``level`` read ``key`` straight into a pool slot; the pinned entry or None."""
+        tier = self.tiers[level]
+        slots = self.pool.reserve(1)
+        if not slots:
+            with self._counter_lock:
+                self.promotion_failures += 1
+            return None
+        out = memoryview(self.pool.slot_view(slots[0]).numpy())
+        try:
+            header = tier.read_into(key, out)
+        except Exception:
+            logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
+            with self._counter_lock:
+                self.tier_failures += 1
+            header = None
+        if header is None:
+            self.pool.abort(slots)
+            return None
+        return self._publish(key, header, slots[0], level)
+
+    def _publish(self, key: ChunkKey, header: chunk_format.ChunkHeader, slot: int, level: int) -> Optional[PoolEntry]:
+        """Commit a promoted chunk, pin it for the caller, queue it for the tiers above ``level``."""
+        self.pool.commit(key, header, slot)
         (entry,) = self.pool.acquire([key])  # None only if evicted in between: a miss
         for writer in self.writers[:level]:
             writer.submit(key)

@@ -40,6 +40,7 @@ from .tier import Breaker, LowerTier, StoreItem, peek_mask
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"kvconnect:"
+SOCKET_READ_BYTES = 1 << 20  # chunks are MBs: fewer, larger reads than the 32 KB default
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
 _SINGLE = ("redis", "rediss", "unix")
 _CLUSTER = ("redis-cluster", "rediss-cluster")
@@ -121,7 +122,7 @@ class RedisTier(LowerTier):
     def _connect(self) -> Any:
         r = self._redis
         no_retry = r.retry.Retry(r.backoff.NoBackoff(), 0)
-        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
+        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, socket_read_size=SOCKET_READ_BYTES)
         if not self.is_cluster:
             return r.Redis.from_url(self.url, retry=no_retry, **common)
         nodes, username, password = cluster_nodes(self.url)

@@ -9,6 +9,9 @@ in ``stats()``. Methods, in the order a caller uses them:
     masks(keys)   -> group mask per key, None where absent (cheap: no payload moves)
     get(keys)     -> verified encoded chunk per key, None where absent or bad
                      (a bad entry is deleted from the tier and counted)
+    read_into(key, out) -> verified header, payload written into ``out`` (e.g. a pool
+                     slot), or None; tiers that can do so without an extra copy set
+                     ``reads_into = True`` (the default copies from ``get``)
     put(items)    -> True per item written (header + payload; the tier encodes)
     delete(keys)  -> True per key that was present
     healthy()     -> False while the tier is known to be failing (callers may skip it)
@@ -26,6 +29,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+import numpy as np
 
 from .. import chunk_format
 from ..chunk_format import ChunkHeader
@@ -75,6 +80,7 @@ class LowerTier(abc.ABC):
     """Base of every tier below the CPU pool; see the module docstring for the contract."""
 
     name: str = "tier"
+    reads_into: bool = False
 
     def __init__(self, fingerprint: Fingerprint) -> None:
         self.fingerprint = fingerprint
@@ -92,6 +98,21 @@ class LowerTier(abc.ABC):
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+
+    def read_into(self, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
+        """Verified header of ``key``'s chunk with its payload copied into ``out``; None on a miss.
+
+        ``out`` may be partly written on a miss: the caller must not use it then.
+        """
+        (data,) = self.get([key])
+        if data is None:
+            return None
+        header = chunk_format.decode_header(data)
+        if header.payload_bytes > len(out):
+            self._count(errors=1, corrupt=1)
+            return None
+        out[: header.payload_bytes] = memoryview(data).cast("B")[header.header_bytes :]
+        return header
 
     def healthy(self) -> bool:
         return True
@@ -133,6 +154,32 @@ def peek_mask(data, fingerprint: Fingerprint, key: ChunkKey) -> Optional[int]:
     if fp != bytes(fingerprint) or chunk_key != bytes(key) or end < start:
         return None
     return int(mask)
+
+
+def read_header(view, *, fingerprint: Fingerprint, key: ChunkKey, payload_bytes: int) -> ChunkHeader:
+    """The header of a chunk whose payload (``payload_bytes`` long) is held apart from it.
+
+    ``view`` is exactly the header's bytes. Checks magic, version, sizes and identity, the
+    same checks as ``chunk_format.decode`` short of the checksum: the caller verifies it
+    with ``chunk_format.compute_checksum(header, payload)`` once the payload is read.
+    Raises CorruptChunkError.
+    """
+    view = memoryview(view).cast("B")
+    if len(view) < chunk_format.FIXED_HEADER_BYTES:
+        raise CorruptChunkError(f"header of {len(view)} bytes is too short")
+    # The fixed layout is chunk_format's (its module docstring gives the offsets).
+    magic, version, _, fp, chunk_key, start, end, mask, num_planes, _, size, checksum = chunk_format._FIXED.unpack_from(view)
+    if magic != chunk_format.MAGIC or version != chunk_format.FORMAT_VERSION:
+        raise CorruptChunkError(f"bad magic {magic!r} or format version {version}")
+    if len(view) != chunk_format.FIXED_HEADER_BYTES + 8 * num_planes or size != payload_bytes or end < start:
+        raise CorruptChunkError("header sizes do not match the chunk")
+    if fp != bytes(fingerprint) or chunk_key != bytes(key):
+        raise CorruptChunkError("chunk belongs to another layout or key")
+    rows = np.frombuffer(view[chunk_format.FIXED_HEADER_BYTES :], dtype="<u4").reshape(-1, 2)
+    return ChunkHeader(
+        fingerprint=Fingerprint(fp), key=ChunkKey(chunk_key), token_start=start, token_end=end, group_mask=mask,
+        plane_rows=tuple((int(a), int(n)) for a, n in rows), payload_bytes=size, checksum=checksum,
+    )
 
 
 class Breaker:

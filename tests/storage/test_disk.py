@@ -161,6 +161,30 @@ def test_damaged_file_is_a_counted_miss_and_removed(tmp_path, damage):
         path.write_bytes(bytes(data))  # damage again for the reopened tier
 
 
+@pytest.mark.parametrize("damage", ["none", "flip_payload", "flip_plane_count", "truncate", "too_big_for_slot"])
+def test_read_into_a_slot_verifies_before_use(tmp_path, damage):
+    tier = DiskTier(str(tmp_path), FP, 1 << 20)
+    item = make_item(3, payload_bytes=5000 if damage == "too_big_for_slot" else 4096)
+    tier.put([item])
+    path = chunk_files(tier)[key_of(3)]
+    data = bytearray(path.read_bytes())
+    if damage == "flip_payload":
+        data[-7] ^= 0x10
+    elif damage == "flip_plane_count":
+        data[64] ^= 0x7F
+    elif damage == "truncate":
+        data = data[:-10]
+    path.write_bytes(bytes(data))
+    slot = bytearray(4096 + 64)
+    header = tier.read_into(key_of(3), memoryview(slot))
+    if damage == "none":
+        assert header == chunk_format.decode_header(encoded(item))
+        assert bytes(slot[:4096]) == bytes(item.payload) and not any(slot[4096:])
+        assert tier.stats().get_hits == 1
+    else:
+        assert header is None and not path.exists() and tier.stats().errors == 1
+
+
 def test_file_deleted_after_indexing_is_a_miss(tmp_path):
     tier = DiskTier(str(tmp_path), FP, 1 << 20)
     tier.put([make_item(1), make_item(2)])
@@ -200,8 +224,9 @@ def test_read_permission_error_is_a_miss(tmp_path, monkeypatch):
     def denied(path, size_bytes):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    monkeypatch.setattr(disk_mod, "_read_file", denied)
-    assert tier.get([key_of(1), key_of(2)]) == [None, None]
+    monkeypatch.setattr(disk_mod, "_open_for_read", denied)
+    assert tier.get([key_of(1)]) == [None]
+    assert tier.read_into(key_of(2), memoryview(bytearray(8192))) is None
     assert tier.stats().errors == 2 and len(tier) == 0
 
 
