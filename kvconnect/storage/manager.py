@@ -83,7 +83,7 @@ class StorageManager:
         self._counter_lock = threading.Lock()
         self.tiers = list(tiers)
         if max_pending_write_bytes is None:
-            pool_bytes = pool.num_slots * pool.slot_bytes
+            pool_bytes = pool.num_slots * pool.slot_bytes or 4 * MAX_PENDING_WRITE_BYTES  # 0: size not known yet
             max_pending_write_bytes = max(pool.slot_bytes, min(MAX_PENDING_WRITE_BYTES, pool_bytes // 4))
         self.writers = [
             WriteBehind(t, pool, max_pending_bytes=max_pending_write_bytes, max_queue_items=max_queued_writes)
