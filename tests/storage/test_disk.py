@@ -335,3 +335,21 @@ def test_engine_serves_through_disk_corruption(tmp_path):
     assert kv_rig.retrieve_prompt(eng, 2, n) == 2 * kv_rig.CHUNK_TOKENS  # stops before the bad chunk
     assert not path.exists() and eng.storage.tiers[0].stats().corrupt == 1
     eng.close()
+
+
+def test_engine_with_a_disk_smaller_than_its_prompts_keeps_serving(tmp_path):
+    layout = kv_rig.mla_layout()
+    chunk_file_bytes = 2 * kv_rig.CHUNK_TOKENS * 1152 + chunk_format.FIXED_HEADER_BYTES + 16
+    eng = kv_rig.make_engine(layout, local_disk=str(tmp_path), max_local_disk_size=3.5 * chunk_file_bytes / 2**30)
+    a, b = 2 * kv_rig.CHUNK_TOKENS, 3 * kv_rig.CHUNK_TOKENS
+    kv_rig.store_prompt(eng, 5, a)
+    eng.storage.flush(30)
+    kv_rig.store_prompt(eng, 6, b, offset=20)
+    eng.storage.flush(30)
+    disk = eng.storage.tiers[0]
+    assert len(disk) == 3 and disk.stats().evictions == 2 and disk.stats().used_bytes == 3 * chunk_file_bytes
+    eng.pool.clear()
+    assert eng.lookup(kv_rig.tokens(5, a)) == 0  # evicted from disk: a miss, recomputed
+    assert kv_rig.retrieve_prompt(eng, 5, a) == 0
+    assert kv_rig.retrieve_prompt(eng, 6, b) == b
+    eng.close()
