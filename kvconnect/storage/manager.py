@@ -112,6 +112,16 @@ class StorageManager:
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[Optional[PoolEntry]]:
         entries = self.pool.acquire(keys)
+        try:
+            self._promote_missing(keys, entries)
+        except Exception:  # a bug below the pool must not leak pins or reach the engine
+            logger.exception("kvconnect: promotion from lower tiers failed; serving what was found")
+            with self._counter_lock:
+                self.tier_failures += 1
+        return entries
+
+    def _promote_missing(self, keys: Sequence[ChunkKey], entries: list[Optional[PoolEntry]]) -> None:
+        """Fill the None entries from the lower tiers, fastest first, in place."""
         missing = [i for i, e in enumerate(entries) if e is None]
         for level, tier in enumerate(self.tiers):
             if not missing:
@@ -132,7 +142,6 @@ class StorageManager:
                     if data is not None:
                         entries[i] = self._promote(keys[i], data, level)
             missing = [i for i in missing if entries[i] is None]
-        return entries
 
     def _promote(self, key: ChunkKey, data, level: int) -> Optional[PoolEntry]:
         """Copy a chunk verified by tier ``level`` into the pool; the pinned entry or None."""

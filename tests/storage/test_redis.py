@@ -116,17 +116,23 @@ def test_corrupt_and_foreign_values_are_misses_and_deleted(fresh):
 @needs_redis
 def test_killed_mid_write_and_mid_read_then_restarted(tmp_path):
     with RedisNode(tmp_path / "r") as node:
-        tier = RedisTier(node.url, FP, timeout_s=2.0, retry_after_s=0.05, max_retry_after_s=0.2)
+        tier = RedisTier(node.url, FP, timeout_s=5.0, retry_after_s=0.05, max_retry_after_s=0.2)
         items = [make_item(i, payload_bytes=1 << 20) for i in range(48)]
         wanted = {it.key: encoded(it) for it in items}
+        assert tier.put(items[:1]) == [True]  # connected
+
+        # Mid-write: the server stops reading (SIGSTOP) so the 48 MB pipeline is in flight,
+        # blocked on full socket buffers, when the server is killed.
         result: dict = {}
+        node.pause()
         writer = threading.Thread(target=lambda: result.setdefault("put", tier.put(items)))
         writer.start()
-        wait_until(lambda: tier.stats().bytes_written or int(node.cli("dbsize") or 0) or not writer.is_alive(), "a write")
+        wait_until(lambda: tier.stats().puts == 1 and writer.is_alive(), "the write to start")
+        time.sleep(0.2)  # let the pipeline fill the socket buffers (any timing gives a failed put)
         node.kill()
         writer.join(HANG_GUARD_S)
         assert not writer.is_alive()
-        assert len(result["put"]) == 48 and not all(result["put"])  # the kill failed (part of) the batch
+        assert result["put"] == [False] * 48  # the whole batch failed, nothing raised
         assert tier.stats().errors >= 1
         assert tier.get([key_of(0)]) == [None]  # dead store: a miss
 
@@ -134,7 +140,19 @@ def test_killed_mid_write_and_mid_read_then_restarted(tmp_path):
         wait_until(lambda: tier.put(items[:4]) == [True] * 4, "reconnect after restart")
         assert tier.put(items[4:]) == [True] * 44
 
+        # Mid-read: the GETs are sent, the server stalls before answering, then dies.
         reads: list = []
+        node.pause()
+        reader = threading.Thread(target=lambda: reads.extend(tier.get([it.key for it in items])))
+        reader.start()
+        time.sleep(0.2)
+        node.kill()
+        reader.join(HANG_GUARD_S)
+        assert not reader.is_alive() and reads == [None] * 48
+        # And a kill while the replies stream: every value is a miss or exact, never mixed.
+        node.start()
+        wait_until(lambda: tier.put(items) == [True] * 48, "reconnect after the second restart")
+        reads.clear()
         reader = threading.Thread(target=lambda: reads.extend(tier.get([it.key for it in items])))
         reader.start()
         node.kill()
@@ -143,7 +161,7 @@ def test_killed_mid_write_and_mid_read_then_restarted(tmp_path):
         assert all(data is None or bytes(data) == wanted[k] for k, data in zip(wanted, reads))
 
         node.start()
-        wait_until(lambda: tier.put(items[:1]) == [True], "reconnect after the second restart")
+        wait_until(lambda: tier.put(items[:1]) == [True], "reconnect after the third restart")
         assert bytes(tier.get([key_of(0)])[0]) == wanted[key_of(0)]
         tier.close()
 
