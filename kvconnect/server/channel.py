@@ -52,9 +52,11 @@ class Channel:
         request_id = self._send(op, args, client_id, instance, wait=True)
         sock = self._sock
         while (remaining := deadline - time.monotonic()) > 0:
-            if not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+            sock.setsockopt(zmq.RCVTIMEO, max(1, int(remaining * 1000)))
+            try:  # a blocking receive with a timeout: cheaper than poll + receive
+                frame = sock.recv()
+            except zmq.Again:
                 continue
-            frame = sock.recv(zmq.NOBLOCK)
             try:
                 reply_id, status, result = protocol.check_reply(protocol.open_frame(frame, self._token, self._limits, reply=True))
             except ProtocolError:
@@ -64,12 +66,14 @@ class Channel:
                 return status, result
         raise StorageError(f"{op} to {self.url}: no reply within {self.timeout_s} s")
 
-    def post(self, op: str, args: list, client_id: bytes, instance: Optional[bytes]) -> None:
-        """Send without waiting for the reply (best effort: dropped when not connected)."""
+    def post(self, op: str, args: list, client_id: bytes, instance: Optional[bytes]) -> bool:
+        """Send without waiting for the reply; False when it cannot be sent right now (not
+        connected, or the send queue is full). The reply is skipped by a later ``request``."""
         try:
             self._send(op, args, client_id, instance, wait=False)
         except StorageError:
-            pass
+            return False
+        return True
 
     def _send(self, op: str, args: list, client_id: bytes, instance: Optional[bytes], *, wait: bool) -> int:
         if self._sock is None:
@@ -78,10 +82,12 @@ class Channel:
         frame = protocol.pack_request(op, request_id, client_id, instance, args, self._token)
         sock = self._sock
         try:  # with IMMEDIATE, the socket is writable only once the connection is up
-            writable = sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT
-            if not writable and not (wait and sock.poll(max(1, int(self.timeout_s * 1000)), zmq.POLLOUT)):
-                raise StorageError(f"{op}: no connection to {self.url} within {self.timeout_s if wait else 0} s")
-            sock.send(frame, zmq.NOBLOCK)
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                if not (wait and sock.poll(max(1, int(self.timeout_s * 1000)), zmq.POLLOUT)):
+                    raise StorageError(f"{op}: no connection to {self.url} within {self.timeout_s if wait else 0} s") from None
+                sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise StorageError(f"cannot send {op} to {self.url}: {exc}") from exc
         return request_id

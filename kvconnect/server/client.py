@@ -107,6 +107,7 @@ class SharedPoolClient:
         self._pins: Counter = Counter()  # entry_id -> pins the engine holds (this incarnation)
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self.prefaulted = threading.Event()  # set once the mapping's pages are all faulted in
         self._beat = self._channel()  # hello and heartbeats: __init__, then the keeper thread only
         self._try_connect()  # synchronously once, so the first store can already use the server
         self._keeper = threading.Thread(target=self._keep, name="kvconnect-server-client", daemon=True)
@@ -197,7 +198,12 @@ class SharedPoolClient:
         return slots
 
     def commit(self, key: ChunkKey, header: ChunkHeader, slot: int) -> SharedEntry:
-        """Publish a written slot under ``key`` (dropped, counted, when the server is gone)."""
+        """Publish a written slot under ``key`` (dropped, counted, when the server is gone).
+
+        Sent without waiting for the reply: other processes see the entry once the server
+        has read it (microseconds later), this one on its next call. The returned entry
+        has no server id (``entry_id`` -1) and is not pinned, like ``ChunkPool.commit``'s.
+        """
         if header.payload_bytes > self.slot_bytes:
             raise ValueError(f"payload of {header.payload_bytes} bytes exceeds the {self.slot_bytes}-byte slot")
         with self._lock:
@@ -208,7 +214,13 @@ class SharedPoolClient:
         if not owned:
             self.counters["dropped_commits"] += 1
             return entry
-        result = self._call("commit", [bytes(key), protocol.header_to_wire(header), slot], incarnation)
+        args = [bytes(key), protocol.header_to_wire(header), slot]
+        with self._lock:  # no wait for the reply: the server reads requests in order, so this
+            # client's next call already sees the entry; a refused commit frees its run there
+            if self._connected and incarnation == self._incarnation and self._main.post("commit", args, self._client_id, self._instance):
+                entry.live = True
+                return entry
+        result = self._call("commit", args, incarnation)  # queue full or disconnected: ask and wait
         if result is _FAILED or not _is_list(result, 1) or type(result[0]) is not int:
             self._bad_reply(result)
             self.counters["dropped_commits"] += 1
@@ -359,8 +371,11 @@ class SharedPoolClient:
                 self._segment = segment
                 self._registered = self._pin_memory and register_host_memory(segment.buffer)
                 self.buffer = segment.buffer
-                if not self._registered:  # registration already faulted every page in
-                    threading.Thread(target=segment.prefault, args=(self._stop,), name="kvconnect-prefault", daemon=True).start()
+                self.prefaulted.clear()
+                if self._registered:  # registration already faulted every page in
+                    self.prefaulted.set()
+                else:
+                    threading.Thread(target=self._prefault, args=(segment,), name="kvconnect-prefault", daemon=True).start()
             self._page_bytes, self._num_pages = info.page_bytes, info.num_pages
             self._run_pages = -(-self.slot_bytes // info.page_bytes)
             self.num_slots = info.num_pages // self._run_pages
@@ -404,6 +419,12 @@ class SharedPoolClient:
                 self._wake.wait(backoff_s)
                 self._wake.clear()
                 backoff_s = min(backoff_s * 2, 2.0)
+
+    def _prefault(self, segment: Segment) -> None:
+        try:
+            segment.prefault(self._stop)
+        finally:
+            self.prefaulted.set()
 
     def _drop_segment(self) -> None:
         if self._segment is None:

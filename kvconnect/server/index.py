@@ -183,16 +183,24 @@ class CacheIndex:
         return slots, inside
 
     def commit(self, state: ClientState, key: bytes, header: list, first_page: int) -> int:
-        """Publish a reserved run under ``key``; returns the new entry id."""
+        """Publish a reserved run under ``key``; returns the new entry id.
+
+        A refused commit of a reserved run gives the run back: the client has let go of
+        that slot either way (commits may be sent without waiting for the reply).
+        """
         if first_page not in state.reserved:
             raise RequestError(f"slot {first_page} is not reserved by this client")
+        problem = None
         if header[1] != key:
-            raise RequestError("header key differs from the key committed")
-        if state.fingerprint is not None and header[0] != state.fingerprint:
-            raise RequestError("header fingerprint differs from the client's layout")
-        if header[6] > state.slot_bytes:
-            raise RequestError(f"payload of {header[6]} bytes exceeds the client's {state.slot_bytes}-byte slot")
+            problem = "header key differs from the key committed"
+        elif state.fingerprint is not None and header[0] != state.fingerprint:
+            problem = "header fingerprint differs from the client's layout"
+        elif header[6] > state.slot_bytes:
+            problem = f"payload of {header[6]} bytes exceeds the client's {state.slot_bytes}-byte slot"
         state.reserved.discard(first_page)
+        if problem is not None:
+            self.allocator.free(first_page, state.run_pages)
+            raise RequestError(problem)
         old = self.entries.get(key)
         if old is not None:
             self._kill(old)

@@ -161,15 +161,18 @@ def test_commit_checks_ownership_key_fingerprint_and_size():
     (slot,), _ = index.reserve(a, 1)
     with pytest.raises(RequestError, match="not reserved"):
         index.commit(b, key(1), header(key(1), 10), slot)
-    with pytest.raises(RequestError, match="key"):
-        index.commit(a, key(1), header(key(2), 10), slot)
-    with pytest.raises(RequestError, match="fingerprint"):
-        index.commit(a, key(1), header(key(1), 10, FP_B), slot)
-    with pytest.raises(RequestError, match="exceeds"):
-        index.commit(a, key(1), header(key(1), PAGE + 1), slot)
+    assert slot in a.reserved  # another client's attempt changes nothing
+    for bad, reason in ((header(key(2), 10), "key"), (header(key(1), 10, FP_B), "fingerprint"),
+                        (header(key(1), PAGE + 1), "exceeds")):
+        (slot,), _ = index.reserve(a, 1) if slot not in a.reserved else ((slot,), [])
+        with pytest.raises(RequestError, match=reason):
+            index.commit(a, key(1), bad, slot)
+        assert slot not in a.reserved and stats(index)["used_pages"] == 0  # a refused commit gives the run back
+    (slot,), _ = index.reserve(a, 1)
     index.commit(a, key(1), header(key(1), PAGE), slot)
     with pytest.raises(RequestError, match="not reserved"):  # a slot commits once
         index.commit(a, key(2), header(key(2), PAGE), slot)
+    assert stats(index)["used_pages"] == 1 and index.masks([key(1)]) == [1]
 
 
 def test_release_of_pins_not_held_is_ignored():
