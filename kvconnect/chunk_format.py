@@ -84,9 +84,11 @@ def decode_header(data) -> ChunkHeader:
     view = memoryview(data).cast("B")
     if len(view) < FIXED_HEADER_BYTES:
         raise CorruptChunkError(f"chunk of {len(view)} bytes is shorter than its header")
-    magic, version, _, fp, key, start, end, mask, num_planes, _, payload_bytes, checksum = _FIXED.unpack_from(view)
+    magic, version, reserved0, fp, key, start, end, mask, num_planes, reserved1, payload_bytes, checksum = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise CorruptChunkError(f"bad magic {magic!r}")
+    if reserved0 or reserved1:  # the checksum re-packs them as 0, so it cannot see a flip here
+        raise CorruptChunkError("reserved header fields are not 0")
     if version != FORMAT_VERSION:
         raise CorruptChunkError(f"format version {version}, this build reads {FORMAT_VERSION}")
     if num_planes > 1 << 20 or end < start:

@@ -120,7 +120,13 @@ class KVCacheEngine:
         existing = self.storage.masks([p.chunk.key for p in plans])
         todo = [p for p, m in zip(plans, existing) if m is None or (m | p.group_mask) != m]
         done_tokens = sum(p.chunk.end - p.chunk.start for p, m in zip(plans, existing) if m is not None and (m | p.group_mask) == m)
-        slots = self.storage.reserve(len(todo))
+        # pin the chunks of this prompt already in the pool while making room: LRU eviction
+        # must not drop the prompt's own prefix to store its suffix
+        held = self.pool.acquire([p.chunk.key for p, m in zip(plans, existing) if m is not None]) if todo else []
+        try:
+            slots = self.storage.reserve(len(todo))
+        finally:
+            self.pool.release(held)
         writes = todo[: len(slots)]
         if writes:
             builder = store_segments(self.layout, writes, [self.pool.slot_offset(s) for s in slots])

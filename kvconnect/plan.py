@@ -94,7 +94,7 @@ class BlockTables:
     @classmethod
     def of(cls, layout: KVLayout, block_ids) -> "BlockTables":
         groups = layout.num_groups
-        if isinstance(block_ids, torch.Tensor) and block_ids.dim() == 1 and groups == 1:
+        if isinstance(block_ids, (torch.Tensor, np.ndarray)) and block_ids.ndim == 1 and groups == 1:
             block_ids = [block_ids]
         elif isinstance(block_ids, (list, tuple)) and groups == 1 and (not block_ids or isinstance(block_ids[0], (int, np.integer))):
             block_ids = [block_ids]
@@ -281,6 +281,10 @@ def retrieve_segments(
             raise CorruptChunkError(f"chunk {chunk.index} has {len(header.plane_rows)} planes, layout has {len(layout.planes)}")
         stored = np.asarray(header.plane_rows, np.int64).reshape(-1, 2)
         first, count = stored[:, 0], stored[:, 1]
+        # the checksum proves integrity, not consistency: rows claimed beyond the payload
+        # would read stale slot bytes as KV
+        if int((count * arrays.row_bytes).sum()) != header.payload_bytes:
+            raise CorruptChunkError(f"chunk {chunk.index}: its plane rows do not add up to its {header.payload_bytes}-byte payload")
         stored_off = np.cumsum(count * arrays.row_bytes) - count * arrays.row_bytes
         need_lo = np.array([lo for lo, _ in need], np.int64)[arrays.group]
         need_hi = np.array([hi for _, hi in need], np.int64)[arrays.group]

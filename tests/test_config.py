@@ -1,0 +1,144 @@
+"""Config: LMCache-compatible environment variables, a YAML file, adapter mappings, and
+errors that name the variable at fault."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvconnect import Config, ConfigError
+from kvconnect.config import GB
+
+
+def test_defaults():
+    c = Config.from_env({})
+    assert c == Config()
+    assert (c.chunk_size, c.local_cpu, c.max_local_cpu_size, c.save_unfull_chunk) == (256, True, 5.0, False)
+    assert c.local_disk is None and c.remote_url is None and c.model_name == ""
+    assert c.num_threads >= 1 and c.max_local_cpu_bytes == 5 * GB
+
+
+def test_environment_variables():
+    env = {
+        "LMCACHE_CHUNK_SIZE": " 512 ",
+        "LMCACHE_LOCAL_CPU": "False",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5",
+        "LMCACHE_LOCAL_DISK": "file:///tmp/kvc-disk",
+        "LMCACHE_MAX_LOCAL_DISK_SIZE": "20",
+        "LMCACHE_REMOTE_URL": "redis://127.0.0.1:6379",
+        "LMCACHE_SAVE_UNFULL_CHUNK": "yes",
+        "KVCONNECT_NUM_THREADS": "3",
+        "KVCONNECT_MODEL_NAME": "deepseek-v4-flash",
+        "KVCONNECT_REMOTE_TIMEOUT_S": "0.25",
+        "LMCACHE_SOMETHING_WE_DO_NOT_USE": "whatever",  # LMCache has many; ignored
+        "PATH": "/usr/bin",
+    }
+    c = Config.from_env(env)
+    assert c.chunk_size == 512 and c.local_cpu is False and c.max_local_cpu_size == 0.5
+    assert c.max_local_cpu_bytes == GB // 2
+    assert c.local_disk == "/tmp/kvc-disk" and c.max_local_disk_bytes == 20 * GB
+    assert c.remote_url == "redis://127.0.0.1:6379" and c.save_unfull_chunk is True
+    assert (c.num_threads, c.model_name, c.remote_timeout_s) == (3, "deepseek-v4-flash", 0.25)
+
+
+@pytest.mark.parametrize("text,value", [("1", True), ("TRUE", True), ("on", True), ("Yes", True), ("0", False),
+                                        ("false", False), ("OFF", False), ("no", False), ("", False)])
+def test_boolean_spellings(text, value):
+    assert Config.from_env({"LMCACHE_SAVE_UNFULL_CHUNK": text}).save_unfull_chunk is value
+
+
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("LMCACHE_CHUNK_SIZE", "abc"),
+        ("LMCACHE_CHUNK_SIZE", "0"),
+        ("LMCACHE_CHUNK_SIZE", "-256"),
+        ("LMCACHE_CHUNK_SIZE", "25.5"),
+        ("LMCACHE_LOCAL_CPU", "maybe"),
+        ("LMCACHE_MAX_LOCAL_CPU_SIZE", "five"),
+        ("LMCACHE_MAX_LOCAL_CPU_SIZE", "-1"),
+        ("LMCACHE_MAX_LOCAL_DISK_SIZE", "-0.5"),
+        ("KVCONNECT_NUM_THREADS", "0"),
+        ("KVCONNECT_NUM_THREADS", "many"),
+        ("KVCONNECT_REMOTE_TIMEOUT_S", "0"),
+        ("LMCACHE_SAVE_UNFULL_CHUNK", "2"),
+    ],
+)
+def test_bad_values_name_the_variable(var, value):
+    with pytest.raises(ConfigError, match=var):
+        Config.from_env({var: value})
+
+
+def test_yaml_file_and_env_precedence(tmp_path):
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(
+        "chunk_size: 128\n"
+        "local_cpu: true\n"
+        "max_local_cpu_size: 2\n"
+        "save_unfull_chunk: true\n"
+        "local_disk: file:///var/cache/kvc\n"
+        "remote_serde: naive   # an LMCache key kvconnect has no use for\n"
+    )
+    c = Config.from_env({"LMCACHE_CONFIG_FILE": str(path)})
+    assert (c.chunk_size, c.max_local_cpu_size, c.save_unfull_chunk, c.local_disk) == (128, 2.0, True, "/var/cache/kvc")
+    c = Config.from_env({"LMCACHE_CONFIG_FILE": str(path), "LMCACHE_CHUNK_SIZE": "64"})
+    assert c.chunk_size == 64 and c.max_local_cpu_size == 2.0  # the environment wins over the file
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("chunk_size: [1, 2\n", "not valid YAML"),
+        ("- 1\n- 2\n", "mapping"),
+        ("chunk_size: abc\n", "chunk_size"),
+        ("local_cpu: sometimes\n", "local_cpu"),
+    ],
+)
+def test_bad_yaml_names_the_file_or_key(tmp_path, content, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=match) as info:
+        Config.from_env({"LMCACHE_CONFIG_FILE": str(path)})
+    assert "bad.yaml" in str(info.value) or "LMCACHE_CONFIG_FILE" in str(info.value)
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="LMCACHE_CONFIG_FILE"):
+        Config.from_env({"LMCACHE_CONFIG_FILE": str(tmp_path / "absent.yaml")})
+
+
+def test_empty_yaml_file_is_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert Config.from_env({"LMCACHE_CONFIG_FILE": str(path)}) == Config.from_env({})
+
+
+def test_from_dict_for_adapters():
+    """vLLM's kv_connector_extra_config passes the same keys, in YAML or env spelling."""
+    base = Config(num_threads=2)
+    c = Config.from_dict({"chunk_size": 64, "lmcache_save_unfull_chunk": "true", "KVCONNECT_MODEL_NAME": "m"}, base=base)
+    assert (c.chunk_size, c.save_unfull_chunk, c.model_name, c.num_threads) == (64, True, "m", 2)
+    with pytest.raises(ConfigError, match="chunk_size"):
+        Config.from_dict({"chunk_size": 1.5})
+    assert Config.from_dict({"remote_url": None}).remote_url is None
+    assert Config.from_dict({"local_disk": ""}).local_disk is None
+
+
+def test_reads_the_process_environment(clean_env, monkeypatch):
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "1024")
+    monkeypatch.setenv("KVCONNECT_NUM_THREADS", "5")
+    c = Config.from_env()
+    assert c.chunk_size == 1024 and c.num_threads == 5
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "zero")
+    with pytest.raises(ConfigError, match="LMCACHE_CHUNK_SIZE"):
+        Config.from_env()
+
+
+def test_config_is_frozen_and_validated_directly():
+    c = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.chunk_size = 1  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="LMCACHE_CHUNK_SIZE"):
+        Config(chunk_size=0)
+    assert Config(local_disk="file:///x").local_disk == "/x"

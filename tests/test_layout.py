@@ -1,0 +1,213 @@
+"""KVLayout.from_tensors: plane splitting, byte geometry, detection, fingerprint, errors.
+
+Plane addresses are checked against the engine-native tensors themselves: for every plane
+the address kvconnect computes for (block, row) must be the ``data_ptr`` of the engine's
+own ``t[k, block, row]`` (or equivalent) view, with ``row_bytes`` contiguous bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import zoo
+from kvconnect import DCPSpec, GroupKind, GroupSpec, KVLayout, LayoutError
+from kvconnect.transfer.tables import plane_table
+
+NAMES = list(zoo.ZOO)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plane_addresses_match_engine_indexing(name, rng):
+    case = zoo.build(name, max_tokens=300)
+    layout = case.layout()
+    ref = zoo.reference_planes(case)
+    assert len(layout.planes) == len(ref)
+    table = plane_table(layout)
+    for p, (plane, rp) in enumerate(zip(layout.planes, ref)):
+        group = rp.group
+        assert plane.group_index == group
+        assert plane.num_blocks == case.num_blocks[group]
+        assert plane.rows_per_block == case.rows_per_block(group)
+        assert plane.tokens_per_row == case.tokens_per_row(group)
+        assert plane.is_page == case.is_page(group)
+        base, block_stride, row_stride, row_bytes, rpb, num_slots = table[p].tolist()
+        assert num_slots == plane.num_blocks * plane.rows_per_block and rpb == plane.rows_per_block
+        for _ in range(8):
+            b, r = int(rng.integers(plane.num_blocks)), int(rng.integers(plane.rows_per_block))
+            view = rp.get(torch.tensor(b), torch.tensor(r))
+            assert view.is_contiguous() and view.numel() == row_bytes == plane.row_bytes
+            assert base + b * block_stride + r * row_stride == view.data_ptr()
+
+
+@pytest.mark.parametrize("name", ["llama-flash", "llama-flashinfer", "llama-hnd", "llama-hnd-flashinfer", "dsv3-mla", "dsv32", "dsv4-flash"])
+def test_detection_without_hints(name):
+    case = zoo.build(name, max_tokens=300)
+    hinted, detected = case.layout(), case.layout(layout_hints=None)
+    assert hinted.planes == detected.planes
+    assert hinted.fingerprint == detected.fingerprint
+
+
+def test_ambiguous_shape_asks_for_a_hint():
+    t = torch.zeros(10, 3, 16, dtype=torch.bfloat16)  # [NB, H, D] with block 16: rows are not dim 1
+    with pytest.raises(LayoutError, match="hint"):
+        KVLayout.from_tensors({"l": t}, groups=[GroupSpec(block_size=16)])
+    with pytest.raises(LayoutError, match="unknown layout hint"):
+        KVLayout.from_tensors({"l": t}, groups=[GroupSpec(block_size=16)], layout_hints="nhd_please")
+
+
+def test_padded_pages_keep_their_stride():
+    """DSv4 pages are padded to 576 bytes: block stride > rows x row bytes, row bytes exact."""
+    layout = zoo.dsv4(max_tokens=300).layout()
+    by_name = {p.layer_name: p for p in layout.planes}
+    swa = by_name["layers.0.swa"]
+    assert (swa.row_bytes, swa.rows_per_block, swa.block_stride_bytes) == (584, 64, 37440)
+    c128 = by_name["layers.2.c128"]
+    assert (c128.row_bytes, c128.rows_per_block, c128.block_stride_bytes) == (584, 2, 1728)
+    idx = by_name["layers.1.c4_indexer"]
+    assert (idx.row_bytes, idx.block_stride_bytes) == (132, 8640)
+    state = by_name["layers.1.c4_state"]
+    assert (state.dtype, state.row_bytes, state.rows_per_block, state.block_stride_bytes) == ("float32", 8192, 4, 32768)
+
+
+def test_packed_views_share_one_block_stride():
+    packed = zoo.dsv4(packed=True, max_tokens=300, max_window_blocks=8).layout()
+    strides = {p.block_stride_bytes for p in packed.planes}
+    # 3 SWA pages + C4 MLA + C4 indexer + 2 C4 states + C128 MLA + C128 state, each 576-aligned
+    assert strides == {3 * 37440 + 37440 + 8640 + 32832 + 8640 + 1728 + 32832}
+    starts = sorted(t.data_ptr() for t in packed.tensors)
+    assert len(set(starts)) == len(starts)  # nine views at distinct offsets into one block
+    storages = {t.untyped_storage().data_ptr() for t in packed.tensors}
+    assert len(storages) == 1
+
+
+def test_fingerprint_ignores_block_size_and_padding():
+    base = zoo.mla(block_size=64).layout()
+    assert zoo.mla(block_size=16).layout().fingerprint == base.fingerprint
+    assert zoo.mla(block_size=128).layout().fingerprint == base.fingerprint
+    assert zoo.dsv4(packed=True, max_window_blocks=8).layout().fingerprint == zoo.dsv4().layout().fingerprint
+    assert zoo.dsv4(c4_block_size=128).layout().fingerprint == zoo.dsv4().layout().fingerprint
+    # flash-attn and FlashInfer hold the same K and V rows: one identity
+    assert zoo.llama("flash").layout().fingerprint == zoo.llama("flashinfer").layout().fingerprint
+
+
+def test_fingerprint_covers_what_decides_the_bytes():
+    base = zoo.gemma_swa().layout().fingerprint
+    variants = [
+        zoo.gemma_swa(window=96),
+        zoo.gemma_swa(head_dim=64),
+        zoo.gemma_swa(num_layers=12),
+        zoo.gemma_swa(num_heads=3),
+    ]
+    prints = {v.layout().fingerprint for v in variants}
+    assert base not in prints and len(prints) == len(variants)
+    # one head of 64 and two heads of 32 are the same row bytes in an NHD row: one identity
+    assert zoo.gemma_swa(num_heads=2).layout().fingerprint == zoo.gemma_swa(head_dim=64).layout().fingerprint
+    case = zoo.gemma_swa()
+    assert case.layout(model_name="other").fingerprint != base
+    assert case.layout(tp_rank=1, tp_size=2).fingerprint != base
+    assert case.layout(identity={"kv_quant": "fp8"}).fingerprint != base
+    restore = [case.groups[0], GroupSpec(block_size=16, sliding_window=80, restore_window=64)]
+    assert case.layout(groups=restore).fingerprint != base
+    # dtype: same bytes per row, different dtype
+    a = KVLayout.from_tensors({"l": torch.zeros(4, 16, 8, dtype=torch.float16)}, groups=[GroupSpec(block_size=16)])
+    b = KVLayout.from_tensors({"l": torch.zeros(4, 16, 8, dtype=torch.bfloat16)}, groups=[GroupSpec(block_size=16)])
+    assert a.fingerprint != b.fingerprint
+    # plane order: the same two layers named in the other order
+    x, y = torch.zeros(4, 16, 8, dtype=torch.uint8), torch.zeros(4, 16, 4, dtype=torch.uint8)
+    g = [GroupSpec(block_size=16)]
+    assert KVLayout.from_tensors({"a": x, "b": y}, groups=g).fingerprint != KVLayout.from_tensors({"a": y, "b": x}, groups=g).fingerprint
+
+
+def test_tuple_planes_assigned_per_group():
+    layout = zoo.dsv32_ascend(max_tokens=300).layout()
+    assert [p.group_index for p in layout.planes] == [0, 0, 1, 1] * 2
+    assert [p.row_bytes for p in layout.planes[:4]] == [1024, 128, 128, 2]
+    assert [p.dtype for p in layout.planes[:4]] == ["bfloat16", "bfloat16", "int8", "float16"]
+    assert layout.planes_of_group(1) == [2, 3, 6, 7]
+    rows = layout.describe()
+    assert [r["row_bytes_per_row"] for r in rows] == [2 * 1152, 2 * 130]
+
+
+def test_group_num_blocks_is_the_smallest_plane():
+    small, big = torch.zeros(5, 4, 8, dtype=torch.uint8), torch.zeros(9, 4, 8, dtype=torch.uint8)
+    layout = KVLayout.from_tensors({"a": big, "b": small}, groups=[GroupSpec(block_size=4)])
+    assert layout.group_num_blocks(0) == 5
+
+
+def test_page_plane_geometry():
+    case = zoo.vllm_cpu(max_tokens=300)
+    layout = case.layout()
+    p = layout.planes[0]
+    assert p.is_page and p.rows_per_block == 1 and p.tokens_per_row == 16
+    assert p.row_bytes == 2 * 16 * 2 * 16 * 2  # H * BS * 2D * bf16
+    state = zoo.state_hybrid(max_tokens=300).layout()
+    assert [q.is_page for q in state.planes] == [False, False, True, True, True, True]
+    assert [q.row_bytes for q in state.planes[2:4]] == [3 * 32 * 4, 4 * 16 * 16 * 4]
+
+
+# ---------------------------------------------------------------------------------------
+# inconsistent specs -> LayoutError naming the culprit
+
+
+def _mla(nb=8, bs=16):
+    return torch.zeros(nb, bs, 8, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(block_size=16, compress_ratio=0), "compress_ratio"),
+        (dict(block_size=16, compress_ratio=3), "multiple of compress_ratio"),
+        (dict(block_size=16, sliding_window=0), "sliding_window"),
+        (dict(block_size=16, restore_window=8), "restore_window needs a sliding_window"),
+        (dict(block_size=16, sliding_window=8, kind=GroupKind.STATE), "STATE"),
+        (dict(block_size=16.0), "block_size"),
+    ],
+)
+def test_group_spec_validation(kwargs, match):
+    with pytest.raises(LayoutError, match=match):
+        GroupSpec(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(rank=2, size=2), dict(rank=-1, size=2), dict(size=0), dict(size=2, interleave_tokens=0)])
+def test_dcp_spec_validation(kwargs):
+    with pytest.raises(LayoutError):
+        DCPSpec(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "build,match",
+    [
+        (lambda: KVLayout.from_tensors({"l": _mla()}, groups=[]), "at least one GroupSpec"),
+        (lambda: KVLayout.from_tensors({"l": _mla()}, groups=[GroupSpec(block_size=16)] * 2), "no layer_groups"),
+        (lambda: KVLayout.from_tensors({"l": _mla(), "m": _mla()}, groups=[GroupSpec(block_size=16)], layer_groups={"l": 0}), "without a group"),
+        (lambda: KVLayout.from_tensors({"l": _mla()}, groups=[GroupSpec(block_size=16)], layer_groups={"l": 1}), "group index"),
+        (lambda: KVLayout.from_tensors({"l": (_mla(), _mla())}, groups=[GroupSpec(block_size=16)], layer_groups={"l": (0,)}), "2 tensors but 1 group"),
+        (lambda: KVLayout.from_tensors({"l": _mla(bs=16)}, groups=[GroupSpec(block_size=32)], layout_hints="blocks_first"), "rows per block"),
+        (lambda: KVLayout.from_tensors({"l": _mla(bs=16)}, groups=[GroupSpec(block_size=64, compress_ratio=2)]), "rows per block"),
+        (lambda: KVLayout.from_tensors({"l": _mla().transpose(1, 2)}, groups=[GroupSpec(block_size=8)], layout_hints="blocks_first"), "not contiguous"),
+        (lambda: KVLayout.from_tensors({"l": np.zeros((8, 16, 8))}, groups=[GroupSpec(block_size=16)]), "torch.Tensor"),
+        (lambda: KVLayout.from_tensors({"l": _mla()}, groups=[GroupSpec(block_size=16)], tp_rank=1, tp_size=1), "TP rank"),
+        (lambda: KVLayout.from_tensors({}, groups=[GroupSpec(block_size=16)]), "at least one plane"),
+        (
+            lambda: KVLayout.from_tensors(
+                {"l": _mla(), "p": _mla()}, groups=[GroupSpec(block_size=16)], layout_hints={"l": "blocks_first", "p": "page"}
+            ),
+            "mixes page planes",
+        ),
+        (
+            lambda: KVLayout.from_tensors({"l": _mla(), "m": _mla()}, groups=[GroupSpec(block_size=16)] * 2, layer_groups={"l": 0, "m": 0}),
+            "group 1 .* has no planes",
+        ),
+        (
+            lambda: KVLayout.from_tensors({"p": _mla()}, groups=[GroupSpec(block_size=16)], layout_hints="page", dcp=DCPSpec(rank=0, size=2)),
+            "decode context parallel",
+        ),
+    ],
+)
+def test_inconsistent_layouts_raise(build, match):
+    with pytest.raises(LayoutError, match=match):
+        build()
