@@ -169,7 +169,9 @@ class KVCacheEngine:
         skip = self._masked_prefix(mask, len(tok))
         tables = BlockTables.of(self.layout, block_ids)
         chunks = self._chunks(tok, include_partial=True)
-        entries = self.storage.acquire([c.key for c in chunks])
+        # chunks below the mask are already in the engine: never fetch them from a tier
+        wanted = [c for c in chunks if c.start >= skip]
+        entries = [None] * (len(chunks) - len(wanted)) + list(self.storage.acquire([c.key for c in wanted]))
         try:
             masks = [e.header.group_mask if e is not None else None for e in entries]
             boundary = restorable_boundary(self.layout, chunks, masks, present_below=skip)
