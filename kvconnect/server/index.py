@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 from .allocator import PageAllocator
 
+MAX_CLIENTS = 4096  # sessions at once: a flood of hellos cannot grow the server without bound
+
 STATS_FIELDS = (
     "num_pages", "page_bytes", "used_pages", "num_entries", "pinned_entries", "reserved_runs", "num_clients",
     "evictions", "reserve_shortfalls", "commits", "expired_clients", "refused_requests", "namespace_entries",
@@ -53,8 +55,10 @@ class ClientState:
 
 
 class CacheIndex:
-    def __init__(self, num_pages: int, page_bytes: int, *, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, num_pages: int, page_bytes: int, *, lease_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_clients: int = MAX_CLIENTS) -> None:
         self.page_bytes = page_bytes
+        self.max_clients = max_clients
         self.lease_s = lease_s
         self.clock = clock
         self.allocator = PageAllocator(num_pages)
@@ -75,6 +79,8 @@ class CacheIndex:
         if old is not None:
             old.last_seen_s = self.clock()
             return old
+        if len(self.clients) >= self.max_clients:
+            raise RequestError(f"{self.max_clients} client sessions are open; try again after some expire")
         run_pages = -(-slot_bytes // self.page_bytes)
         state = ClientState(client_id, pid, fingerprint, slot_bytes, run_pages, self.clock())
         self.clients[client_id] = state

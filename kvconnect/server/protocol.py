@@ -13,8 +13,9 @@ and ``body`` is msgpack of one fixed-shape array (no maps, no extension types)::
 
 Receiving, in this order, each step refusing the frame with ``ProtocolError`` before the
 next one runs: the frame size (``Limits.max_frame_bytes``), the tag (``hmac.compare_digest``;
-checked before a single byte is decoded), msgpack decoding with every length bounded and
-extension types refused (``max_ext_len=0``), the nesting depth (``Limits.max_nesting``),
+checked before a single byte is decoded), msgpack decoding with every length bounded,
+maps and extension types refused (``max_map_len=0``, ``max_ext_len=0``; the frame size and
+msgpack's own stack limit bound the work), the nesting depth (``Limits.max_nesting``),
 then the schema of the op (``check_request``): exact arity, types, ranges, at most
 ``Limits.max_keys`` keys or ids per request. Nothing here can execute code: msgpack yields
 only None/bool/int/float/str/bytes/list, and the schema narrows that further.
@@ -57,6 +58,10 @@ _REPLY_LABEL = b"kvconnect-reply\0"
 
 class ProtocolError(KVConnectError, ValueError):
     """A frame was refused: too large, unauthenticated, undecodable or off-schema."""
+
+
+class AuthError(ProtocolError):
+    """A frame's authentication tag is missing or wrong (the server drops it unanswered)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,17 +108,17 @@ def open_frame(frame: bytes, token: Optional[bytes], limits: Limits, *, reply: b
     body = frame
     if token is not None:
         if len(frame) < TAG_BYTES:
-            raise ProtocolError("frame too short to carry its authentication tag")
+            raise AuthError("frame too short to carry its authentication tag")
         body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
         if not hmac.compare_digest(_tag(token, _REPLY_LABEL if reply else _REQUEST_LABEL, body), tag):
-            raise ProtocolError("bad authentication tag")
+            raise AuthError("bad authentication tag")
     try:
         obj = msgpack.unpackb(
             body, raw=False, use_list=True, strict_map_key=True,
             max_str_len=limits.max_frame_bytes, max_bin_len=limits.max_frame_bytes, max_array_len=max(limits.max_keys, 16),
             max_map_len=0, max_ext_len=0,
         )
-    except Exception as exc:  # msgpack raises ValueError, ExtraData, StackError, FormatError, ...
+    except (ValueError, msgpack.UnpackException) as exc:  # ExtraData, StackError, FormatError, bad UTF-8
         raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
     check_nesting(obj, limits.max_nesting)
     return obj

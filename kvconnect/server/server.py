@@ -31,7 +31,7 @@ import zmq
 from ..errors import ConfigError
 from . import protocol
 from .index import CacheIndex, ClientState, RequestError
-from .protocol import BAD_REQUEST, INTERNAL, OK, STALE_INSTANCE, UNKNOWN_CLIENT, Limits, ProtocolError
+from .protocol import BAD_REQUEST, INTERNAL, OK, STALE_INSTANCE, UNKNOWN_CLIENT, AuthError, Limits, ProtocolError
 from .shm import DATA_OFFSET, SHM_DIR, Segment
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,11 @@ class CacheServer:
         while not (stop is not None and stop.is_set()) and (end is None or time.monotonic() < end):
             if self._socket.poll(_POLL_MS, zmq.POLLIN):
                 for _ in range(_BATCH):
-                    self.handle(self._socket.recv_multipart(zmq.NOBLOCK))
+                    try:
+                        frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle(frames)
                     if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
             now = time.monotonic()
@@ -140,12 +144,17 @@ class CacheServer:
             request = protocol.check_request(protocol.open_frame(frame, self.token, self.limits, reply=False), self.limits)
         except ProtocolError as exc:
             self.index.counters["refused_requests"] += 1
-            if "authentication" in str(exc):
+            if isinstance(exc, AuthError):
                 self._auth_failures += 1
                 if self._auth_failures in (1, 10, 100, 1000):
                     logger.warning("kvconnect server: %d frames with a bad or missing token dropped", self._auth_failures)
                 return
             self._reply(identity, 0, BAD_REQUEST, str(exc)[:200])
+            return
+        except Exception:  # a decoder bug must cost one frame, not the node's cache
+            logger.exception("kvconnect server: unexpected error decoding a frame")
+            self.index.counters["refused_requests"] += 1
+            self._reply(identity, 0, BAD_REQUEST, "undecodable frame")
             return
         try:
             status, result = self._dispatch(request)

@@ -276,3 +276,17 @@ def test_random_sessions_return_memory_to_baseline(ops):
     assert all(e.refs == 0 for e in index.entries.values())
     index.clear(None)
     assert stats(index)["used_pages"] == 0 and index.allocator.num_extents == 1
+
+
+def test_client_sessions_are_bounded_and_expire():
+    clock = FakeClock()
+    index = CacheIndex(8, PAGE, lease_s=1.0, clock=clock, max_clients=3)
+    for i in range(3):
+        index.hello(bytes([i]) * 16, i, FP_A, PAGE)
+    with pytest.raises(RequestError, match="sessions"):
+        index.hello(b"x" * 16, 9, FP_A, PAGE)
+    index.hello(bytes([0]) * 16, 0, FP_A, PAGE)  # an existing session still refreshes
+    clock.now_s = 2.0
+    assert len(index.expire()) == 3
+    index.hello(b"x" * 16, 9, FP_A, PAGE)
+    assert stats(index)["num_clients"] == 1
