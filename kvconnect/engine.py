@@ -118,7 +118,9 @@ class KVCacheEngine:
         chunks = [c for c in self._chunks(tok, self.config.save_unfull_chunk) if c.start >= skip]
         plans = [p for p in plan_store(self.layout, chunks, tables) if p.group_mask]
         existing = self.storage.masks([p.chunk.key for p in plans])
-        todo = [p for p, m in zip(plans, existing) if m is None or (m | p.group_mask) != m]
+        # rewrite a stored chunk only when the new one holds strictly more groups: a re-store
+        # with fewer groups (window blocks already freed) must not shrink a good entry
+        todo = [p for p, m in zip(plans, existing) if m is None or (m != p.group_mask and (m & p.group_mask) == m)]
         done_tokens = sum(p.chunk.end - p.chunk.start for p, m in zip(plans, existing) if m is not None and (m | p.group_mask) == m)
         # pin the chunks of this prompt already in the pool while making room: LRU eviction
         # must not drop the prompt's own prefix to store its suffix
@@ -184,9 +186,10 @@ class KVCacheEngine:
                     self.layout, load, [e.header if e is not None else None for e in used],
                     [self.pool.slot_offset(e.slot) if e is not None else 0 for e in used], boundary, tables,
                 )
-            except CorruptChunkError:
-                logger.warning("kvconnect: dropping chunks of an inconsistent entry; reporting a miss", exc_info=True)
-                for e in used:
+            except CorruptChunkError as exc:
+                logger.warning("kvconnect: dropping an inconsistent chunk; reporting a miss: %s", exc)
+                bad = entries[getattr(exc, "chunk_index", -1)] if 0 <= getattr(exc, "chunk_index", -1) < len(entries) else None
+                for e in [bad] if bad is not None else used:
                     if e is not None:
                         self.storage.drop(e.key)
                 with self._stats_lock:

@@ -275,23 +275,23 @@ def retrieve_segments(
         need = [intersect(needed[g], geo.chunk_rows(chunk.start, chunk.end)) for g, geo in enumerate(layout.geometries)]
         if header is None:
             if any(hi > lo for lo, hi in need):
-                raise CorruptChunkError(f"chunk {chunk.index} is needed but was not found")
+                raise _corrupt(chunk, "is needed but was not found")
             continue
         if len(header.plane_rows) != len(layout.planes):
-            raise CorruptChunkError(f"chunk {chunk.index} has {len(header.plane_rows)} planes, layout has {len(layout.planes)}")
+            raise _corrupt(chunk, f"has {len(header.plane_rows)} planes, layout has {len(layout.planes)}")
         stored = np.asarray(header.plane_rows, np.int64).reshape(-1, 2)
         first, count = stored[:, 0], stored[:, 1]
         # the checksum proves integrity, not consistency: rows claimed beyond the payload
         # would read stale slot bytes as KV
         if int((count * arrays.row_bytes).sum()) != header.payload_bytes:
-            raise CorruptChunkError(f"chunk {chunk.index}: its plane rows do not add up to its {header.payload_bytes}-byte payload")
+            raise _corrupt(chunk, f"has plane rows that do not add up to its {header.payload_bytes}-byte payload")
         stored_off = np.cumsum(count * arrays.row_bytes) - count * arrays.row_bytes
         need_lo = np.array([lo for lo, _ in need], np.int64)[arrays.group]
         need_hi = np.array([hi for _, hi in need], np.int64)[arrays.group]
         need_n = need_hi - need_lo
         wanted = need_n > 0
         if (wanted & ((need_lo < first) | (need_hi > first + count))).any():
-            raise CorruptChunkError(f"chunk {chunk.index} does not hold the rows its group mask claims")
+            raise _corrupt(chunk, "does not hold the rows its group mask claims")
         group_offsets = np.zeros(layout.num_groups, np.int64)
         for g, rows in enumerate(need):
             if rows[1] > rows[0]:
@@ -300,3 +300,10 @@ def retrieve_segments(
         buf = base + stored_off + (need_lo - first) * arrays.row_bytes
         builder.add_segments(arrays.index, np.where(wanted, need_n, 0), group_offsets[arrays.group], buf)
     return builder
+
+
+def _corrupt(chunk: Chunk, why: str) -> CorruptChunkError:
+    """A CorruptChunkError that names the chunk (``.chunk_index``) so only it is dropped."""
+    err = CorruptChunkError(f"chunk {chunk.index} {why}")
+    err.chunk_index = chunk.index
+    return err

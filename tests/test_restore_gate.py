@@ -273,3 +273,53 @@ def test_gate_matches_reference(name, extra, tail, unfull, null_fraction, remova
     assert boundary <= sum(e - s for (s, e), m in zip(bounds, masks) if m)  # never more than stored
     if boundary:
         _restore_and_check(case, engine, tokens, tables, boundary, rng)
+
+
+def test_restore_with_fewer_groups_never_shrinks_an_entry(rng):
+    """A later store of the same chunk after its window blocks were freed keeps the fuller entry;
+    a store that adds a missing group replaces it."""
+    chunk, n = 64, 128
+    case = zoo.gemma_swa(max_tokens=n)
+    tokens = zoo.random_tokens(rng, n)
+    full_tables = zoo.random_tables(case, n, rng)
+    freed = [list(t) for t in full_tables]
+    freed[SWA] = [-1] * len(freed[SWA])  # the window group's blocks are gone
+    engine = _engine(case, chunk)
+    keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
+    assert engine.store(tokens, full_tables) == n
+    assert engine.storage.masks(keys) == [0b11, 0b11]
+    engine.store(tokens, freed)  # group 1 absent now: must not replace the complete entries
+    assert engine.storage.masks(keys) == [0b11, 0b11]
+    assert engine.lookup(tokens) == n
+
+    engine2 = _engine(case, chunk)
+    assert engine2.store(tokens, freed) == n  # full group only
+    assert engine2.storage.masks(keys) == [0b01, 0b01]
+    assert engine2.lookup(tokens) == 0
+    engine2.store(tokens, full_tables)  # now both groups: replaces
+    assert engine2.storage.masks(keys) == [0b11, 0b11]
+    assert engine2.lookup(tokens) == n
+
+
+def test_an_inconsistent_chunk_drops_only_itself(rng):
+    """A pool entry whose header claims rows it does not hold is dropped alone: the prompt's
+    other chunks stay and serve the prefix before it."""
+    import dataclasses
+
+    chunk, n = 64, 256
+    case = zoo.gemma_swa(max_tokens=n)
+    tokens = zoo.random_tokens(rng, n)
+    tables = zoo.random_tables(case, n, rng)
+    engine = _engine(case, chunk)
+    assert engine.store(tokens, tables) == n
+    keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
+    (entry,) = engine.pool.acquire([keys[2]])
+    rows = list(entry.header.plane_rows)
+    rows[0] = (rows[0][0], rows[0][1] + 1)  # one row more than the payload holds
+    entry.header = dataclasses.replace(entry.header, plane_rows=tuple(rows))
+    engine.pool.release([entry])
+    before = case.clone()
+    assert engine.retrieve(tokens, zoo.random_tables(case, n, rng)) == 0  # nothing is loaded
+    assert case.first_difference(before) is None
+    assert engine.storage.masks(keys) == [0b11, 0b11, None, 0b11]
+    assert engine.lookup(tokens) == 128
