@@ -51,3 +51,17 @@ def full_block_tables(layout: KVLayout, num_tokens: int, shuffle: bool = True) -
         ids = torch.randperm(layout.group_num_blocks(g))[:n] if shuffle else torch.arange(n)
         tables.append(ids.tolist())
     return tables
+
+
+def mla_prompt_setup(num_tokens: int, num_prompts: int, num_threads: int, chunk_tokens: int, device: str = "cpu"):
+    """A DSv3-MLA layout filled with random bytes, and a Config whose pool holds ``num_prompts``
+    prompts of ``num_tokens``: returns (layout, chunk_bytes, prompt_gb, config)."""
+    from kvconnect import Config
+
+    layout = dsv3_mla(num_tokens, device=device)
+    for t in layout.tensors:
+        t.view(torch.uint8).random_()
+    chunk_bytes = sum(p.row_bytes for p in layout.planes) * chunk_tokens
+    prompt_gb = chunk_bytes * (num_tokens // chunk_tokens) / 1e9
+    pool_gb = 1.2 * prompt_gb * num_prompts + 0.1
+    return layout, chunk_bytes, prompt_gb, Config(chunk_size=chunk_tokens, max_local_cpu_size=pool_gb, num_threads=num_threads)

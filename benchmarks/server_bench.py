@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from layouts import dsv3_mla, full_block_tables
+from layouts import full_block_tables, mla_prompt_setup
 
 from kvconnect import Config, KVCacheEngine, KVLayout
 
@@ -106,13 +106,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the paged KV lives (cpu, cuda)")
     args = parser.parse_args()
 
-    layout = dsv3_mla(args.tokens, device=args.device)
-    for t in layout.tensors:
-        t.view(torch.uint8).random_()
-    chunk_bytes = sum(p.row_bytes for p in layout.planes) * CHUNK_TOKENS
-    prompt_gb = chunk_bytes * (args.tokens // CHUNK_TOKENS) / 1e9
-    pool_gb = 1.2 * prompt_gb * args.repeats + 0.1
-    base = Config(chunk_size=CHUNK_TOKENS, max_local_cpu_size=pool_gb, num_threads=args.threads)
+    layout, chunk_bytes, prompt_gb, base = mla_prompt_setup(args.tokens, args.repeats, args.threads, CHUNK_TOKENS, args.device)
     print(f"server benchmark: {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}")
     print(f"layout dsv3-mla-like: chunk {CHUNK_TOKENS} tokens = {chunk_bytes / 1e6:.1f} MB, prompt {args.tokens} tokens = "
           f"{prompt_gb * 1e3:.0f} MB, {args.repeats} prompts, {args.threads} kernel threads\n")

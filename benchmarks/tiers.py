@@ -13,8 +13,8 @@ chunk). For each tier an engine is built with only that tier below its CPU pool,
   i.e. one batched existence query against the tier.
 
 Tiers: pool, disk (``--disk-dir``, default a temp dir), redis (``--redis-url``, default: a
-redis-server started here on a loopback port), server (hook: ``SERVER_SETUP``, filled in by
-the node-level cache server; skipped while it is None).
+redis-server started here on a loopback port). The node-level cache server is a pool, not a
+lower tier: ``benchmarks/server_bench.py`` measures it against the private pool.
 
 Run: python benchmarks/tiers.py [--tokens 8192] [--repeats 3] [--tiers pool,disk,redis] [--cold]
 """
@@ -29,19 +29,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from layouts import dsv3_mla, full_block_tables
+from layouts import full_block_tables, mla_prompt_setup
 
 from kvconnect import Config, KVCacheEngine, KVLayout
 
 CHUNK_TOKENS = 256
-# Hook for the node-level cache server: a callable (layout, base Config, args) -> KVCacheEngine
-# whose pool is the server's shared-memory pool. None: the "server" tier is skipped.
-SERVER_SETUP: Optional[Callable[[KVLayout, Config, argparse.Namespace], KVCacheEngine]] = None
 
 
 def percentile_us(samples: list[float], q: float) -> float:
@@ -145,13 +142,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="drop disk files from the page cache before each read")
     args = parser.parse_args()
 
-    layout = dsv3_mla(args.tokens)
-    for t in layout.tensors:
-        t.view(torch.uint8).random_()
-    chunk_bytes = sum(p.row_bytes for p in layout.planes) * CHUNK_TOKENS
-    prompt_gb = chunk_bytes * (args.tokens // CHUNK_TOKENS) / 1e9
-    pool_gb = 1.2 * prompt_gb * args.repeats + 0.1
-    base = Config(chunk_size=CHUNK_TOKENS, max_local_cpu_size=pool_gb, num_threads=args.threads)
+    layout, chunk_bytes, prompt_gb, base = mla_prompt_setup(args.tokens, args.repeats, args.threads, CHUNK_TOKENS)
     print(f"tiers benchmark: {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}")
     print(f"layout dsv3-mla-like: {len(layout.planes)} planes, chunk {CHUNK_TOKENS} tokens = {chunk_bytes / 1e6:.1f} MB, "
           f"prompt {args.tokens} tokens = {prompt_gb * 1e3:.0f} MB, {args.repeats} prompts per tier\n")
@@ -166,7 +157,7 @@ def main() -> None:
         if name == "pool":
             cfg = base
         elif name == "disk":
-            cfg = Config(**{**vars(base), "local_disk": args.disk_dir, "max_local_disk_size": pool_gb})
+            cfg = Config(**{**vars(base), "local_disk": args.disk_dir, "max_local_disk_size": base.max_local_cpu_size})
         elif name == "redis":
             url = args.redis_url
             if url is None:
@@ -177,13 +168,9 @@ def main() -> None:
                     continue
                 url = redis.url
             cfg = Config(**{**vars(base), "remote_url": url, "remote_timeout_s": 30.0})
-        elif name == "server":
-            if SERVER_SETUP is None:
-                print("  server: skipped (benchmarks/tiers.py SERVER_SETUP hook not set)")
-                continue
         else:
             raise SystemExit(f"unknown tier {name!r}")
-        engine = SERVER_SETUP(layout, base, args) if name == "server" else KVCacheEngine(layout, cfg)
+        engine = KVCacheEngine(layout, cfg)
         try:
             rows.append(bench_tier(name, layout, engine, args, rng))
         finally:

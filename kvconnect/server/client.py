@@ -43,7 +43,7 @@ import zmq
 from ..chunk_format import ChunkHeader
 from ..errors import StorageError
 from ..spec import ChunkKey, Fingerprint
-from ..storage.pool import PoolEntry, PoolStats
+from ..storage.pool import PoolEntry, PoolStats, notify_evicted
 from . import protocol
 from .index import STATS_FIELDS
 from .channel import Channel
@@ -189,12 +189,7 @@ class SharedPoolClient:
             evicted.extend(self._evicted_of(result[1], incarnation))
             if len(result[0]) < want:
                 break
-        for victim in evicted:
-            for callback in self.on_evict:
-                try:
-                    callback(victim)
-                except Exception:  # a listener must never break the pool
-                    logger.exception("kvconnect: pool eviction listener failed")
+        notify_evicted(self.on_evict, evicted)
         return slots
 
     def commit(self, key: ChunkKey, header: ChunkHeader, slot: int) -> SharedEntry:

@@ -53,6 +53,16 @@ class PoolStats:
     extra: dict = field(default_factory=dict)
 
 
+def notify_evicted(listeners: Sequence[Callable], victims: Sequence) -> None:
+    """Tell every eviction listener about every victim; a failing listener never breaks a pool."""
+    for victim in victims:
+        for callback in listeners:
+            try:
+                callback(victim)
+            except Exception:
+                logger.exception("kvconnect: pool eviction listener failed")
+
+
 class ChunkPool:
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False) -> None:
         if slot_bytes <= 0:
@@ -114,12 +124,7 @@ class ChunkPool:
                 self._stats.evictions += 1
                 evicted.append(victim)
                 slots.append(victim.slot)
-        for victim in evicted:
-            for callback in self.on_evict:
-                try:
-                    callback(victim)
-                except Exception:  # a listener must never break the pool
-                    logger.exception("kvconnect: pool eviction listener failed")
+        notify_evicted(self.on_evict, evicted)
         return slots
 
     def commit(self, key: ChunkKey, header: ChunkHeader, slot: int) -> PoolEntry:
