@@ -113,7 +113,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="kvc-bench-", dir="/tmp"))
     url = f"ipc://{workdir}/kvc.sock"
-    server = start_server(url, pool_gb, workdir)
+    server = start_server(url, base.max_local_cpu_size, workdir)
     rows = []
     try:
         for name in ("pool", "server"):
