@@ -1,0 +1,493 @@
+"""The CUDA transfer kernel against the torch oracle, byte for byte, over a model zoo.
+
+GPU tests skip cleanly without a CUDA device or without the built extension; the host-side
+validation (which runs before any CUDA call) is tested everywhere the extension is built
+(the build switch: test_build_cuda.py). Every zoo cache lives in flat uint8 backings, so each comparison
+covers the whole memory: padding between pages, unused and absent blocks, canaries.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pytest
+import torch
+
+from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout, TransferError, transfer
+from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments
+from kvconnect.spec import ChunkKey
+from kvconnect.transfer import SegmentBuilder, TransferTables
+from kvconnect.transfer import cuda as cuda_path
+
+try:
+    from kvconnect import _cuda_kernels
+except ImportError:
+    _cuda_kernels = None
+
+HAS_GPU = torch.cuda.is_available() and _cuda_kernels is not None and _cuda_kernels.device_count() > 0
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built kvconnect._cuda_kernels")
+built = pytest.mark.skipif(_cuda_kernels is None, reason="kvconnect._cuda_kernels is not built (no nvcc)")
+CHUNK = 256
+DEVICE = "cuda"  # the zoo's device (a CPU dry run of these helpers sets "cpu")
+
+# ---------------------------------------------------------------------------------------
+# the zoo (CUDA tensors as views into flat uint8 backings)
+
+
+@dataclass
+class Case:
+    name: str
+    kv: dict
+    groups: list
+    layer_groups: Optional[dict]
+    backings: list
+
+    def layout(self) -> KVLayout:
+        return KVLayout.from_tensors(self.kv, groups=self.groups, layer_groups=self.layer_groups, model_name=self.name)
+
+    def randomize(self, gen: torch.Generator) -> None:
+        for b in self.backings:
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+
+    def snapshot(self) -> list:
+        return [b.clone() for b in self.backings]
+
+    def restore(self, snap: list) -> None:
+        for b, s in zip(self.backings, snap):
+            b.copy_(s)
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _view(backing: torch.Tensor, dtype, shape, stride_bytes, offset_bytes=0) -> torch.Tensor:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    typed = backing.view(dtype)
+    return torch.as_strided(typed, shape, tuple(s // elem for s in stride_bytes), offset_bytes // elem)
+
+
+def llama_flash(layers=3, nb=70, bs=16, heads=8, dim=128) -> Case:
+    kv, backings = {}, []
+    for i in range(layers):
+        b = torch.empty(2 * nb * bs * heads * dim * 2, dtype=torch.uint8, device=DEVICE)
+        kv[f"layers.{i}"] = b.view(torch.bfloat16).view(2, nb, bs, heads, dim)
+        backings.append(b)
+    return Case("llama-flash", kv, [GroupSpec(block_size=bs)], None, backings)
+
+
+def mla(layers=3, nb=18, bs=64, width=576) -> Case:
+    kv, backings = {}, []
+    for i in range(layers):
+        b = torch.empty(nb * bs * width * 2, dtype=torch.uint8, device=DEVICE)
+        kv[f"layers.{i}"] = b.view(torch.bfloat16).view(nb, bs, width)
+        backings.append(b)
+    return Case("mla", kv, [GroupSpec(block_size=bs)], None, backings)
+
+
+def dsv32(layers=2, nb=18, bs=64) -> Case:
+    kv, backings, lg = {}, [], {}
+    for i in range(layers):
+        m = torch.empty(nb * bs * 576 * 2, dtype=torch.uint8, device=DEVICE)
+        x = torch.empty(nb * bs * 132, dtype=torch.uint8, device=DEVICE)
+        kv[f"layers.{i}"] = (m.view(torch.bfloat16).view(nb, bs, 576), x.view(nb, bs, 132))
+        lg[f"layers.{i}"] = (0, 0)
+        backings += [m, x]
+    return Case("dsv32", kv, [GroupSpec(block_size=bs)], lg, backings)
+
+
+def narrow_rows(nb=70, bs=16) -> Case:
+    """1-byte and 3-byte rows: the kernel's narrowest units and odd alignments."""
+    one = torch.empty(nb * bs, dtype=torch.uint8, device=DEVICE)
+    three = torch.empty(nb * bs * 3, dtype=torch.uint8, device=DEVICE)
+    kv = {"one": one.view(nb, bs, 1), "three": three.view(nb, bs, 3)}
+    return Case("narrow", kv, [GroupSpec(block_size=bs)], None, [one, three])
+
+
+# DeepSeek-V4-Flash caches (real row bytes and page alignment): name -> (spec, row bytes, dtype, align)
+DSV4 = {
+    "swa": (GroupSpec(block_size=64, sliding_window=128), 584, torch.uint8, 576),
+    "c4": (GroupSpec(block_size=256, compress_ratio=4), 584, torch.uint8, 576),
+    "c128": (GroupSpec(block_size=256, compress_ratio=128), 584, torch.uint8, 576),
+    "c4_indexer": (GroupSpec(block_size=256, compress_ratio=4), 132, torch.uint8, 576),
+    "c4_state": (GroupSpec(block_size=4, sliding_window=8), 8192, torch.float32, 512),
+    "c4_indexer_state": (GroupSpec(block_size=4, sliding_window=8), 2048, torch.float32, 512),
+    "c128_state": (GroupSpec(block_size=8, sliding_window=128), 4096, torch.float32, 512),
+}
+DSV4_LAYERS = [["swa"], ["swa", "c4", "c4_indexer", "c4_state", "c4_indexer_state"], ["swa", "c128", "c128_state"],
+               ["swa", "c4", "c4_indexer", "c4_state", "c4_indexer_state"], ["swa", "c128", "c128_state"]]
+
+
+def dsv4(packed: bool, max_tokens: int = 1024) -> Case:
+    """Seven caches over five layers, padded pages; packed: each group's layers of one block
+    share one per-block allocation and every layer is an as_strided view into it."""
+    names = list(DSV4)
+    kv, lg, backings = {}, {}, []
+    nb = {n: max_tokens // DSV4[n][0].block_size + 2 for n in names}
+    page = {n: _align(DSV4[n][0].rows_per_block * DSV4[n][1], DSV4[n][3]) for n in names}
+    members = {n: [i for i, caches in enumerate(DSV4_LAYERS) if n in caches] for n in names}
+    packed_backing, offset = {}, {}
+    if packed:
+        for n in names:
+            per_block = sum(page[n] for _ in members[n])
+            packed_backing[n] = torch.empty(nb[n] * per_block, dtype=torch.uint8, device=DEVICE)
+            backings.append(packed_backing[n])
+            offset.update({(n, layer): k * page[n] for k, layer in enumerate(members[n])})
+    for layer, caches in enumerate(DSV4_LAYERS):
+        for n in caches:
+            spec, row_bytes, dtype, _ = DSV4[n]
+            shape_bytes = (nb[n], spec.rows_per_block, row_bytes)
+            elem = torch.empty(0, dtype=dtype).element_size()
+            shape = (shape_bytes[0], shape_bytes[1], row_bytes // elem)
+            if packed:
+                block_stride = page[n] * len(members[n])
+                view = _view(packed_backing[n], dtype, shape, (block_stride, row_bytes, elem), offset[(n, layer)])
+            else:
+                b = torch.empty(nb[n] * page[n], dtype=torch.uint8, device=DEVICE)
+                backings.append(b)
+                view = _view(b, dtype, shape, (page[n], row_bytes, elem))
+            kv[f"layers.{layer}.{n}"] = view
+            lg[f"layers.{layer}.{n}"] = names.index(n)
+    return Case("dsv4-packed" if packed else "dsv4", kv, [DSV4[n][0] for n in names], lg, backings)
+
+
+ZOO = {
+    "llama_flash": llama_flash,
+    "mla": mla,
+    "dsv32": dsv32,
+    "narrow": narrow_rows,
+    "dsv4": lambda: dsv4(False),
+    "dsv4_packed": lambda: dsv4(True),
+}
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    import zlib
+
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+# ---------------------------------------------------------------------------------------
+# tables
+
+
+def random_block_tables(layout: KVLayout, num_tokens: int, gen: torch.Generator, absent_chunk: Optional[int] = None) -> list:
+    """Random distinct block ids per group; ``absent_chunk``: the last block of that chunk is -1."""
+    tables = []
+    for g, group in enumerate(layout.groups):
+        n = -(-num_tokens // group.block_size)
+        ids = torch.randperm(layout.group_num_blocks(g), generator=gen)[:n]
+        if absent_chunk is not None:
+            ids[-(-(absent_chunk + 1) * CHUNK // group.block_size) - 1] = -1
+        tables.append(ids.tolist())
+    return tables
+
+
+def planned_tables(layout: KVLayout, num_tokens: int, gen: torch.Generator, *, absent_chunk: Optional[int] = None,
+                   pad_bytes: int = 0) -> tuple[TransferTables, int]:
+    """Store tables of every full chunk (one per chunk slot of max payload + pad_bytes)."""
+    chunks = [Chunk(i, i * CHUNK, (i + 1) * CHUNK, ChunkKey(bytes(16))) for i in range(num_tokens // CHUNK)]
+    block_ids = random_block_tables(layout, num_tokens, gen, absent_chunk)
+    plans = plan_store(layout, chunks, BlockTables.of(layout, block_ids))
+    if absent_chunk is not None:
+        assert plans[absent_chunk].group_mask != (1 << layout.num_groups) - 1  # some group is skipped there
+    slot_bytes = max_chunk_payload_bytes(layout, CHUNK) + pad_bytes
+    tables = store_segments(layout, plans, [i * slot_bytes for i in range(len(plans))]).build()
+    assert len(tables.segments)
+    return tables, slot_bytes * len(plans)
+
+
+def random_tables(layout: KVLayout, gen: torch.Generator) -> tuple[TransferTables, int]:
+    """Distinct random rows of every plane (sorted runs and scattered), at odd buffer offsets."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    builder, offset = SegmentBuilder(), 0
+    for i, p in enumerate(layout.planes):
+        n = int(rng.integers(1, max(2, p.num_slots // 2)))
+        slots = rng.choice(p.num_slots, size=n, replace=False)
+        if rng.random() < 0.5:
+            slots.sort()  # adjacent rows: exercises merged runs
+        for part in np.array_split(slots, int(rng.integers(1, 3))):
+            if not len(part):
+                continue
+            offset += int(rng.integers(0, 16))
+            so = builder.add_slots(part.astype(np.int64))
+            builder.add_segments(np.array([i]), np.array([len(part)]), np.array([so]), np.array([offset]))
+            offset += len(part) * p.row_bytes
+    return builder.build(), offset + 7
+
+
+def pinned(nbytes: int, gen: torch.Generator) -> torch.Tensor:
+    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    b.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
+    return b
+
+
+def outside_targets(case: Case, layout: KVLayout, tables: TransferTables, snapshot: list) -> list:
+    """Copies of a snapshot of ``case`` with every targeted row zeroed (the rest must stay untouched)."""
+    copies = [b.clone() for b in snapshot]
+    by_ptr = {b.untyped_storage().data_ptr(): c for b, c in zip(case.backings, copies)}
+    for plane, n, so, _ in tables.segments.tolist():
+        p, t = layout.planes[plane], layout.tensors[plane]
+        copy = by_ptr[t.untyped_storage().data_ptr()]
+        base = t.storage_offset() * t.element_size()
+        for slot in tables.slots[so : so + n].tolist():
+            b, r = divmod(slot, p.rows_per_block)
+            start = base + b * p.block_stride_bytes + r * p.row_stride_bytes
+            copy[start : start + p.row_bytes] = 0
+    return copies
+
+
+def check_gather(layout: KVLayout, tables: TransferTables, nbytes: int, gen, *, offset: int = 0, tuning=None, stream=None):
+    base = pinned(nbytes + offset, gen)
+    ref = base.clone()
+    buf = base[offset:]
+    if stream is None and tuning is None:
+        transfer.gather(layout, tables, buf)
+    else:
+        cuda_path.run("gather", layout, tables, buf, stream, tuning=tuning)
+    transfer.gather(layout, tables, ref[offset:], backend="torch")
+    assert torch.equal(base, ref), f"{int((base != ref).sum())} bytes differ from the torch oracle"
+
+
+def check_scatter(case: Case, layout: KVLayout, tables: TransferTables, nbytes: int, gen, *, offset: int = 0,
+                  tuning=None, stream=None):
+    buf = pinned(nbytes + offset, gen)[offset:]
+    before = case.snapshot()
+    if stream is None and tuning is None:
+        transfer.scatter(layout, tables, buf)
+    else:
+        cuda_path.run("scatter", layout, tables, buf, stream, tuning=tuning)
+    torch.cuda.synchronize()
+    got = case.snapshot()
+    case.restore(before)
+    transfer.scatter(layout, tables, buf, backend="torch")
+    want = case.snapshot()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"backing {i}: {int((g != w).sum())} bytes differ from the torch oracle"
+    for g, b in zip(outside_targets(case, layout, tables, got), outside_targets(case, layout, tables, before)):
+        assert torch.equal(g, b), "bytes outside the targeted rows changed"
+    assert any(not torch.equal(g, b) for g, b in zip(got, before)), "nothing was written"
+
+
+# ---------------------------------------------------------------------------------------
+# everywhere the extension is built (no GPU needed)
+
+
+@built
+def test_validation_precedes_any_cuda_call():
+    """Bad tables are refused on the host, before the device (or its absence) is consulted."""
+    planes = np.array([[1 << 20, 4096, 256, 256, 16, 160]], np.int64)
+    seg = np.array([[0, 2, 0, 0]], np.int64)
+    cases = [
+        (np.array([[1, 2, 0, 0]], np.int64), np.array([0, 1]), 1024, IndexError, "plane index"),
+        (seg, np.array([0, 160]), 1024, IndexError, "slot 160"),
+        (seg, np.array([-1, 3]), 1024, IndexError, "slot -1"),
+        (seg, np.array([0]), 1024, IndexError, "slot range"),
+        (seg, np.array([0, 1]), 511, IndexError, "buffer range"),
+    ]
+    for segments, slots, nbytes, exc, text in cases:
+        with pytest.raises(exc, match=text):
+            _cuda_kernels.gather(planes, segments, slots.astype(np.int64), 1 << 30, nbytes, 0, 0, True)
+    bad_plane = planes.copy()
+    bad_plane[0, 4] = 0  # rows_per_block 0 would divide by zero
+    with pytest.raises(ValueError, match="malformed"):
+        _cuda_kernels.scatter(bad_plane, seg, np.array([0, 1], np.int64), 1 << 30, 1024, 0, 0, True)
+    with pytest.raises(ValueError, match="unroll"):
+        _cuda_kernels.gather(planes, seg, np.array([0, 1], np.int64), 1 << 30, 1024, 0, 0, True, unroll=3)
+    with pytest.raises(ValueError, match="threads_per_block"):
+        _cuda_kernels.gather(planes, seg, np.array([0, 1], np.int64), 1 << 30, 1024, 0, 0, True, threads_per_block=1024)
+    assert _cuda_kernels.gather(planes, seg[:0], np.zeros(0, np.int64), 1 << 30, 0, 0, 0, True) == 0
+
+
+@built
+@pytest.mark.skipif(HAS_GPU, reason="checks the error path of a machine without a GPU")
+def test_without_gpu_a_transfer_raises_cuda_error_naming_the_call():
+    planes = np.array([[1 << 20, 4096, 256, 256, 16, 160]], np.int64)
+    with pytest.raises(_cuda_kernels.CudaError, match=r"kvconnect CUDA transfer: cuda\w+ .*failed"):
+        _cuda_kernels.gather(planes, np.array([[0, 1, 0, 0]], np.int64), np.array([3], np.int64), 1 << 30, 256, 0, 0, True)
+    assert isinstance(_cuda_kernels.CudaError("x"), RuntimeError)
+    assert _cuda_kernels.device_count() == 0
+
+
+# ---------------------------------------------------------------------------------------
+# on a GPU
+
+
+@gpu
+@pytest.mark.parametrize("name", list(ZOO))
+def test_planned_store_and_load_match_the_oracle(name, gen):
+    case = ZOO[name]()
+    case.randomize(gen)
+    layout = case.layout()
+    assert transfer.backend_for(layout) == "cuda"
+    tables, nbytes = planned_tables(layout, 768, gen)
+    check_gather(layout, tables, nbytes, gen)
+    check_scatter(case, layout, tables, nbytes, gen)
+
+
+@gpu
+@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("offset", [1, 2, 4, 8])
+def test_random_rows_at_odd_alignments_match_the_oracle(name, offset, gen):
+    case = ZOO[name]()
+    case.randomize(gen)
+    layout = case.layout()
+    tables, nbytes = random_tables(layout, gen)
+    check_gather(layout, tables, nbytes, gen, offset=offset)
+    check_scatter(case, layout, tables, nbytes, gen, offset=offset)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["llama_flash", "dsv4", "dsv4_packed"])
+def test_absent_blocks_are_never_touched(name, gen):
+    case = ZOO[name]()
+    case.randomize(gen)
+    layout = case.layout()
+    tables, nbytes = planned_tables(layout, 1024, gen, absent_chunk=1, pad_bytes=3)
+    check_gather(layout, tables, nbytes, gen)
+    check_scatter(case, layout, tables, nbytes, gen)
+
+
+TUNINGS = [
+    cuda_path.KernelTuning(merge_rows=False),
+    cuda_path.KernelTuning(unroll=2, threads_per_block=64, blocks_per_sm=1, max_op_bytes=16),
+    cuda_path.KernelTuning(threads_per_block=512, blocks_per_sm=4, max_op_bytes=1 << 20, copy_op_table=True),
+    cuda_path.KernelTuning(use_dma=True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("tuning", TUNINGS, ids=["rows", "small", "large", "dma"])
+@pytest.mark.parametrize("name", ["llama_flash", "narrow", "dsv4_packed"])
+def test_every_launch_shape_moves_the_same_bytes(name, tuning, gen):
+    case = ZOO[name]()
+    case.randomize(gen)
+    layout = case.layout()
+    side = torch.cuda.Stream()  # the DMA path refuses the legacy default stream
+    tables, nbytes = random_tables(layout, gen)
+    check_gather(layout, tables, nbytes, gen, offset=3, tuning=tuning, stream=side)
+    check_scatter(case, layout, tables, nbytes, gen, tuning=tuning, stream=side)
+
+
+@gpu
+def test_async_on_a_caller_stream_returns_an_event(gen):
+    case = dsv4(True)
+    case.randomize(gen)
+    layout = case.layout()
+    tables, nbytes = planned_tables(layout, 1024, gen)
+    ref = pinned(nbytes, gen)
+    transfer.gather(layout, tables, ref, backend="torch")
+    side = torch.cuda.Stream()
+    for stream in (side, side.cuda_stream):
+        buf = pinned(nbytes, gen)
+        event = cuda_path.run_async("gather", layout, tables, buf, stream)
+        assert isinstance(event, torch.cuda.Event)
+        event.synchronize()
+        assert torch.equal(buf, ref)
+    # load on the side stream, then order the default stream after it
+    before = case.snapshot()
+    event = cuda_path.run_async("scatter", layout, tables, ref, side)
+    torch.cuda.current_stream().wait_event(event)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(case.snapshot(), before))  # the same bytes went back
+
+
+@gpu
+def test_concurrent_callers_on_their_own_streams(gen):
+    case = llama_flash(layers=4, nb=64)
+    case.randomize(gen)
+    layout = case.layout()
+    jobs = [planned_tables(layout, 768, gen) for _ in range(4)]
+    refs = []
+    for tables, nbytes in jobs:
+        ref = pinned(nbytes, gen)
+        transfer.gather(layout, tables, ref, backend="torch")
+        refs.append(ref)
+    outs = [pinned(nbytes, gen) for _, nbytes in jobs]
+    errors = []
+
+    def work(k):
+        try:
+            stream = torch.cuda.Stream()
+            for _ in range(5):
+                cuda_path.run("gather", layout, jobs[k][0], outs[k], stream)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref)
+
+
+@gpu
+def test_device_buffer_and_uva_alias(gen):
+    case = mla()
+    case.randomize(gen)
+    layout = case.layout()
+    tables, nbytes = planned_tables(layout, 512, gen)
+    dev = torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE)
+    transfer.gather(layout, tables, dev)
+    ref = pinned(nbytes, gen)
+    transfer.gather(layout, tables, ref, backend="torch")
+    assert torch.equal(dev.cpu(), ref)
+    host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    if _cuda_kernels.unified_addressing(torch.cuda.current_device()):
+        assert _cuda_kernels.device_pointer(host.data_ptr()) == host.data_ptr()
+        assert _cuda_kernels.device_pointer(host.data_ptr() + 100) == host.data_ptr() + 100
+
+
+@gpu
+def test_bad_input_is_refused_before_anything_moves(gen):
+    case = llama_flash()
+    case.randomize(gen)
+    layout = case.layout()
+    tables, nbytes = planned_tables(layout, 512, gen)
+    before = case.snapshot()
+    buf = pinned(nbytes, gen)
+    bad = TransferTables(tables.segments.copy(), tables.slots.copy())
+    bad.slots[-1] = layout.planes[0].num_slots  # one past the end
+    with pytest.raises(TransferError, match="slot"):
+        transfer.scatter(layout, bad, buf)
+    with pytest.raises(TransferError, match="buffer"):
+        transfer.scatter(layout, tables, buf[: nbytes - 1])
+    with pytest.raises(TransferError, match="pinned"):
+        transfer.scatter(layout, tables, torch.zeros(nbytes, dtype=torch.uint8))  # pageable
+    with pytest.raises(TransferError, match="uint8"):
+        transfer.scatter(layout, tables, buf.view(torch.int16))
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(case.snapshot(), before))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["llama_flash", "dsv32", "dsv4", "dsv4_packed"])
+def test_engine_store_retrieve_round_trip_matches_the_torch_engine(name, gen):
+    """The whole engine (pinned pool, planner, restore gate) on cuda tensors, kernel vs torch."""
+    num_tokens = 1024
+    tokens = torch.randint(0, 50000, (num_tokens,), generator=gen)
+    results = {}
+    for backend in ("cuda", "torch"):
+        g = torch.Generator().manual_seed(7)
+        case = ZOO[name]()
+        case.randomize(g)
+        layout = case.layout()
+        engine = KVCacheEngine(layout, Config(chunk_size=CHUNK, max_local_cpu_size=0.05), backend=backend)
+        stored = engine.store(tokens, random_block_tables(layout, num_tokens, g))
+        original = case.snapshot()
+        case.randomize(g)  # the engine's blocks are reused for other requests
+        loaded = engine.retrieve(tokens, random_block_tables(layout, num_tokens, g))
+        results[backend] = (stored, loaded, case.snapshot(), original)
+        engine.close()
+    (stored, loaded, got, original), (t_stored, t_loaded, want, _) = results["cuda"], results["torch"]
+    assert (stored, loaded) == (t_stored, t_loaded) == (num_tokens, num_tokens)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"backing {i} differs from the torch engine"
+    assert not all(torch.equal(a, b) for a, b in zip(got, original))  # rows moved to new blocks
