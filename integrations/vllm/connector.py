@@ -1,0 +1,193 @@
+"""KVConnectConnector: kvconnect behind vLLM's public KV-connector interface (V1, with HMA).
+
+Enable with::
+
+    --kv-transfer-config '{"kv_connector": "KVConnectConnector", "kv_role": "kv_both",
+                           "kv_connector_module_path": "kvconnect.integrations.vllm"}'
+
+vLLM builds one instance in the scheduler process (role SCHEDULER) and one per worker
+(role WORKER); this class only routes vLLM's calls to ``scheduler.KVConnectScheduler`` or
+``worker.KVConnectWorker`` and converts vLLM objects through ``translate``. Configuration:
+``LMCACHE_*`` / ``KVCONNECT_*`` variables, overridden by the same keys (YAML spelling) in
+``kv_connector_extra_config``, plus two adapter keys: ``lookup_url`` (ipc:// or loopback
+tcp:// prefix of the lookup channel; default derived from the engine id) and
+``lookup_timeout_s`` (default 1.0).
+
+Nothing is patched in vLLM. Calls from vLLM never raise for cache trouble: a failed
+lookup is a miss, a failed load is reported so vLLM recomputes, a failed save is counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvconnect.config import Config
+from kvconnect.errors import LayoutError
+
+from . import translate
+from .lookup_channel import LookupClient, rank_address
+from .metadata import StepPlan
+from .scheduler import KVConnectScheduler
+from .worker import KVConnectWorker
+
+try:  # newer vLLM: failed async loads are reported next to the finished ones
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HOST_SOURCE = CacheHitSource.HOST
+except ImportError:  # pragma: no cover - older vLLM
+    _HOST_SOURCE = None
+
+logger = logging.getLogger(__name__)
+
+_ADAPTER_KEYS = ("lookup_url", "lookup_timeout_s")
+
+
+@dataclass
+class KVConnectMetadata(KVConnectorMetadata):
+    plan: StepPlan
+
+
+class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
+    if _HOST_SOURCE is not None:
+        _cache_hit_source = _HOST_SOURCE
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = translate.extra_config(vllm_config)
+        adapter = {key: extra.pop(key) for key in _ADAPTER_KEYS if key in extra}
+        config = Config.from_dict(extra, source="kv_connector_extra_config", base=Config.from_env())
+        if not config.model_name:
+            config = dataclasses.replace(config, model_name=translate.model_identity(vllm_config))
+        self._config = config
+        channel = adapter.get("lookup_url") or translate.default_channel_address(vllm_config)
+        self._scheduler: Optional[KVConnectScheduler] = None
+        self._worker: Optional[KVConnectWorker] = None
+        self._requests: dict[str, Any] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            ranks = translate.parallel_ranks(vllm_config, in_worker=False)
+            client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
+                                  timeout_s=float(adapter.get("lookup_timeout_s", 1.0)))
+            self._scheduler = KVConnectScheduler(client, chunk_tokens=config.chunk_size,
+                                                 save_unfull_chunk=config.save_unfull_chunk)
+        else:
+            self._ranks = translate.parallel_ranks(vllm_config, in_worker=True)
+            self._worker = KVConnectWorker(config, rank_address(channel, self._ranks.worker_index))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # ==================================================================================
+    # worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        ranks = self._ranks
+        try:
+            translation = translate.translate_kv_caches(
+                self._kv_cache_config, kv_caches,
+                backend_names=translate.attention_backend_names(self._vllm_config, list(kv_caches)),
+                model_name=self._config.model_name, tp_rank=ranks.tp_rank, tp_size=ranks.tp_size,
+                pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
+            )
+            self._worker.register(translation)
+        except translate.UnsupportedLayoutError as exc:
+            logger.warning("kvconnect: off for this model: %s", exc)
+        except LayoutError as exc:
+            logger.error("kvconnect: off: cannot describe vLLM's KV cache: %s", exc)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM's first call of a step, before it frees or zeroes blocks: land earlier saves.
+        if self._worker is not None:
+            self._worker.begin_step()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous in vLLM's sense: done before the request runs
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saved per request after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker.save(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        saved, loaded, failed = self._worker.transfer_results(finished_req_ids)
+        return saved or None, (loaded | failed) or None
+
+    if KVConnectorTransferResults is not None:
+
+        def get_transfer_results(self, finished_req_ids: set[str]):
+            saved, loaded, failed = self._worker.transfer_results(finished_req_ids)
+            return KVConnectorTransferResults(finished_sending=saved, finished_recving=loaded | failed,
+                                              failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_error_blocks() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.hits.close()
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVConnectMetadata) else StepPlan()
+
+    # ==================================================================================
+    # scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        try:
+            return self._scheduler.num_new_matched_tokens(translate.request_view(request), num_computed_tokens)
+        except Exception:
+            logger.warning("kvconnect: lookup failed; treating it as a miss", exc_info=True)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        block_ids = translate.block_ids_of(blocks) if num_external_tokens > 0 else ()
+        self._scheduler.after_alloc(translate.request_view(request), block_ids,
+                                    translate.num_computed_tokens(request), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        manager = getattr(self, "_kv_cache_manager", None)
+        plan = self._scheduler.build_plan(
+            translate.scheduled_tokens(scheduler_output),
+            lambda req_id: translate.num_computed_tokens(self._requests[req_id]),
+            lambda req_id: translate.current_block_ids(scheduler_output, manager, req_id),
+        )
+        return KVConnectMetadata(plan)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        self._requests.pop(request.request_id, None)
+        return self._scheduler.request_finished(request.request_id), None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self.request_finished(request, [])
+
+    def reset_cache(self) -> Optional[bool]:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None

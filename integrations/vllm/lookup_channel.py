@@ -1,0 +1,242 @@
+"""Scheduler <-> worker lookup channel: how much of a prompt every worker can restore.
+
+Every worker (one per TP x PP rank) serves a ZMQ ROUTER socket on its own address; the
+scheduler holds one DEALER per worker, asks them all and takes the minimum, because a hit
+is only real if every rank holds its shard. A worker that does not answer within the
+timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong answer.
+
+    server = LookupServer(address, handler)     # worker: handler.lookup/stats/clear
+    client = LookupClient(addresses, timeout_s) # scheduler
+    client.lookup(tokens) -> int                # min over workers, 0 on any failure
+    client.stats() -> list[dict | None]; client.clear() -> bool
+    server.close(); client.close()
+
+Wire format: msgpack maps with a fixed schema, no extension types, sizes capped. Never
+pickle. Requests ``{"id": int, "op": "lookup", "tokens": bin}`` (little-endian int64),
+``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear"}``; replies
+``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
+
+Addresses: ``ipc://`` paths (the default; the socket file is made owner-only) or
+``tcp://`` on a loopback host. ``rank_address(base, i)`` derives worker i's address.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Optional, Protocol, Sequence
+from urllib.parse import urlsplit
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvconnect.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20  # 8M tokens of int64
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+_POLL_MS = 100
+
+
+class LookupHandler(Protocol):
+    def lookup(self, tokens: np.ndarray) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def clear(self) -> None: ...
+
+
+def check_address(address: str) -> str:
+    """Return ``address`` if it is ipc:// or loopback tcp://, else raise ConfigError."""
+    if address.startswith("ipc://") and len(address) > len("ipc://"):
+        return address
+    if address.startswith("tcp://"):
+        parts = urlsplit(address)
+        if parts.hostname in _LOOPBACK and parts.port:
+            return address
+    raise ConfigError(f"lookup channel address {address!r} must be ipc://PATH or tcp://127.0.0.1:PORT (loopback only)")
+
+
+def rank_address(base: str, index: int) -> str:
+    """Worker ``index``'s address: ``base-index`` for ipc, ``port + index`` for tcp."""
+    check_address(base)
+    if base.startswith("ipc://"):
+        return f"{base}-{index}"
+    parts = urlsplit(base)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"tcp://{host}:{parts.port + index}"
+
+
+def _unpack(raw: bytes) -> dict:
+    msg = msgpack.unpackb(
+        raw, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES, max_str_len=256,
+        max_array_len=0, max_map_len=64, max_ext_len=0, use_list=False,
+    )
+    if not isinstance(msg, dict) or not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
+        raise ValueError("a message must be a map with an integer id")
+    return msg
+
+
+class LookupServer:
+    """Answers lookups for one worker on a background thread until ``close()``."""
+
+    def __init__(self, address: str, handler: LookupHandler) -> None:
+        self.address = check_address(address)
+        self._handler = handler
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._ipc_path = address[len("ipc://"):] if address.startswith("ipc://") else None
+        if self._ipc_path and os.path.exists(self._ipc_path):
+            os.unlink(self._ipc_path)  # left by a process that died; the engine id makes it ours
+        self._sock.bind(self.address)
+        if self._ipc_path:
+            os.chmod(self._ipc_path, 0o600)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvconnect-lookup", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._sock.poll(_POLL_MS):
+                    continue
+                frames = self._sock.recv_multipart()
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                logger.warning("kvconnect: lookup channel receive failed", exc_info=True)
+                continue
+            if len(frames) != 2:
+                continue  # not a DEALER request: ignore
+            identity, raw = frames
+            try:
+                reply = self._answer(_unpack(raw))
+            except Exception as exc:  # malformed input must never stop the server
+                reply = {"id": -1, "ok": False, "error": type(exc).__name__}
+            try:
+                self._sock.send_multipart([identity, msgpack.packb(reply)])
+            except zmq.ZMQError:
+                logger.warning("kvconnect: lookup channel reply failed", exc_info=True)
+
+    def _answer(self, msg: dict) -> dict:
+        op, rid = msg.get("op"), msg["id"]
+        try:
+            if op == "lookup":
+                data = msg.get("tokens")
+                if not isinstance(data, bytes) or len(data) % 8:
+                    raise ValueError("tokens must be little-endian int64 bytes")
+                return {"id": rid, "ok": True, "hit": int(self._handler.lookup(np.frombuffer(data, dtype="<i8")))}
+            if op == "stats":
+                return {"id": rid, "ok": True, "stats": {str(k): int(v) for k, v in self._handler.stats().items()}}
+            if op == "clear":
+                self._handler.clear()
+                return {"id": rid, "ok": True}
+            raise ValueError(f"unknown op {op!r}")
+        except Exception as exc:
+            logger.warning("kvconnect: lookup channel request %r failed: %s", op, exc)
+            return {"id": rid, "ok": False, "error": type(exc).__name__}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+        if self._ipc_path and os.path.exists(self._ipc_path):
+            try:
+                os.unlink(self._ipc_path)
+            except OSError:
+                pass
+
+
+class LookupClient:
+    """Asks every worker; thread-safe; never raises for a worker's failure or silence."""
+
+    def __init__(self, addresses: Sequence[str], timeout_s: float = 1.0) -> None:
+        if not addresses:
+            raise ConfigError("the lookup channel needs at least one worker address")
+        if timeout_s <= 0:
+            raise ConfigError(f"lookup timeout must be > 0 s, got {timeout_s}")
+        self.addresses = [check_address(a) for a in addresses]
+        self.timeout_s = timeout_s
+        self.num_timeouts = 0
+        self.num_errors = 0
+        self._ctx = zmq.Context()
+        self._socks = []
+        for address in self.addresses:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.connect(address)
+            self._socks.append(sock)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def _ask(self, msg: dict) -> list[Optional[dict]]:
+        """One reply per worker (None: no answer in time, or an error reply)."""
+        with self._lock:
+            rid = next(self._ids)
+            payload = msgpack.packb({**msg, "id": rid})
+            replies: list[Optional[dict]] = [None] * len(self._socks)
+            for sock in self._socks:
+                try:
+                    sock.send(payload, zmq.NOBLOCK)
+                except zmq.ZMQError:  # queue full: that worker is not keeping up
+                    pass
+            deadline = time.monotonic() + self.timeout_s
+            waiting = set(range(len(self._socks)))
+            poller = zmq.Poller()
+            for sock in self._socks:
+                poller.register(sock, zmq.POLLIN)
+            while waiting:
+                left_ms = (deadline - time.monotonic()) * 1000
+                if left_ms <= 0:
+                    break
+                ready = dict(poller.poll(left_ms))
+                for i in list(waiting):
+                    sock = self._socks[i]
+                    while sock in ready and sock.poll(0):
+                        try:
+                            reply = _unpack(sock.recv(zmq.NOBLOCK))
+                        except Exception:
+                            self.num_errors += 1
+                            continue
+                        if reply["id"] != rid:
+                            continue  # a late answer to an earlier, timed-out question
+                        if reply.get("ok") is True:
+                            replies[i] = reply
+                        else:
+                            self.num_errors += 1
+                        waiting.discard(i)
+                        break
+            if waiting:
+                self.num_timeouts += 1
+                logger.warning("kvconnect: %d of %d workers did not answer a %s within %.2f s; treating it as a miss",
+                               len(waiting), len(self._socks), msg.get("op"), self.timeout_s)
+            return replies
+
+    def lookup(self, tokens: np.ndarray) -> int:
+        """Tokens every worker can restore from token 0 (0 if any worker fails or is silent)."""
+        data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+        hits = []
+        for reply in self._ask({"op": "lookup", "tokens": data}):
+            hit = reply.get("hit") if reply else None
+            if not isinstance(hit, int) or hit < 0:
+                return 0
+            hits.append(hit)
+        return min(hits)
+
+    def stats(self) -> list[Optional[dict]]:
+        return [r.get("stats") if r else None for r in self._ask({"op": "stats"})]
+
+    def clear(self) -> bool:
+        return all(r is not None for r in self._ask({"op": "clear"}))
+
+    def close(self) -> None:
+        for sock in self._socks:
+            sock.close(linger=0)
+        self._ctx.term()

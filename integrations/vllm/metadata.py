@@ -1,0 +1,66 @@
+"""Plain values the scheduler side hands to the worker side each step (no vLLM types).
+
+The connector wraps a ``StepPlan`` in vLLM's ``KVConnectorMetadata``; vLLM ships it to
+every worker (in-process, or through its executor queue with TP). Block ids are vLLM's
+raw per-group ids (the null block is 0): the worker translates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+def freeze_block_ids(block_ids) -> BlockIds:
+    """vLLM's ``tuple[list[int], ...]`` (or a single list) as an immutable tuple of tuples."""
+    if block_ids and isinstance(block_ids[0], (int, np.integer)):
+        block_ids = (block_ids,)
+    return tuple(tuple(int(b) for b in ids) for ids in block_ids)
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What the scheduler side needs of a vLLM request."""
+
+    req_id: str
+    prompt_tokens: np.ndarray  # int64, the prompt only (outputs are never stored)
+    num_tokens: int  # prompt + outputs so far
+    cacheable: bool = True  # False when token ids alone do not decide the KV (see translate)
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Restore ``tokens`` (a chunk-aligned prefix) into ``block_ids``.
+
+    present_tokens: tokens vLLM already holds (its own prefix cache); never overwritten.
+    end_tokens: tokens vLLM counts as computed once the load is done (<= len(tokens)).
+    """
+
+    req_id: str
+    tokens: np.ndarray
+    block_ids: BlockIds
+    present_tokens: int
+    end_tokens: int
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Store the chunks of ``tokens`` beyond ``stored_tokens`` (chunk-aligned) from ``block_ids``."""
+
+    req_id: str
+    tokens: np.ndarray
+    block_ids: BlockIds
+    stored_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's work. ``finished``: requests whose blocks vLLM keeps until the workers
+    report them saved (their last save may still be running)."""
+
+    loads: tuple[LoadJob, ...] = field(default_factory=tuple)
+    saves: tuple[SaveJob, ...] = field(default_factory=tuple)
+    finished: tuple[str, ...] = field(default_factory=tuple)

@@ -1,0 +1,153 @@
+"""Scheduler side of the vLLM connector: what to load and what to save, never bytes.
+
+Runs in vLLM's scheduler process; holds no worker state and no vLLM types (the connector
+passes ``RequestView`` values and block ids). Called, per request, in vLLM's order:
+
+    num_new_matched_tokens(req, num_computed)   -> (tokens to load beyond num_computed, async)
+    after_alloc(req, block_ids, num_computed, num_external)   a load is planned if num_external > 0
+    build_plan(scheduled, num_computed_of, block_ids_of)      -> StepPlan (loads + saves)
+    request_finished(req_id)                    -> True while the workers may still save it
+
+Hits come from the workers through the lookup channel (restore-gated, minimum over ranks).
+A hit never covers the whole prompt (vLLM must compute one token to sample) and counts only
+tokens beyond vLLM's own prefix cache. Loads are asynchronous in vLLM's sense: the request
+waits one step while the workers scatter the chunks and report it through get_finished.
+
+Saves: each step, the chunks a request completes in that step (chunk ends in
+(stored, computed]) are saved from its current block ids; sliding-window blocks are freed
+between steps, so a chunk is never saved later than the step that computes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Protocol
+
+import numpy as np
+
+from .metadata import BlockIds, LoadJob, RequestView, SaveJob, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class HitSource(Protocol):
+    def lookup(self, tokens: np.ndarray) -> int: ...
+    def clear(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Tracked:
+    prompt: np.ndarray
+    stored_tokens: int  # chunk-aligned prefix already stored (or that vLLM had before)
+
+
+class KVConnectScheduler:
+    def __init__(self, hits: HitSource, *, chunk_tokens: int, save_unfull_chunk: bool = False) -> None:
+        self.hits = hits
+        self.chunk_tokens = chunk_tokens
+        self.save_unfull_chunk = save_unfull_chunk
+        self._queries: dict[str, tuple[int, int]] = {}  # req_id -> (present tokens, restorable boundary)
+        self._loads: list[LoadJob] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._last_saves: set[str] = set()  # requests saved in the latest plan (maybe still running)
+        self._finished: list[str] = []  # kept by vLLM until the workers report them (next plan)
+
+    # -- new requests ------------------------------------------------------------------
+    def num_new_matched_tokens(self, req: RequestView, num_computed: int) -> tuple[int, bool]:
+        self._queries[req.req_id] = (num_computed, 0)
+        prompt = req.prompt_tokens
+        if not req.cacheable or (len(prompt) <= self.chunk_tokens and not self.save_unfull_chunk):
+            return 0, False
+        if num_computed >= len(prompt) - 1:
+            return 0, False
+        boundary = self.hits.lookup(prompt)
+        # vLLM must compute at least one token itself to produce logits.
+        end = min(boundary, req.num_tokens - 1, len(prompt))
+        if end <= num_computed:
+            return 0, False
+        self._queries[req.req_id] = (num_computed, boundary)
+        return end - num_computed, True
+
+    def after_alloc(self, req: RequestView, block_ids: BlockIds, num_computed: int, num_external: int) -> None:
+        """Called after vLLM allocated blocks for a request entering the running set.
+
+        ``num_computed`` is the request's computed count as vLLM holds it now (the loaded
+        count for one whose load finished); for a request just asked about, the count given
+        to ``num_new_matched_tokens`` (vLLM's own prefix hit) is used instead.
+        """
+        if not req.cacheable:
+            self._queries.pop(req.req_id, None)
+            return
+        present, boundary = self._queries.pop(req.req_id, (num_computed, 0))
+        done = present
+        if num_external > 0:
+            end = present + num_external
+            if end > boundary:  # never offered: the worker's load will fall short and report it
+                logger.error("kvconnect: vLLM asked to load %d tokens of %s, %d were offered", end, req.req_id, boundary)
+            elif end < boundary - 1:  # vLLM trimmed the hit: load only whole chunks below it
+                boundary = end // self.chunk_tokens * self.chunk_tokens
+            self._loads.append(LoadJob(req.req_id, req.prompt_tokens[:boundary], block_ids, present, end))
+            done = end
+        self._tracked[req.req_id] = _Tracked(req.prompt_tokens, done // self.chunk_tokens * self.chunk_tokens)
+
+    # -- every step ------------------------------------------------------------------
+    def build_plan(
+        self,
+        scheduled: Mapping[str, int],
+        num_computed_of: Callable[[str], int],
+        block_ids_of: Callable[[str], Optional[BlockIds]],
+    ) -> StepPlan:
+        """Loads planned since the last step, and the saves of chunks completed this step."""
+        saves = []
+        for req_id, num_new in scheduled.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            try:
+                job = self._save_job(req_id, tracked, num_computed_of(req_id) + num_new, block_ids_of)
+            except Exception:  # a save is optional; a planned load must still be shipped
+                logger.warning("kvconnect: cannot plan the save of %s", req_id, exc_info=True)
+                continue
+            if job is not None:
+                saves.append(job)
+        plan = StepPlan(loads=tuple(self._loads), saves=tuple(saves), finished=tuple(self._finished))
+        self._loads, self._finished = [], []
+        self._last_saves = {job.req_id for job in saves}
+        return plan
+
+    def _save_job(self, req_id: str, tracked: _Tracked, computed: int, block_ids_of) -> Optional[SaveJob]:
+        end = self._storable_end(tracked.prompt, computed)
+        if end <= tracked.stored_tokens:
+            return None
+        block_ids = block_ids_of(req_id)
+        if block_ids is None:
+            return None
+        job = SaveJob(req_id, tracked.prompt[:end], block_ids, tracked.stored_tokens)
+        tracked.stored_tokens = end if end == len(tracked.prompt) else end // self.chunk_tokens * self.chunk_tokens
+        return job
+
+    def _storable_end(self, prompt: np.ndarray, computed: int) -> int:
+        """Tokens of the prompt whose chunks are complete once ``computed`` tokens are."""
+        computed = min(computed, len(prompt))
+        if computed == len(prompt) and self.save_unfull_chunk:
+            return computed
+        return computed // self.chunk_tokens * self.chunk_tokens
+
+    # -- finished ----------------------------------------------------------------------
+    def request_finished(self, req_id: str) -> bool:
+        """True while a save of the request may still be running in the workers.
+
+        vLLM then keeps its blocks until every worker reports it (the next plan lists it in
+        ``finished``; the workers report it in that step, after landing earlier saves).
+        """
+        self._tracked.pop(req_id, None)
+        self._queries.pop(req_id, None)
+        if req_id in self._last_saves:
+            self._finished.append(req_id)
+            return True
+        return False
+
+    def reset_cache(self) -> bool:
+        return self.hits.clear()

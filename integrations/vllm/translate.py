@@ -1,0 +1,386 @@
+"""Translate vLLM's (and vLLM-Ascend's) KV-cache description into kvconnect's.
+
+The only module that reads vLLM objects. It reads them by attribute and class name and
+imports vLLM lazily (parallel ranks only), so it is unit-tested with look-alike objects on
+machines without vLLM.
+
+    t = translate_kv_caches(kv_cache_config, kv_caches, backend_names=..., ...)
+    t.layout                 KVLayout over every plane of every transferable group
+    t.block_tables(ids)      vLLM per-group block ids -> kvconnect per-group int64 arrays
+
+Groups. Each vLLM group becomes one kvconnect group (two when it mixes opaque pages and
+token rows); a kvconnect group reads the block ids of the vLLM group it came from.
+
+| vLLM spec (class name)                                  | kvconnect GroupSpec |
+|---------------------------------------------------------|---------------------|
+| FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
+| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks) |
+| UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
+| anything else (MambaSpec, chunked local, cross attention, ...) | ``UnsupportedLayoutError``: the connector stays off |
+
+Tensors (one value per layer).
+
+| registered value                                         | planes |
+|----------------------------------------------------------|--------|
+| tuple/list (vLLM-Ascend: MLA nope + rope, indexer K + scale) | one ``[NB, rows, ...]`` plane per element |
+| 4-D ``[B, H, N, C]`` view of a page-packing backend (vLLM CPU: K transposed in a page) | one opaque page per block |
+| 4-D ``[B, H, N, C]`` whose ``(H, C)`` is contiguous per token (vLLM >= 0.32, MLA ``[B, 1, N, 576]``) | one plane ``[B, N, H*C]`` |
+| 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
+| 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
+
+The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
+the window): it becomes -1. Layers of one group that share a tensor are stored once.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Mapping, Optional, Sequence
+
+import blake3
+import numpy as np
+import torch
+
+from kvconnect.errors import BlockTableError, LayoutError
+from kvconnect.layout import KVLayout
+from kvconnect.spec import DCPSpec, GroupSpec
+
+from .metadata import BlockIds, RequestView, freeze_block_ids
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK_ID = 0
+"""vLLM's null block: a real block that no request owns and no valid position reads."""
+
+PAGE_PACKED_BACKENDS = frozenset({"CPU_ATTN"})
+"""Attention backends whose per-token K/V is not a contiguous row inside a page."""
+
+_FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec", "AscendSFAIndexerCacheSpec"})
+_WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec", "AscendSlidingWindowMLASpec"})
+
+
+class UnsupportedLayoutError(LayoutError):
+    """vLLM's cache holds a group kvconnect cannot restore exactly; the connector must stay off."""
+
+
+# ---------------------------------------------------------------------------------------
+# specs
+
+
+def _compress_ratio(spec: Any) -> int:
+    ratio = getattr(spec, "compress_ratio", None)  # vLLM-Ascend
+    if ratio is None:
+        per_state = getattr(spec, "tokens_per_state", 1)  # vLLM: tokens per stored state
+        if isinstance(per_state, Fraction) and per_state.denominator != 1:
+            raise UnsupportedLayoutError(f"{type(spec).__name__}: {per_state} tokens per state (several states per token)")
+        ratio = int(per_state)
+    return max(1, int(ratio))
+
+
+def group_spec_of(spec: Any) -> GroupSpec:
+    """The kvconnect GroupSpec of one vLLM per-layer spec (see the table in the module doc)."""
+    name = type(spec).__name__
+    if name in _WINDOW_SPECS:
+        window = int(spec.sliding_window)
+        # vLLM frees blocks whose tokens are all before P - W + 1 (get_num_skipped_tokens),
+        # so W - 1 trailing tokens is what it needs and what it keeps.
+        return GroupSpec(block_size=int(spec.block_size), compress_ratio=_compress_ratio(spec),
+                         sliding_window=window, restore_window=max(1, window - 1))
+    if name in _FULL_SPECS:
+        # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
+        # keeps blocks for every token, so it is restored as a full group.
+        return GroupSpec(block_size=int(spec.block_size), compress_ratio=_compress_ratio(spec))
+    raise UnsupportedLayoutError(
+        f"vLLM cache spec {name} is not supported (recurrent state, chunked local, cross attention and "
+        f"unknown specs cannot be restored exactly); kvconnect stays off for this model"
+    )
+
+
+def _layer_spec(group_spec: Any, layer_name: str) -> Any:
+    if type(group_spec).__name__ == "UniformTypeKVCacheSpecs":
+        return group_spec.kv_cache_specs[layer_name]
+    return group_spec
+
+
+def _num_heads(spec: Any) -> int:
+    slots = getattr(spec, "num_head_slots", None)
+    return int(slots if slots is not None else getattr(spec, "num_kv_heads", 1))
+
+
+# ---------------------------------------------------------------------------------------
+# tensors
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether dims 2.. of a ``[blocks, rows, ...]`` view form one contiguous row."""
+    expected = 1
+    for dim in range(t.dim() - 1, 1, -1):
+        if t.shape[dim] != 1 and t.stride(dim) != expected:
+            return False
+        expected *= t.shape[dim]
+    return True
+
+
+def _planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], logical_views: bool):
+    """(value for KVLayout, layout hint or None, is_page) of one layer."""
+    if isinstance(value, (tuple, list)):
+        return tuple(value), None, False
+    if not isinstance(value, torch.Tensor):
+        raise LayoutError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
+    if value.dim() != 4:
+        return value, None, False
+    rows, heads = group.rows_per_block, _num_heads(spec)
+    bhnc = value.shape[1] == heads and value.shape[2] == rows
+    bnhc = value.shape[1] == rows and value.shape[2] == heads
+    if bhnc and (logical_views or not bnhc):
+        if backend in PAGE_PACKED_BACKENDS:
+            return value, "page", True
+        per_token = value.permute(0, 2, 1, 3)
+        if _rows_contiguous(per_token):
+            return per_token, "blocks_first", False
+        return value, "hnd", False
+    if bnhc:
+        return value, "blocks_first", False
+    raise UnsupportedLayoutError(
+        f"a 4-D cache of shape {tuple(value.shape)} matches neither [B, H={heads}, N={rows}, C] nor [B, N, H, C]"
+    )
+
+
+def _signature(value: Any) -> tuple:
+    tensors = value if isinstance(value, (tuple, list)) else (value,)
+    return tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------
+# the translation
+
+
+@dataclass(frozen=True, eq=False)
+class Translation:
+    """A vLLM cache as a kvconnect layout, and how vLLM's block ids map onto its groups."""
+
+    layout: KVLayout
+    source_groups: tuple[int, ...]  # per kvconnect group: the vLLM group whose block ids it reads
+    num_vllm_groups: int
+    layer_names: tuple[str, ...]
+
+    def tokens_per_block(self, group: int) -> int:
+        """Global tokens one block of kvconnect group ``group`` covers (all DCP shards)."""
+        return self.layout.groups[group].block_size * self.layout.dcp.size
+
+    def vllm_ids(self, block_ids) -> BlockIds:
+        ids = freeze_block_ids(block_ids)
+        if len(ids) != self.num_vllm_groups:
+            raise BlockTableError(f"expected block ids for {self.num_vllm_groups} vLLM groups, got {len(ids)}")
+        return ids
+
+    def block_tables(self, block_ids) -> list[np.ndarray]:
+        """Per kvconnect group, vLLM's block ids as int64 with the null block as -1."""
+        ids = self.vllm_ids(block_ids)
+        tables = []
+        for source in self.source_groups:
+            arr = np.asarray(ids[source], dtype=np.int64)
+            tables.append(np.where(arr == NULL_BLOCK_ID, -1, arr))
+        return tables
+
+
+def translate_kv_caches(
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, Any],
+    *,
+    backend_names: Optional[Mapping[str, str]] = None,
+    model_name: str = "",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    dcp: DCPSpec = DCPSpec(),
+    identity: Optional[Mapping[str, str]] = None,
+) -> Translation:
+    """Build the kvconnect layout of vLLM's registered caches.
+
+    kv_cache_config: vLLM's KVCacheConfig (``kv_cache_groups`` with ``layer_names`` and
+        ``kv_cache_spec``; ``transfer_group_ids`` where the vLLM version has it).
+    kv_caches: what vLLM passes to ``register_kv_caches``: layer name -> tensor or tuple.
+    backend_names: layer name -> attention backend name (decides page-packed layouts).
+
+    Raises UnsupportedLayoutError for caches that cannot be restored exactly, LayoutError
+    for shapes that do not fit their spec; nothing is registered in either case.
+    """
+    backend_names = backend_names or {}
+    vllm_groups = list(kv_cache_config.kv_cache_groups)
+    transferable = set(getattr(kv_cache_config, "transfer_group_ids", range(len(vllm_groups))))
+    logical_views = hasattr(kv_cache_config, "kv_cache_layout")  # vLLM >= 0.32 registers [B, H, N, C]
+
+    group_index: dict[tuple, int] = {}
+    group_specs: list[GroupSpec] = []
+    sources: list[int] = []
+    values: dict[str, Any] = {}
+    layer_groups: dict[str, Any] = {}
+    hints: dict[str, Optional[str]] = {}
+    seen: set[tuple] = set()
+    quant: set[str] = set()
+    page_backends: set[str] = set()
+    for vllm_group, group in enumerate(vllm_groups):
+        if vllm_group not in transferable:
+            continue
+        for layer in group.layer_names:
+            if layer not in kv_caches:  # runner-only layers have no registered cache
+                continue
+            spec = _layer_spec(group.kv_cache_spec, layer)
+            gspec = group_spec_of(spec)
+            # Within a group, one tensor under two names is KV sharing: store it once. Across
+            # groups it is vLLM's hybrid allocator overlaying groups on one allocation.
+            signature = (vllm_group, _signature(kv_caches[layer]))
+            if signature in seen:
+                continue
+            seen.add(signature)
+            backend = backend_names.get(layer)
+            try:
+                value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
+            except LayoutError as exc:
+                raise type(exc)(f"layer {layer!r}: {exc}") from exc
+            key = (vllm_group, gspec, is_page)
+            if key not in group_index:
+                group_index[key] = len(group_specs)
+                group_specs.append(gspec)
+                sources.append(vllm_group)
+            g = group_index[key]
+            values[layer] = value
+            layer_groups[layer] = tuple([g] * len(value)) if isinstance(value, tuple) else g
+            hints[layer] = hint
+            quant.add(f"{getattr(spec, 'cache_dtype_str', None)}:{getattr(spec, 'kv_quant_mode', None)}")
+            if is_page:
+                page_backends.add(str(backend))
+    if not values:
+        raise UnsupportedLayoutError("vLLM registered no transferable KV cache")
+    layer_names = tuple(values)
+    ident = {
+        "engine": "vllm",
+        "pp": f"{pp_rank}/{pp_size}",
+        "layers": blake3.blake3("\n".join(layer_names).encode()).hexdigest(length=16),
+        "quant": ",".join(sorted(quant)),
+        "page_backends": ",".join(sorted(page_backends)),
+        **(identity or {}),
+    }
+    layout = KVLayout.from_tensors(
+        values, groups=group_specs, layer_groups=layer_groups, layout_hints=hints, model_name=model_name,
+        tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident,
+    )
+    return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups), layer_names=layer_names)
+
+
+# ---------------------------------------------------------------------------------------
+# the rest of what the connector reads from vLLM
+
+
+@dataclass(frozen=True)
+class ParallelRanks:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dcp: DCPSpec = DCPSpec()
+
+    @property
+    def num_workers(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def worker_index(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+
+def parallel_ranks(vllm_config: Any, *, in_worker: bool) -> ParallelRanks:
+    """Sizes from the config; this process's ranks too when ``in_worker`` (distributed is up)."""
+    par = vllm_config.parallel_config
+    tp_size, pp_size = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
+    dcp_size = int(getattr(par, "decode_context_parallel_size", 1) or 1)
+    interleave = int(getattr(par, "cp_kv_cache_interleave_size", 1) or 1)
+    if not in_worker:
+        return ParallelRanks(tp_size=tp_size, pp_size=pp_size, dcp=DCPSpec(size=dcp_size, interleave_tokens=interleave))
+    from vllm.distributed import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank() if tp_size > 1 else 0
+    pp_rank = ps.get_pp_group().rank_in_group if pp_size > 1 else 0
+    dcp_rank = ps.get_dcp_group().rank_in_group if dcp_size > 1 else 0
+    return ParallelRanks(tp_rank, tp_size, pp_rank, pp_size, DCPSpec(rank=dcp_rank, size=dcp_size, interleave_tokens=interleave))
+
+
+def extra_config(vllm_config: Any) -> dict:
+    """``kv_connector_extra_config`` as a plain dict."""
+    return dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+
+
+def model_identity(vllm_config: Any) -> str:
+    model = vllm_config.model_config
+    return f"{model.model}@{getattr(model, 'revision', None) or ''}"
+
+
+def default_channel_address(vllm_config: Any) -> str:
+    """An ipc:// prefix that the scheduler and the workers of one engine derive alike."""
+    seed = f"{vllm_config.kv_transfer_config.engine_id}|dp{getattr(vllm_config.parallel_config, 'data_parallel_rank', 0)}"
+    return f"ipc://{tempfile.gettempdir()}/kvconnect-{blake3.blake3(seed.encode()).hexdigest(length=8)}"
+
+
+def attention_backend_names(vllm_config: Any, layer_names: Sequence[str]) -> dict[str, str]:
+    """Attention backend name of each layer, where vLLM exposes it (else absent)."""
+    names: dict[str, str] = {}
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    for layer in layer_names:
+        module = context.get(layer)
+        backend = getattr(module, "attn_backend", None)
+        if backend is None and hasattr(module, "get_attn_backend"):
+            backend = module.get_attn_backend()
+        if backend is not None and hasattr(backend, "get_name"):
+            names[layer] = str(backend.get_name())
+    return names
+
+
+def request_view(request: Any) -> RequestView:
+    """A request's prompt; not cacheable when more than its token ids decides its KV.
+
+    Multimodal inputs (placeholder tokens stand for different images), LoRA adapters,
+    prompt embeddings and vLLM's per-request ``cache_salt`` all change the KV of the same
+    token ids, and chunk keys hash token ids only: such requests are neither looked up nor
+    saved.
+    """
+    prompt = getattr(request, "prompt_token_ids", None)
+    tokens = np.asarray(prompt if prompt is not None else [], dtype=np.int64)
+    cacheable = (
+        prompt is not None
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "lora_request", None) is None
+        and getattr(request, "prompt_embeds", None) is None
+        and not getattr(request, "cache_salt", None)
+    )
+    return RequestView(req_id=request.request_id, prompt_tokens=tokens, num_tokens=int(request.num_tokens),
+                       cacheable=bool(cacheable))
+
+
+def num_computed_tokens(request: Any) -> int:
+    return int(request.num_computed_tokens)
+
+
+def block_ids_of(blocks: Any) -> BlockIds:
+    """vLLM's KVCacheBlocks as per-group block ids."""
+    return freeze_block_ids(blocks.get_block_ids())
+
+
+def scheduled_tokens(scheduler_output: Any) -> dict[str, int]:
+    return dict(scheduler_output.num_scheduled_tokens)
+
+
+def current_block_ids(scheduler_output: Any, kv_cache_manager: Any, req_id: str) -> Optional[BlockIds]:
+    """A scheduled request's block ids as the scheduler holds them now (freed blocks as 0)."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    if state is not None:
+        ids = state.get_block_ids(req_id)
+        if ids is not None:
+            return freeze_block_ids(ids)
+    if kv_cache_manager is not None:
+        return freeze_block_ids(kv_cache_manager.get_block_ids(req_id))
+    return None

@@ -1,0 +1,200 @@
+"""Worker side of the vLLM connector: moves bytes, decides nothing.
+
+Runs in each vLLM worker (one per TP x PP rank); holds the rank's KVCacheEngine and serves
+the lookup channel. No vLLM types: the connector passes a ``Translation`` and ``StepPlan``s.
+Per step, in vLLM's order:
+
+    begin_step()                      previous step's saves have landed (before vLLM reuses blocks)
+    load(plan)                        restore planned loads; reported through transfer_results
+    save(plan)                        gather this step's chunks on a background thread
+    transfer_results(finished_ids)    -> (saved, loaded, failed-load request ids)
+    take_load_error_blocks()          -> block ids vLLM must recompute (single-group caches)
+
+Saves are asynchronous: they are joined at the start of the next step, before vLLM frees
+or zeroes any block (``handle_preemptions`` is its first call of a step). vLLM keeps the
+blocks of a finished request whose last save may still run (the scheduler says so) until
+the plan listing it reaches ``transfer_results``. Nothing here raises into vLLM: a failed
+load is reported so vLLM recomputes, a failed save is a future miss; both are counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import numpy as np
+
+from kvconnect.config import Config
+from kvconnect.engine import KVCacheEngine
+
+from .lookup_channel import LookupServer
+from .metadata import LoadJob, SaveJob, StepPlan
+from .translate import NULL_BLOCK_ID, Translation
+
+logger = logging.getLogger(__name__)
+
+_COUNTERS = ("loads", "load_failures", "loaded_tokens", "saves", "save_failures", "lookups")
+
+
+class KVConnectWorker:
+    def __init__(self, config: Config, channel_address: Optional[str]) -> None:
+        self.config = config
+        self.engine: Optional[KVCacheEngine] = None
+        self.translation: Optional[Translation] = None
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconnect-save")
+        self._pending: list[tuple[str, Future]] = []  # (request id, save)
+        self._finished: set[str] = set()  # kept by vLLM until reported saved
+        self._loaded: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self._error_blocks: set[int] = set()
+        self.server = LookupServer(channel_address, self) if channel_address else None
+
+    # -- setup -------------------------------------------------------------------------
+    def register(self, translation: Translation) -> None:
+        """Build the engine over vLLM's caches.
+
+        Raises LayoutError when the engine cannot serve the layout (e.g. a chunk size that is
+        not a multiple of a page group's block size); the worker then stays off (0 hits).
+        """
+        self.translation = translation
+        self.engine = KVCacheEngine(translation.layout, self.config)
+        logger.info("kvconnect: registered %d planes in %d groups: %s", len(translation.layout.planes),
+                    translation.layout.num_groups, translation.layout.describe())
+
+    # -- lookup channel handler (called from the server thread) --------------------------
+    def lookup(self, tokens: np.ndarray) -> int:
+        self._count("lookups")
+        return self.engine.lookup(tokens) if self.engine is not None else 0
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self.counters)
+        if self.engine is not None:
+            out.update({f"engine_{k}": v for k, v in vars(self.engine.stats).items()})
+        out["enabled"] = int(self.engine is not None)
+        out["num_groups"] = self.translation.layout.num_groups if self.engine is not None else 0
+        return out
+
+    def clear(self) -> None:
+        """Forget the CPU pool's chunks (vLLM's reset_connector). Safe during a save: a
+        chunk being written or read is freed when its pin is released."""
+        if self.engine is not None:
+            self.engine.pool.clear()
+
+    # -- per step ----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Wait for every save started in an earlier step (their source blocks may be reused next)."""
+        pending, self._pending = self._pending, []
+        for _, future in pending:
+            future.result()  # _save_one never raises
+
+    def load(self, plan: StepPlan) -> None:
+        for job in plan.loads:
+            ok = False
+            try:
+                ok = self._load_one(job)
+            except Exception:
+                logger.warning("kvconnect: load of %s failed; vLLM will recompute", job.req_id, exc_info=True)
+            self._loaded.add(job.req_id)
+            self._count("loads")
+            if not ok:
+                self._count("load_failures")
+                self._report_failed_load(job)
+
+    def _load_one(self, job: LoadJob) -> bool:
+        if self.engine is None or self.translation is None:
+            return False
+        chunk = self.config.chunk_size
+        skip = job.present_tokens // chunk * chunk
+        tables = self._sink_present_blocks(self.translation.block_tables(job.block_ids), skip, job.present_tokens)
+        mask = None
+        if skip:
+            mask = np.ones(len(job.tokens), dtype=bool)
+            mask[:skip] = False
+        loaded = self.engine.retrieve(job.tokens, tables, mask=mask)
+        self._count("loaded_tokens", loaded)
+        return skip + loaded >= job.end_tokens
+
+    def _sink_present_blocks(self, tables: list[np.ndarray], skip: int, present: int) -> list[np.ndarray]:
+        """Point blocks vLLM already holds (tokens [skip, present)) at the null block.
+
+        Loads start at a chunk boundary; vLLM's own prefix hit may end inside a chunk. Its
+        blocks may be shared with other running requests, so the chunk's rows that fall in
+        them are written to vLLM's null block (never read for a valid position) instead.
+        """
+        if present <= skip:
+            return tables
+        out = []
+        for g, table in enumerate(tables):
+            per_block = self.translation.tokens_per_block(g)
+            first = skip // per_block
+            last = present // per_block  # blocks [first, last) are vLLM's and hold rows of [skip, present)
+            table = table.copy()
+            table[first:min(last, len(table))] = NULL_BLOCK_ID
+            out.append(table)
+        return out
+
+    def _report_failed_load(self, job: LoadJob) -> None:
+        """vLLM recomputes: by block ids where it can map them (one group), else the request."""
+        if self.translation is None or self.translation.num_vllm_groups != 1:
+            self._failed_loads.add(job.req_id)
+            return
+        (ids,) = self.translation.vllm_ids(job.block_ids)
+        per_block = self.translation.tokens_per_block(0)
+        first = job.present_tokens // per_block
+        last = -(-job.end_tokens // per_block)
+        self._error_blocks.update(b for b in ids[first:last] if b != NULL_BLOCK_ID)
+
+    def save(self, plan: StepPlan) -> None:
+        self._finished.update(plan.finished)
+        for job in plan.saves:
+            if self.engine is not None:
+                self._pending.append((job.req_id, self._executor.submit(self._save_one, job)))
+
+    def _save_one(self, job: SaveJob) -> None:
+        try:
+            tables = self.translation.block_tables(job.block_ids)
+            mask = None
+            if job.stored_tokens:
+                mask = np.ones(len(job.tokens), dtype=bool)
+                mask[: job.stored_tokens] = False
+            self.engine.store(job.tokens, tables, mask=mask)
+            self._count("saves")
+        except Exception:
+            logger.warning("kvconnect: save of %s failed; it will be a miss", job.req_id, exc_info=True)
+            self._count("save_failures")
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished saving, finished loading, failed loading) since the last call.
+
+        The plan's ``finished`` requests are reported once none of their saves is pending:
+        saves are joined at the start of every step, so that is the step that lists them.
+        """
+        busy = {req_id for req_id, future in self._pending if not future.done()}
+        saved = self._finished - busy
+        self._finished -= saved
+        loaded, self._loaded = self._loaded, set()
+        failed, self._failed_loads = self._failed_loads, set()
+        return saved, loaded, failed
+
+    def take_load_error_blocks(self) -> set[int]:
+        blocks, self._error_blocks = self._error_blocks, set()
+        return blocks
+
+    def close(self) -> None:
+        try:
+            self.begin_step()
+        finally:
+            self._executor.shutdown(wait=True)
+            if self.server is not None:
+                self.server.close()
+            if self.engine is not None:
+                self.engine.close()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n

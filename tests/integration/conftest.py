@@ -1,0 +1,66 @@
+"""Fixtures for the end-to-end engine tests (tests/integration).
+
+The tests here drive a real engine in subprocesses (one process per engine run, so
+engine teardown never leaks into the next run). They skip only when the engine package is
+not installed at all; a broken install fails them. For vLLM: ``.ci/install_vllm.sh`` then
+``.venv-vllm/bin/python -m pytest tests/integration -m vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Builds a tiny random model on first request: ``tiny_models(kind) -> directory``."""
+    import tiny_models as builders  # imports transformers: only where the engine is installed
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in built:
+            built[kind] = builders.BUILDERS[kind](str(root / kind))
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture
+def run_vllm(tmp_path):
+    """``run_vllm(model_dir, phases, connector=None, **options) -> result dict`` in a subprocess.
+
+    ``phases``: list of phases, each a list of prompts (token-id lists); vLLM's prefix cache
+    is reset between phases. ``connector``: the lookup-channel URL, or None for a plain run.
+    """
+    counter = iter(range(1000))
+
+    def run(model_dir: str, phases, connector=None, timeout_s: float = 240.0, **options) -> dict:
+        n = next(counter)
+        prompts, out = tmp_path / f"prompts{n}.json", tmp_path / f"result{n}.json"
+        prompts.write_text(json.dumps(phases))
+        cmd = [sys.executable, str(HERE / "vllm_run.py"), "--model", model_dir, "--prompts", str(prompts), "--out", str(out)]
+        if connector:
+            cmd += ["--connector", connector]
+        for key, value in options.items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(tmp_path))
+        if proc.returncode != 0 or not out.exists():
+            pytest.fail(f"vLLM run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        return json.loads(out.read_text())
+
+    return run
+
+
+def pytest_configure(config):
+    sys.path.insert(0, str(HERE))  # tiny_models, vllm_run

@@ -1,0 +1,85 @@
+"""Tiny, randomly initialised models written locally for the vLLM end-to-end tests.
+
+Nothing is downloaded: each builder makes a ``transformers`` config, instantiates the
+model with seeded random weights and saves it (safetensors) under ``out_dir``. The tests
+run vLLM with ``skip_tokenizer_init=True`` and token-id prompts, so no tokenizer is needed.
+
+Weights use a wider init than the default so greedy decoding has clear margins between
+logits (outputs must be comparable across runs bit for bit, not only nearly).
+
+| builder            | vLLM KV-cache groups                  | why |
+|--------------------|---------------------------------------|-----|
+| ``make_llama``     | 1 full-attention group                | plain GQA |
+| ``make_gemma3``    | 2 groups: sliding window + full (HMA) | windowed restore rule |
+| ``make_deepseek_v2``| 1 MLA group, 576-wide latent         | MLA rows (512 + 64) |
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 1000
+LOGIT_SHARPNESS = 30.0
+
+
+def _save(model, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def make_llama(out_dir: str, *, hidden_size: int = 128, num_layers: int = 2, seed: int = 0) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=hidden_size // 4 if hidden_size // 4 >= 32 else 32,
+        max_position_embeddings=4096, initializer_range=0.08, torch_dtype="float32",
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    return _save(LlamaForCausalLM(config).eval(), out_dir)
+
+
+def make_gemma3(out_dir: str, *, sliding_window: int = 64, seed: int = 0) -> str:
+    """Two layers: one sliding-window layer, one full layer (two KV-cache groups in vLLM)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096, initializer_range=0.08, torch_dtype="float32",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False,  # tied Gemma embeddings collapse random greedy outputs to one token
+    )
+    return _save(Gemma3ForCausalLM(config).eval(), out_dir)
+
+
+def make_deepseek_v2(out_dir: str, *, seed: int = 0) -> str:
+    """MLA with the latent vLLM's CPU backend accepts: kv_lora_rank 512 + rope 64 = 576."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
+        v_head_dim=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2,
+        max_position_embeddings=4096, initializer_range=0.08, torch_dtype="float32",
+        rope_scaling=None, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    model = DeepseekV2ForCausalLM(config).eval()
+    with torch.no_grad():
+        # vLLM's CPU MLA prefill over cached context (the path any prefix hit takes) is not
+        # bit-identical to its one-pass prefill (~1e-2 in logprobs); sharp logits keep greedy
+        # choices stable across that difference, so outputs still compare exactly.
+        model.lm_head.weight.mul_(LOGIT_SHARPNESS)
+    return _save(model, out_dir)
+
+
+BUILDERS = {"llama": make_llama, "gemma3": make_gemma3, "deepseek_v2": make_deepseek_v2}

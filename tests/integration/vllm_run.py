@@ -1,0 +1,88 @@
+"""One vLLM engine run for the end-to-end tests, in its own process (engine teardown stays out).
+
+    python tests/integration/vllm_run.py --model DIR --out result.json [--connector URL] ...
+
+Generates greedily, one phase at a time, from the prompts given as JSON lists of token
+ids; before every phase but the first, vLLM's own prefix cache is reset, so a prefix can
+only come back through kvconnect. With ``--connector``, after each phase the workers'
+counters are read over the connector's lookup channel (``lookup_url`` = URL). Writes
+``{"outputs": [[ids...], ...], "stats": [[{...} per rank] per phase], "resets": [bool per reset],
+"seconds": {...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON file: list of phases, each a list of token-id lists")
+    parser.add_argument("--connector", default=None, help="lookup channel URL; omit to run without a connector")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    args = parser.parse_args()
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: fast start, clean exit
+    tp = args.tensor_parallel_size
+    if tp > 1:  # one CPU worker per core: 0|1|...
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+    start = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if args.connector:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVConnectConnector", kv_role="kv_both",
+            kv_connector_module_path="kvconnect.integrations.vllm", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"lookup_url": args.connector, "chunk_size": args.chunk_size,
+                                       "max_local_cpu_size": 0.25, "lookup_timeout_s": 10.0},
+        )
+    llm = LLM(
+        model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=True, seed=0, tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else "uni", **kwargs,
+    )
+    started = time.monotonic()
+    with open(args.prompts) as f:
+        phases = json.load(f)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
+    outputs, stats, resets = [], [], []
+    client = None
+    if args.connector:
+        from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
+
+        client = LookupClient([rank_address(args.connector, i) for i in range(tp)], timeout_s=10.0)
+    for i, prompts in enumerate(phases):
+        if i:
+            resets.append(bool(llm.reset_prefix_cache()))
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs.extend(list(r.outputs[0].token_ids) for r in results)
+        if client is not None:
+            stats.append(client.stats())  # one dict per worker (TP rank)
+    if client is not None:
+        client.close()
+    result = {"outputs": outputs, "stats": stats, "resets": resets,
+              "seconds": {"start": started - start, "generate": time.monotonic() - started}}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    del llm
+
+
+if __name__ == "__main__":
+    main()

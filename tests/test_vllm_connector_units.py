@@ -1,0 +1,313 @@
+"""The vLLM connector's engine-free parts: lookup channel, scheduler planning, worker.
+
+No vLLM needed. The worker runs over a real KVCacheEngine on CPU tensors shaped like vLLM's
+CPU backend (pages) and a sliding-window hybrid, driven by the plans the scheduler makes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kvconnect import Config, ConfigError, GroupSpec, KVLayout
+from kvconnect.integrations.vllm.lookup_channel import LookupClient, LookupServer, check_address, rank_address
+from kvconnect.integrations.vllm.metadata import LoadJob, RequestView, SaveJob, StepPlan
+from kvconnect.integrations.vllm.scheduler import KVConnectScheduler
+from kvconnect.integrations.vllm.translate import Translation
+from kvconnect.integrations.vllm.worker import KVConnectWorker
+
+CHUNK = 64
+
+
+# --- lookup channel ----------------------------------------------------------------------
+class FixedHits:
+    def __init__(self, hit: int, delay_s: float = 0.0) -> None:
+        self.hit, self.delay_s, self.cleared, self.seen = hit, delay_s, 0, []
+
+    def lookup(self, tokens):
+        self.seen.append(tokens.copy())
+        time.sleep(self.delay_s)
+        return self.hit
+
+    def stats(self):
+        return {"hit": self.hit}
+
+    def clear(self):
+        self.cleared += 1
+
+
+@pytest.fixture
+def servers(tmp_path):
+    made = []
+
+    def make(*handlers):
+        base = f"ipc://{tmp_path}/kvc"
+        for i, h in enumerate(handlers):
+            made.append(LookupServer(rank_address(base, i), h))
+        return [rank_address(base, i) for i in range(len(handlers))]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_hit_is_the_minimum_over_workers(servers):
+    handlers = [FixedHits(512), FixedHits(448)]
+    client = LookupClient(servers(*handlers), timeout_s=5.0)
+    tokens = np.arange(600, dtype=np.int64)
+    assert client.lookup(tokens) == 448
+    assert all(np.array_equal(h.seen[0], tokens) for h in handlers)
+    assert client.stats() == [{"hit": 512}, {"hit": 448}]
+    assert client.clear() and [h.cleared for h in handlers] == [1, 1]
+    client.close()
+
+
+def test_a_silent_worker_is_a_miss_and_late_answers_are_ignored(servers):
+    client = LookupClient(servers(FixedHits(512), FixedHits(512, delay_s=0.6)), timeout_s=0.2)
+    assert client.lookup(np.arange(100)) == 0
+    assert client.num_timeouts == 1
+    time.sleep(0.7)  # the late answer arrives and must not be taken for the next question
+    client.timeout_s = 5.0
+    assert client.lookup(np.arange(100)) == 512
+    client.close()
+
+
+def test_server_survives_garbage(servers, tmp_path):
+    (address,) = servers(FixedHits(64))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    import pickle  # the payload only: the server must never unpickle it
+
+    garbage = [b"\x00\xff", pickle.dumps({"id": 1, "op": "lookup"}), msgpack.packb([1, 2]),
+               msgpack.packb({"id": 2, "op": "lookup", "tokens": b"abc"}), msgpack.packb({"id": 3, "op": "nope"}),
+               msgpack.packb({"id": 4, "op": "lookup", "tokens": msgpack.ExtType(1, b"x")})]
+    for g in garbage:
+        sock.send(g)
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["ok"] is False
+    sock.close(linger=0)
+    ctx.term()
+    client = LookupClient([address], timeout_s=5.0)
+    assert client.lookup(np.arange(10)) == 64  # still serving
+    client.close()
+
+
+@pytest.mark.parametrize("bad", ["tcp://0.0.0.0:5555", "tcp://10.1.2.3:5555", "tcp://127.0.0.1", "http://x", "ipc://"])
+def test_only_ipc_or_loopback_addresses(bad):
+    with pytest.raises(ConfigError):
+        check_address(bad)
+
+
+def test_rank_addresses():
+    assert rank_address("ipc:///tmp/k", 3) == "ipc:///tmp/k-3"
+    assert rank_address("tcp://127.0.0.1:7000", 2) == "tcp://127.0.0.1:7002"
+
+
+# --- scheduler ---------------------------------------------------------------------------
+def _view(n: int, req_id: str = "r", num_tokens: int | None = None, cacheable: bool = True) -> RequestView:
+    return RequestView(req_id, np.arange(n, dtype=np.int64) + 3, num_tokens if num_tokens is not None else n, cacheable)
+
+
+def test_hits_leave_a_token_and_count_beyond_vllms_own():
+    sched = KVConnectScheduler(FixedHits(512), chunk_tokens=CHUNK)
+    assert sched.num_new_matched_tokens(_view(512), 0) == (511, True)  # whole prompt: one token left
+    assert sched.num_new_matched_tokens(_view(537), 0) == (512, True)
+    assert sched.num_new_matched_tokens(_view(537), 128) == (384, True)
+    assert sched.num_new_matched_tokens(_view(537), 512) == (0, False)
+    assert sched.num_new_matched_tokens(_view(60), 0) == (0, False)  # shorter than a chunk
+    assert sched.num_new_matched_tokens(_view(537, cacheable=False), 0) == (0, False)
+
+
+def test_a_load_is_planned_once_with_vllms_counts():
+    sched = KVConnectScheduler(FixedHits(512), chunk_tokens=CHUNK)
+    req = _view(537)
+    assert sched.num_new_matched_tokens(req, 128) == (384, True)
+    sched.after_alloc(req, ((1, 2, 3),), num_computed=0, num_external=384)
+    plan = sched.build_plan({}, lambda r: 0, lambda r: None)
+    (load,) = plan.loads
+    assert (load.present_tokens, load.end_tokens, len(load.tokens), load.block_ids) == (128, 512, 512, ((1, 2, 3),))
+    assert sched.build_plan({}, lambda r: 0, lambda r: None).loads == ()
+
+
+def test_trimmed_hit_loads_whole_chunks_only():
+    sched = KVConnectScheduler(FixedHits(512), chunk_tokens=CHUNK)
+    req = _view(600)
+    sched.num_new_matched_tokens(req, 0)
+    sched.after_alloc(req, ((1,),), num_computed=0, num_external=480)  # vLLM kept 480 of 512
+    (load,) = sched.build_plan({}, lambda r: 0, lambda r: None).loads
+    assert (len(load.tokens), load.end_tokens) == (448, 480)  # the worker reports [448, 480) as failed
+
+
+def test_saves_follow_the_chunks_each_step_completes():
+    sched = KVConnectScheduler(FixedHits(0), chunk_tokens=CHUNK)
+    req = _view(300)
+    sched.num_new_matched_tokens(req, 0)
+    sched.after_alloc(req, (), num_computed=0, num_external=0)
+    computed = {"r": 0}
+    ids = lambda r: ((7, 8),)  # noqa: E731
+    stored = []
+    for step_tokens in [100, 100, 100]:
+        plan = sched.build_plan({"r": step_tokens}, lambda r: computed[r], ids)
+        computed["r"] += step_tokens
+        stored.append([(len(s.tokens), s.stored_tokens) for s in plan.saves])
+    # chunks end at 64, 128, 192, 256: saved in the step that completes them; 300 % 64 is never stored
+    assert stored == [[(64, 0)], [(192, 64)], [(256, 192)]]
+    assert sched.request_finished("r") is True  # saved in the latest plan: blocks held
+    assert sched.build_plan({}, lambda r: 0, ids).finished == ("r",)
+
+
+def test_finished_without_a_recent_save_frees_at_once():
+    sched = KVConnectScheduler(FixedHits(0), chunk_tokens=CHUNK)
+    req = _view(128)
+    sched.num_new_matched_tokens(req, 0)
+    sched.after_alloc(req, (), num_computed=0, num_external=0)
+    assert len(sched.build_plan({"r": 128}, lambda r: 0, lambda r: ((1, 2),)).saves) == 1
+    sched.build_plan({"r": 1}, lambda r: 128, lambda r: ((1, 2),))  # a decode step: nothing to save
+    assert sched.request_finished("r") is False
+
+
+def test_uncacheable_requests_are_never_saved():
+    sched = KVConnectScheduler(FixedHits(0), chunk_tokens=CHUNK)
+    req = _view(256, cacheable=False)
+    sched.num_new_matched_tokens(req, 0)
+    sched.after_alloc(req, (), num_computed=0, num_external=0)
+    assert sched.build_plan({"r": 256}, lambda r: 0, lambda r: ((1,),)).saves == ()
+
+
+# --- worker ------------------------------------------------------------------------------
+NB, BS = 16, 32
+
+
+@dataclass
+class Hybrid:
+    """A vLLM-CPU-like hybrid: a window group and a full group of page planes."""
+
+    full: torch.Tensor
+    swa: torch.Tensor
+    translation: Translation
+
+
+def _hybrid(window: int = 64) -> Hybrid:
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(NB, 2, BS, 16, generator=g)
+    swa = torch.randn(NB, 2, BS, 16, generator=g)
+    groups = [GroupSpec(block_size=BS, sliding_window=window, restore_window=window - 1), GroupSpec(block_size=BS)]
+    layout = KVLayout.from_tensors({"swa": swa, "full": full}, groups=groups, layer_groups={"swa": 0, "full": 1},
+                                   layout_hints="page")
+    return Hybrid(full, swa, Translation(layout, source_groups=(0, 1), num_vllm_groups=2, layer_names=("swa", "full")))
+
+
+def _worker(t: Translation) -> KVConnectWorker:
+    worker = KVConnectWorker(Config(chunk_size=CHUNK, max_local_cpu_size=0.01), None)
+    worker.register(t)
+    return worker
+
+
+def _step(worker: KVConnectWorker, plan: StepPlan, finished=()):
+    worker.begin_step()
+    worker.load(plan)
+    worker.save(plan)
+    return worker.transfer_results(set(finished))
+
+
+def test_worker_saves_windows_and_restores_into_new_blocks():
+    h = _hybrid()
+    worker = _worker(h.translation)
+    tokens = np.arange(256, dtype=np.int64) + 11
+    # prefill in two steps; window blocks (group 0) before the window are freed (0) in step 2
+    _step(worker, StepPlan(saves=(SaveJob("a", tokens[:128], ((1, 2, 3, 4), (1, 2, 3, 4)), 0),)))
+    _step(worker, StepPlan(saves=(SaveJob("a", tokens[:256], ((0, 0, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 5, 6, 7, 8)), 128),)))
+    worker.begin_step()
+    assert worker.lookup(tokens) == 256
+
+    full0, swa0 = h.full.clone(), h.swa.clone()
+    new_full = (9, 10, 11, 12, 13, 14, 15, 1)
+    new_swa = (0, 0, 0, 0, 0, 0, 14, 15)  # vLLM only allocates the window's blocks
+    saved, loaded, failed = _step(worker, StepPlan(loads=(LoadJob("b", tokens[:256], (new_swa, new_full), 0, 255),)))
+    assert loaded == {"b"} and not failed and not worker.take_load_error_blocks()
+    # full group: all 8 pages; window group: the last two pages (tokens 192..255 need 63 back)
+    full_src, full_dst = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 1]
+    for s, d in zip(full_src, full_dst):
+        assert torch.equal(h.full[d], full0[s])
+    assert torch.equal(h.swa[14], swa0[7]) and torch.equal(h.swa[15], swa0[8])
+    untouched = [b for b in range(NB) if b not in (14, 15)]
+    assert torch.equal(h.swa[untouched], swa0[untouched])
+    assert worker.stats()["loaded_tokens"] == 256
+    worker.close()
+
+
+def test_worker_never_writes_into_blocks_vllm_already_holds():
+    h = _hybrid()
+    worker = _worker(h.translation)
+    tokens = np.arange(256, dtype=np.int64) + 5
+    _step(worker, StepPlan(saves=(SaveJob("a", tokens, ((1, 2, 3, 4, 5, 6, 7, 8),) * 2, 0),)))
+    worker.begin_step()
+    # vLLM holds tokens [0, 96) itself (blocks 9..11 of the full group): a chunk boundary is at 64
+    full0 = h.full.clone()
+    ids_full = (9, 10, 11, 12, 13, 14, 15, 1)
+    job = LoadJob("b", tokens, ((0, 0, 0, 0, 0, 0, 14, 15), ids_full), present_tokens=96, end_tokens=255)
+    _, loaded, failed = _step(worker, StepPlan(loads=(job,)))
+    assert loaded == {"b"} and not failed
+    assert torch.equal(h.full[9:12], full0[9:12])  # vLLM's own blocks: untouched
+    for s, d in zip([4, 5, 6, 7, 8], [12, 13, 14, 15, 1]):
+        assert torch.equal(h.full[d], full0[s])
+    worker.close()
+
+
+def test_failed_loads_are_reported_for_recompute():
+    h = _hybrid()
+    worker = _worker(h.translation)
+    tokens = np.arange(256, dtype=np.int64)
+    job = LoadJob("b", tokens, ((0, 0, 0, 0, 0, 0, 14, 15), (9, 10, 11, 12, 13, 14, 15, 1)), 0, 255)
+    _, loaded, failed = _step(worker, StepPlan(loads=(job,)))  # nothing stored: a miss
+    assert loaded == {"b"} and failed == {"b"}  # two vLLM groups: the request is reported
+    assert worker.stats()["load_failures"] == 1
+    worker.close()
+
+
+def test_single_group_failures_name_blocks():
+    layout = KVLayout.from_tensors({"l": torch.zeros(NB, 2, BS, 16)}, groups=[GroupSpec(block_size=BS)], layout_hints="page")
+    worker = _worker(Translation(layout, (0,), 1, ("l",)))
+    job = LoadJob("b", np.arange(128), ((3, 4, 5, 6),), present_tokens=32, end_tokens=127)
+    _, loaded, failed = _step(worker, StepPlan(loads=(job,)))
+    assert loaded == {"b"} and not failed
+    assert worker.take_load_error_blocks() == {4, 5, 6}  # vLLM's own block 3 stays valid
+    worker.close()
+
+
+def test_finished_requests_are_reported_after_their_saves():
+    h = _hybrid()
+    worker = _worker(h.translation)
+    tokens = np.arange(128, dtype=np.int64)
+    gate = threading.Event()
+    original = worker.engine.store
+
+    def slow_store(*a, **k):
+        gate.wait(5)
+        return original(*a, **k)
+
+    worker.engine.store = slow_store
+    worker.save(StepPlan(saves=(SaveJob("a", tokens, ((1, 2, 3, 4),) * 2, 0),), finished=("a",)))
+    assert worker.transfer_results(set())[0] == set()  # its save still runs: blocks stay with vLLM
+    gate.set()
+    worker.begin_step()
+    assert worker.transfer_results(set())[0] == {"a"}
+    assert worker.transfer_results(set())[0] == set()
+    worker.close()
+
+
+def test_worker_without_a_layout_answers_misses():
+    worker = KVConnectWorker(Config(chunk_size=CHUNK), None)
+    assert worker.lookup(np.arange(128)) == 0
+    _, loaded, failed = _step(worker, StepPlan(loads=(LoadJob("x", np.arange(128), ((1, 2),), 0, 127),)))
+    assert loaded == failed == {"x"}
+    assert worker.stats()["enabled"] == 0
+    worker.close()

@@ -1,0 +1,307 @@
+"""translate.py: vLLM / vLLM-Ascend KV-cache configs and tensors -> kvconnect layouts.
+
+No vLLM needed: the spec classes below are look-alikes with vLLM's class names and fields
+(translate reads specs by class name and attribute). Tensors are CPU tensors shaped and
+strided the way each engine registers them. Every layout is checked by geometry and by a
+byte-exact store/retrieve round trip through KVCacheEngine into other blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from types import SimpleNamespace
+from typing import Optional
+
+import numpy as np
+import pytest
+import torch
+
+from kvconnect import BlockTableError, Config, GroupSpec, KVCacheEngine, LayoutError
+from kvconnect.integrations.vllm import translate
+from kvconnect.integrations.vllm.translate import UnsupportedLayoutError, group_spec_of, translate_kv_caches
+
+
+# --- vLLM look-alikes (names matter; fields as in vllm/v1/kv_cache_interface.py) ----------
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: Optional[int] = None
+    tokens_per_state: object = 1
+    num_head_slots: Optional[int] = None
+
+
+class MLAAttentionSpec(FullAttentionSpec):
+    pass
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: int = 64
+    tokens_per_state: object = 1
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    block_size: int
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(FullAttentionSpec):
+    pass
+
+
+@dataclass(frozen=True)
+class UniformTypeKVCacheSpecs:
+    block_size: int
+    kv_cache_specs: dict = field(default_factory=dict, hash=False)
+
+
+# vLLM-Ascend (vllm_ascend/core/kv_cache_interface.py)
+@dataclass(frozen=True)
+class AscendMLAAttentionSpec(FullAttentionSpec):
+    compress_ratio: int = 1
+
+
+@dataclass(frozen=True)
+class AscendSFAIndexerCacheSpec(FullAttentionSpec):
+    pass
+
+
+@dataclass
+class KVCacheGroupSpec:
+    layer_names: list
+    kv_cache_spec: object
+
+
+@dataclass
+class KVCacheConfig:  # vLLM >= 0.32: registered caches are logical [B, H, N, C] views
+    num_blocks: int
+    kv_cache_groups: list
+    kv_cache_layout: Optional[str] = "LBNHC"
+
+
+@dataclass
+class LegacyKVCacheConfig:  # older vLLM and vLLM-Ascend: engine-native shapes
+    num_blocks: int
+    kv_cache_groups: list
+
+
+NB = 8
+
+
+def _filled(shape, dtype, seed) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100, 100, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def _roundtrip(t: translate.Translation, num_tokens: int, src: list[int], dst: list[int], chunk: int) -> None:
+    """Store tokens from blocks ``src`` (every vLLM group), retrieve into ``dst``, compare bytes.
+
+    Block 0 is vLLM's null block, so it is never a source or a target.
+    """
+    engine = KVCacheEngine(t.layout, Config(chunk_size=chunk, max_local_cpu_size=0.01))
+    tokens = np.arange(num_tokens, dtype=np.int64) + 7
+    ids = tuple([tuple(src)] * t.num_vllm_groups)
+    assert engine.store(tokens, t.block_tables(ids)) == num_tokens
+    before = [p.clone() for p in t.layout.tensors]
+    assert engine.retrieve(tokens, t.block_tables(tuple([tuple(dst)] * t.num_vllm_groups))) == num_tokens
+    for plane, tensor, old in zip(t.layout.planes, t.layout.tensors, before):
+        for s, d in zip(src, dst):  # whole blocks: the tokens fill the source blocks
+            assert torch.equal(tensor[d], old[s]), f"{plane.name}: block {s} -> {d}"
+        untouched = [b for b in range(plane.num_blocks) if b not in dst]
+        assert torch.equal(tensor[untouched], old[untouched]), f"{plane.name}: bytes outside the target moved"
+
+
+# --- specs -------------------------------------------------------------------------------
+def test_group_specs_follow_vllm_rules():
+    assert group_spec_of(FullAttentionSpec(16, 8, 128, torch.bfloat16)) == GroupSpec(block_size=16)
+    # hybrid allocator off: a sliding layer under a FullAttentionSpec keeps every block
+    assert group_spec_of(FullAttentionSpec(16, 8, 128, torch.bfloat16, sliding_window=128)) == GroupSpec(block_size=16)
+    swa = group_spec_of(SlidingWindowSpec(32, 2, 64, torch.float32, sliding_window=64))
+    assert (swa.sliding_window, swa.restore_window) == (64, 63)  # vLLM keeps the last W - 1 tokens
+    assert group_spec_of(MLAAttentionSpec(256, 1, 584, torch.uint8, tokens_per_state=4)).compress_ratio == 4
+    assert group_spec_of(AscendMLAAttentionSpec(512, 1, 512, torch.bfloat16, compress_ratio=4)).rows_per_block == 128
+
+
+@pytest.mark.parametrize("spec", [
+    MambaSpec(16),
+    ChunkedLocalAttentionSpec(16, 8, 128, torch.bfloat16),
+    FullAttentionSpec(16, 8, 128, torch.bfloat16, tokens_per_state=Fraction(1, 2)),
+])
+def test_unsupported_specs_keep_the_connector_off(spec):
+    with pytest.raises(UnsupportedLayoutError):
+        group_spec_of(spec)
+
+
+def test_a_mamba_group_turns_the_whole_model_off():
+    attn = FullAttentionSpec(16, 2, 64, torch.float32)
+    config = KVCacheConfig(NB, [KVCacheGroupSpec(["a"], attn), KVCacheGroupSpec(["m"], MambaSpec(16))])
+    caches = {"a": torch.zeros(NB, 16, 2, 64).permute(0, 2, 1, 3), "m": torch.zeros(1024, dtype=torch.int8)}
+    with pytest.raises(UnsupportedLayoutError):
+        translate_kv_caches(config, caches)
+
+
+# --- vLLM tensors ------------------------------------------------------------------------
+def test_cpu_backend_pages(rng):
+    """vLLM CPU: [B, H, N, 2D] with K transposed inside a (block, head) page -> one page per block."""
+    spec = FullAttentionSpec(32, 2, 64, torch.float32)
+    backing = _filled((2, NB, 2, 32, 128), torch.float32, 1)  # all layers views of one allocation
+    caches = {"l0": backing[0], "l1": backing[1]}
+    config = KVCacheConfig(NB, [KVCacheGroupSpec(["l0", "l1"], spec)], kv_cache_layout="LBHNC")
+    t = translate_kv_caches(config, caches, backend_names={"l0": "CPU_ATTN", "l1": "CPU_ATTN"})
+    assert [p.is_page for p in t.layout.planes] == [True, True]
+    assert t.layout.planes[0].row_bytes == 2 * 32 * 128 * 4
+    assert t.layout.groups == (GroupSpec(block_size=32),)
+    _roundtrip(t, 64, src=[1, 2], dst=[5, 6], chunk=64)
+
+
+def test_logical_view_with_token_rows():
+    """vLLM >= 0.32 on GPU (LBNHC): a [B, H, N, C] view of [B, N, H, C] memory -> rows of H*C."""
+    spec = FullAttentionSpec(16, 4, 32, torch.bfloat16)
+    physical = _filled((NB, 16, 4, 64), torch.bfloat16, 2)
+    caches = {"l0": physical.permute(0, 2, 1, 3)}
+    t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)]), caches, backend_names={"l0": "FLASH_ATTN"})
+    (plane,) = t.layout.planes
+    assert (plane.rows_per_block, plane.row_bytes, plane.is_page) == (16, 4 * 64 * 2, False)
+    _roundtrip(t, 32, src=[3, 4], dst=[1, 7], chunk=16)
+
+
+def test_logical_view_hnd_splits_heads():
+    spec = FullAttentionSpec(16, 2, 32, torch.float16)
+    caches = {"l0": _filled((NB, 2, 16, 64), torch.float16, 3)}  # LBHNC memory, not a page backend
+    t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)], kv_cache_layout="LBHNC"), caches)
+    assert len(t.layout.planes) == 2 and t.layout.planes[0].row_bytes == 64 * 2
+    _roundtrip(t, 16, src=[2], dst=[6], chunk=16)
+
+
+def test_cpu_mla_view():
+    """vLLM CPU MLA registers [NB, 1, 16, 576]: one token row of 576 per slot."""
+    spec = MLAAttentionSpec(16, 1, 576, torch.bfloat16)
+    caches = {"l0": _filled((NB, 16, 1, 576), torch.bfloat16, 4).permute(0, 2, 1, 3),
+              "l1": _filled((NB, 16, 1, 576), torch.bfloat16, 5).permute(0, 2, 1, 3)}
+    t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0", "l1"], spec)]), caches,
+                            backend_names={"l0": "CPU_MLA", "l1": "CPU_MLA"})
+    assert [(p.rows_per_block, p.row_bytes) for p in t.layout.planes] == [(16, 1152), (16, 1152)]
+    _roundtrip(t, 32, src=[1, 3], dst=[4, 5], chunk=32)
+
+
+def test_legacy_flash_layout():
+    spec = FullAttentionSpec(16, 2, 64, torch.bfloat16)
+    caches = {"l0": _filled((2, NB, 16, 2, 64), torch.bfloat16, 6)}  # [2, NB, BS, H, D]
+    t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)]), caches)
+    assert len(t.layout.planes) == 2  # K and V
+    _roundtrip(t, 16, src=[5], dst=[2], chunk=16)
+
+
+# --- vLLM-Ascend tuples ------------------------------------------------------------------
+def test_ascend_mla_nope_rope_and_indexer_scale():
+    """One UniformType group: MLA layers as (nope, rope), indexer layers as (int8 K, fp16 scale)."""
+    mla = AscendMLAAttentionSpec(32, 1, 576, torch.bfloat16)
+    idx = AscendSFAIndexerCacheSpec(32, 1, 128, torch.int8)
+    group = UniformTypeKVCacheSpecs(32, {"attn.0": mla, "indexer.0": idx})
+    caches = {
+        "attn.0": (_filled((NB, 32, 1, 512), torch.bfloat16, 7), _filled((NB, 32, 1, 64), torch.bfloat16, 8)),
+        "indexer.0": [_filled((NB, 32, 1, 128), torch.int8, 9), _filled((NB, 32, 1, 1), torch.float16, 10)],
+    }
+    t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["attn.0", "indexer.0"], group)]), caches)
+    assert [p.row_bytes for p in t.layout.planes] == [1024, 128, 128, 2]
+    assert t.layout.num_groups == 1 and t.source_groups == (0,)
+    _roundtrip(t, 64, src=[1, 2], dst=[6, 7], chunk=32)
+
+
+def test_ascend_compressed_mla():
+    spec = AscendMLAAttentionSpec(128, 1, 576, torch.bfloat16, compress_ratio=4)  # 32 rows per block
+    caches = {"c4": (_filled((NB, 32, 1, 512), torch.bfloat16, 11), _filled((NB, 32, 1, 64), torch.bfloat16, 12))}
+    t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["c4"], spec)]), caches)
+    assert t.layout.groups == (GroupSpec(block_size=128, compress_ratio=4),)
+    _roundtrip(t, 256, src=[2, 3], dst=[5, 6], chunk=128)
+
+
+# --- hybrid allocator, sharing, block ids ---------------------------------------------------
+def test_hybrid_groups_share_memory_but_keep_both_layers():
+    """HMA: a window layer and a full layer are views of the same allocation (one group owns a
+    block at a time), so equal tensors in different groups are both kept."""
+    full, swa = FullAttentionSpec(32, 2, 64, torch.float32), SlidingWindowSpec(32, 2, 64, torch.float32, sliding_window=64)
+    shared = _filled((NB, 2, 32, 128), torch.float32, 13)
+    config = KVCacheConfig(NB, [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)], kv_cache_layout="LBHNC")
+    t = translate_kv_caches(config, {"swa": shared, "full": shared}, backend_names={"swa": "CPU_ATTN", "full": "CPU_ATTN"})
+    assert t.layout.num_groups == 2 and t.source_groups == (0, 1)
+    assert t.layout.groups[0].restore_window == 63 and t.layout.groups[1].sliding_window is None
+
+
+def test_kv_sharing_layers_stored_once():
+    spec = FullAttentionSpec(16, 2, 32, torch.float16)
+    tensor = _filled((NB, 16, 2, 64), torch.float16, 14).permute(0, 2, 1, 3)
+    t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0", "l1"], spec)]), {"l0": tensor, "l1": tensor})
+    assert [p.layer_name for p in t.layout.planes] == ["l0"]
+
+
+def test_page_and_row_layers_of_one_group_split_into_two():
+    spec = FullAttentionSpec(32, 2, 64, torch.float32)
+    caches = {"p": _filled((NB, 2, 32, 128), torch.float32, 15), "r": _filled((NB, 32, 2, 128), torch.float32, 16).permute(0, 2, 1, 3)}
+    t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["p", "r"], spec)], kv_cache_layout="LBHNC"),
+                            caches, backend_names={"p": "CPU_ATTN"})
+    assert t.layout.num_groups == 2 and t.source_groups == (0, 0)
+    _roundtrip(t, 64, src=[1, 2], dst=[3, 4], chunk=64)
+
+
+def test_block_tables_map_the_null_block():
+    spec = FullAttentionSpec(16, 2, 32, torch.float16)
+    caches = {"l0": _filled((NB, 16, 2, 64), torch.float16, 17).permute(0, 2, 1, 3)}
+    t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)]), caches)
+    (table,) = t.block_tables(([0, 5, 0, 7],))
+    assert table.tolist() == [-1, 5, -1, 7]
+    with pytest.raises(BlockTableError):
+        t.block_tables(([1], [2]))
+
+
+def test_shape_not_matching_the_spec_is_a_layout_error():
+    spec = FullAttentionSpec(16, 2, 32, torch.float16)
+    with pytest.raises(LayoutError):
+        translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)]), {"l0": torch.zeros(NB, 3, 5, 64)})
+
+
+def test_identity_separates_ranks_and_stages():
+    spec = FullAttentionSpec(16, 2, 32, torch.float16)
+    caches = {"l0": _filled((NB, 16, 2, 64), torch.float16, 18).permute(0, 2, 1, 3)}
+    config = KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)])
+    base = translate_kv_caches(config, caches, model_name="m").layout.fingerprint
+    assert translate_kv_caches(config, caches, model_name="m").layout.fingerprint == base
+    assert translate_kv_caches(config, caches, model_name="m", tp_rank=1, tp_size=2).layout.fingerprint != base
+    assert translate_kv_caches(config, caches, model_name="m", pp_rank=1, pp_size=2).layout.fingerprint != base
+    assert translate_kv_caches(config, caches, model_name="other").layout.fingerprint != base
+
+
+# --- scheduler-side reads ----------------------------------------------------------------
+def _request(**kw):
+    base = dict(request_id="r", prompt_token_ids=[5, 6, 7], num_tokens=4, mm_features=None, lora_request=None,
+                prompt_embeds=None, cache_salt=None, num_computed_tokens=0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("extra, cacheable", [
+    ({}, True), ({"mm_features": [object()]}, False), ({"lora_request": object()}, False),
+    ({"cache_salt": "tenant"}, False), ({"prompt_token_ids": None}, False),
+])
+def test_request_view_is_cacheable_only_when_tokens_decide_the_kv(extra, cacheable):
+    view = translate.request_view(_request(**extra))
+    assert view.cacheable is cacheable and view.num_tokens == 4
+
+
+def test_current_block_ids_prefer_the_scheduler_block_state():
+    state = SimpleNamespace(get_block_ids=lambda r: ([1, 0, 3], [4]) if r == "a" else None)
+    manager = SimpleNamespace(get_block_ids=lambda r: ([9], [9]))
+    out = SimpleNamespace(kv_connector_block_state=state)
+    assert translate.current_block_ids(out, manager, "a") == ((1, 0, 3), (4,))
+    assert translate.current_block_ids(out, manager, "b") == ((9,), (9,))
+    assert translate.current_block_ids(SimpleNamespace(), None, "a") is None
