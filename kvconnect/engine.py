@@ -13,9 +13,11 @@ Data flow of ``retrieve``: key chain -> pinned pool entries -> restore gate (lar
 which every group can resume) -> exactly the rows each group needs at P -> one scatter
 into the engine's blocks. All validation happens before the first byte moves.
 
-``mask`` follows LMCache: a bool tensor over the tokens whose leading ``False`` run (a
-chunk multiple) marks tokens the engine already has; those chunks are neither stored nor
-loaded, and ``retrieve`` returns the tokens loaded beyond them.
+``mask`` follows LMCache: a bool tensor over the tokens whose leading ``False`` run marks
+tokens the engine already has; those chunks are neither stored nor loaded, and ``retrieve``
+returns the tokens loaded beyond them. For ``store`` the run is a chunk multiple; for
+``retrieve`` it may end inside a chunk (an engine's block-aligned prefix hit): rows of the
+masked tokens are never written.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class KVCacheEngine:
         keys = self.keyer.keys(tok, bounds)
         return [Chunk(i, s, e, k) for i, ((s, e), k) in enumerate(zip(bounds, keys))]
 
-    def _masked_prefix(self, mask, num_tokens: int) -> int:
+    def _masked_prefix(self, mask, num_tokens: int, *, chunk_aligned: bool = True) -> int:
         if mask is None:
             return 0
         m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
@@ -102,7 +104,7 @@ class KVCacheEngine:
         skip = int(np.argmax(m)) if m.any() else num_tokens
         if not m[skip:].all():
             raise TokenError("mask must be a run of False followed by True only")
-        if skip % self.config.chunk_size and skip != num_tokens:
+        if chunk_aligned and skip % self.config.chunk_size and skip != num_tokens:
             raise TokenError(f"the mask's False prefix ({skip} tokens) must be a multiple of the chunk size {self.config.chunk_size}")
         return skip
 
@@ -168,23 +170,24 @@ class KVCacheEngine:
         anything is written, when a needed row has no valid block.
         """
         tok = tokens_as_int64(tokens)
-        skip = self._masked_prefix(mask, len(tok))
+        skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
         chunks = self._chunks(tok, include_partial=True)
         # chunks below the mask are already in the engine: never fetch them from a tier
-        wanted = [c for c in chunks if c.start >= skip]
+        wanted = [c for c in chunks if c.end > skip]
         entries = [None] * (len(chunks) - len(wanted)) + list(self.storage.acquire([c.key for c in wanted]))
         try:
             masks = [e.header.group_mask if e is not None else None for e in entries]
             boundary = restorable_boundary(self.layout, chunks, masks, present_below=skip)
             if boundary <= skip:
                 return 0
-            load = [c for c in chunks if c.start >= skip and c.end <= boundary]
+            load = [c for c in chunks if c.end > skip and c.end <= boundary]
             used = [entries[c.index] for c in load]
             try:
                 builder = retrieve_segments(
                     self.layout, load, [e.header if e is not None else None for e in used],
                     [self.pool.slot_offset(e.slot) if e is not None else 0 for e in used], boundary, tables,
+                    present_tokens=skip,
                 )
             except CorruptChunkError as exc:
                 logger.warning("kvconnect: dropping an inconsistent chunk; reporting a miss: %s", exc)

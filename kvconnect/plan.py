@@ -261,16 +261,20 @@ def retrieve_segments(
     buffer_offsets: Sequence[int],
     boundary: int,
     tables: BlockTables,
+    *,
+    present_tokens: int = 0,
 ) -> SegmentBuilder:
     """Segments that load exactly the rows needed to resume at ``boundary`` from each chunk.
 
     ``headers[i]`` is the stored header of ``chunks[i]`` (None: the chunk is not needed).
+    Rows of tokens below ``present_tokens`` are already in the engine and never written
+    (the engine's own prefix hit may end inside a chunk).
     Raises BlockTableError (nothing written) when a needed row has no valid block, and
     CorruptChunkError when a header does not hold rows the gate said it holds.
     """
     arrays = PlaneArrays(layout)
     builder = SegmentBuilder()
-    needed = [geo.needed_rows(boundary) for geo in layout.geometries]
+    needed = [intersect(geo.needed_rows(boundary), geo.chunk_rows(present_tokens, boundary)) for geo in layout.geometries]
     for chunk, header, base in zip(chunks, headers, buffer_offsets):
         need = [intersect(needed[g], geo.chunk_rows(chunk.start, chunk.end)) for g, geo in enumerate(layout.geometries)]
         if header is None:

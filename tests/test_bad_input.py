@@ -138,8 +138,12 @@ def _bad_masks():
     }
 
 
-@pytest.mark.parametrize("what", sorted(_bad_masks()))
-@pytest.mark.parametrize("op", ["store", "retrieve"])
+# retrieve accepts a prefix ending inside a chunk (tested in test_engine_roundtrip.py)
+_MASK_CASES = [(op, what) for op in ("store", "retrieve") for what in sorted(_bad_masks())
+               if not (op == "retrieve" and what == "prefix not a chunk multiple")]
+
+
+@pytest.mark.parametrize("op,what", _MASK_CASES)
 def test_bad_masks(world, op, what):
     mask = _bad_masks()[what]
     tables = world.tables if op == "store" else world.dst_tables

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import zoo
-from kvconnect import KVCacheEngine
+from kvconnect import KVCacheEngine, TokenError
 from kvconnect.chunk_format import decode_header
 
 ZOO_CHUNKS = [(name, chunk) for name, (_, sizes) in zoo.ZOO.items() for chunk in sizes]
@@ -278,3 +278,29 @@ def test_shared_prefix_prompts(rng):
     c = np.concatenate([base, zoo.random_tokens(rng, 3 * chunk)])
     assert engine.lookup(c) == 2 * chunk
     assert engine.lookup(a) == engine.lookup(b) == 4 * chunk
+
+
+@pytest.mark.parametrize("name", MASK_CASES)
+def test_retrieve_with_mask_ending_inside_a_chunk(name, rng):
+    """An engine prefix hit that ends inside a chunk (block-aligned, not chunk-aligned): the
+    straddling chunk is loaded only for tokens past the mask; the engine's rows survive."""
+    chunk = zoo.ZOO[name][1][0]
+    n, skip = 3 * chunk, chunk + chunk // 2
+    case = zoo.build(name, max_tokens=n, seed=4)
+    tokens = zoo.random_tokens(rng, n)
+    bounds = zoo.chunk_bounds_ref(n, chunk, False)
+    src_tables = _src_tables(case, name, n, bounds, rng)
+    engine = _engine(case, chunk)
+    assert engine.store(tokens, src_tables) == n
+
+    dst = case.clone(fill=0x5A)
+    dst_engine = _engine(dst, chunk)
+    zoo.transplant(engine, dst_engine, tokens)
+    dst_tables = _dst_tables(case, name, n, n, rng)
+    mask = np.ones(n, bool)
+    mask[:skip] = False
+    expected = zoo.expected_restore(case, dst.clone(), src_tables, dst_tables, n, skip=skip)
+    assert dst_engine.retrieve(tokens, dst_tables, mask=mask) == n - skip
+    assert dst.first_difference(expected) is None
+    with pytest.raises(TokenError):  # a store's mask stays chunk-aligned
+        dst_engine.store(tokens, dst_tables, mask=mask)
