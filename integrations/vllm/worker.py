@@ -108,35 +108,16 @@ class KVConnectWorker:
     def _load_one(self, job: LoadJob) -> bool:
         if self.engine is None or self.translation is None:
             return False
-        chunk = self.config.chunk_size
-        skip = job.present_tokens // chunk * chunk
-        tables = self._sink_present_blocks(self.translation.block_tables(job.block_ids), skip, job.present_tokens)
+        tables = self.translation.block_tables(job.block_ids)
         mask = None
-        if skip:
+        if job.present_tokens:
+            # vLLM's own prefix hit may end inside a chunk; its blocks may be shared with other
+            # running requests, so the rows of those tokens must never be written
             mask = np.ones(len(job.tokens), dtype=bool)
-            mask[:skip] = False
+            mask[: job.present_tokens] = False
         loaded = self.engine.retrieve(job.tokens, tables, mask=mask)
         self._count("loaded_tokens", loaded)
-        return skip + loaded >= job.end_tokens
-
-    def _sink_present_blocks(self, tables: list[np.ndarray], skip: int, present: int) -> list[np.ndarray]:
-        """Point blocks vLLM already holds (tokens [skip, present)) at the null block.
-
-        Loads start at a chunk boundary; vLLM's own prefix hit may end inside a chunk. Its
-        blocks may be shared with other running requests, so the chunk's rows that fall in
-        them are written to vLLM's null block (never read for a valid position) instead.
-        """
-        if present <= skip:
-            return tables
-        out = []
-        for g, table in enumerate(tables):
-            per_block = self.translation.tokens_per_block(g)
-            first = skip // per_block
-            last = present // per_block  # blocks [first, last) are vLLM's and hold rows of [skip, present)
-            table = table.copy()
-            table[first:min(last, len(table))] = NULL_BLOCK_ID
-            out.append(table)
-        return out
+        return job.present_tokens + loaded >= job.end_tokens
 
     def _report_failed_load(self, job: LoadJob) -> None:
         """vLLM recomputes: by block ids where it can map them (one group), else the request."""
