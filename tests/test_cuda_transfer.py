@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import zoo
 from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout, TransferError, transfer
 from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments
 from kvconnect.spec import ChunkKey
@@ -108,15 +109,7 @@ def narrow_rows(nb=70, bs=16) -> Case:
 
 
 # DeepSeek-V4-Flash caches (real row bytes and page alignment): name -> (spec, row bytes, dtype, align)
-DSV4 = {
-    "swa": (GroupSpec(block_size=64, sliding_window=128), 584, torch.uint8, 576),
-    "c4": (GroupSpec(block_size=256, compress_ratio=4), 584, torch.uint8, 576),
-    "c128": (GroupSpec(block_size=256, compress_ratio=128), 584, torch.uint8, 576),
-    "c4_indexer": (GroupSpec(block_size=256, compress_ratio=4), 132, torch.uint8, 576),
-    "c4_state": (GroupSpec(block_size=4, sliding_window=8), 8192, torch.float32, 512),
-    "c4_indexer_state": (GroupSpec(block_size=4, sliding_window=8), 2048, torch.float32, 512),
-    "c128_state": (GroupSpec(block_size=8, sliding_window=128), 4096, torch.float32, 512),
-}
+DSV4 = zoo.DSV4_GROUPS
 DSV4_LAYERS = [["swa"], ["swa", "c4", "c4_indexer", "c4_state", "c4_indexer_state"], ["swa", "c128", "c128_state"],
                ["swa", "c4", "c4_indexer", "c4_state", "c4_indexer_state"], ["swa", "c128", "c128_state"]]
 

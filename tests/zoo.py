@@ -19,13 +19,19 @@ plane), mla(dcp=...) and mla_swa(dcp=...) (decode-context-parallel shards).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from kvconnect import Config, DCPSpec, GroupKind, GroupSpec, KVLayout
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import dsv4_cache  # noqa: E402  (the DeepSeek-V4 cache table lives with the demo)
+
+from kvconnect import Config, DCPSpec, GroupKind, GroupSpec, KVLayout  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -243,15 +249,7 @@ def mla_swa(*, block_size=16, **kw) -> ZooCase:
     return _mla_family("swa", block_size=block_size, model_name="mla-swa-zoo", **kw)
 
 
-DSV4_GROUPS = {  # name -> (spec, row bytes, dtype, page alignment)
-    "swa": (GroupSpec(block_size=64, sliding_window=128), 584, torch.uint8, 576),
-    "c4": (GroupSpec(block_size=256, compress_ratio=4), 584, torch.uint8, 576),
-    "c128": (GroupSpec(block_size=256, compress_ratio=128), 584, torch.uint8, 576),
-    "c4_indexer": (GroupSpec(block_size=256, compress_ratio=4), 132, torch.uint8, 576),
-    "c4_state": (GroupSpec(block_size=4, sliding_window=8), 8192, torch.float32, 512),
-    "c4_indexer_state": (GroupSpec(block_size=4, sliding_window=8), 2048, torch.float32, 512),
-    "c128_state": (GroupSpec(block_size=8, sliding_window=128), 4096, torch.float32, 512),
-}
+DSV4_GROUPS = dsv4_cache.GROUPS  # name -> (spec, row bytes, dtype, page alignment), shared with the demo
 DSV4_NAMES = list(DSV4_GROUPS)
 DSV4_LAYER_CACHES = {
     "swa": ["swa"],

@@ -11,8 +11,8 @@ timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong 
     client.stats() -> list[dict | None]; client.clear() -> bool
     server.close(); client.close()
 
-Wire format: msgpack maps with a fixed schema, no extension types, sizes capped. Never
-pickle. Requests ``{"id": int, "op": "lookup", "tokens": bin}`` (little-endian int64),
+Wire format: msgpack maps with a fixed schema, no extension types, sizes capped; no
+object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "tokens": bin}`` (little-endian int64),
 ``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear"}``; replies
 ``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
 
