@@ -79,12 +79,12 @@ def encode(header: ChunkHeader, payload) -> bytes:
     return header.pack(checksum) + bytes(payload)
 
 
-def decode_header(data) -> ChunkHeader:
-    """Parse and sanity-check the header of ``data`` (bytes-like); does not verify the checksum."""
-    view = memoryview(data).cast("B")
+def _fixed_fields(view: memoryview) -> tuple:
+    """The fixed header's fields, after the checks that need no payload."""
     if len(view) < FIXED_HEADER_BYTES:
         raise CorruptChunkError(f"chunk of {len(view)} bytes is shorter than its header")
-    magic, version, reserved0, fp, key, start, end, mask, num_planes, reserved1, payload_bytes, checksum = _FIXED.unpack_from(view)
+    fields = _FIXED.unpack_from(view)
+    magic, version, reserved0, _, _, start, end, _, num_planes, reserved1, _, _ = fields
     if magic != MAGIC:
         raise CorruptChunkError(f"bad magic {magic!r}")
     if reserved0 or reserved1:  # the checksum re-packs them as 0, so it cannot see a flip here
@@ -93,14 +93,42 @@ def decode_header(data) -> ChunkHeader:
         raise CorruptChunkError(f"format version {version}, this build reads {FORMAT_VERSION}")
     if num_planes > 1 << 20 or end < start:
         raise CorruptChunkError("implausible header (plane count or token range)")
+    return fields
+
+
+def _header_from(view: memoryview, fields: tuple) -> ChunkHeader:
+    _, _, _, fp, key, start, end, mask, num_planes, _, payload_bytes, checksum = fields
     header_bytes = FIXED_HEADER_BYTES + 8 * num_planes
-    if len(view) != header_bytes + payload_bytes:
-        raise CorruptChunkError(f"chunk is {len(view)} bytes, header says {header_bytes + payload_bytes}")
     rows = np.frombuffer(view[FIXED_HEADER_BYTES:header_bytes], dtype="<u4").reshape(-1, 2)
     return ChunkHeader(
         fingerprint=Fingerprint(fp), key=ChunkKey(key), token_start=start, token_end=end, group_mask=mask,
         plane_rows=tuple((int(a), int(n)) for a, n in rows), payload_bytes=payload_bytes, checksum=checksum,
     )
+
+
+def peek_identity(data) -> tuple[Fingerprint, ChunkKey, int]:
+    """(fingerprint, key, group mask) from the first FIXED_HEADER_BYTES of an encoded chunk."""
+    fields = _fixed_fields(memoryview(data).cast("B"))
+    return Fingerprint(fields[3]), ChunkKey(fields[4]), int(fields[7])
+
+
+def decode_header(data) -> ChunkHeader:
+    """Parse and sanity-check the header of a whole encoded chunk; does not verify the checksum."""
+    view = memoryview(data).cast("B")
+    fields = _fixed_fields(view)
+    total = FIXED_HEADER_BYTES + 8 * fields[8] + fields[10]
+    if len(view) != total:
+        raise CorruptChunkError(f"chunk is {len(view)} bytes, header says {total}")
+    return _header_from(view, fields)
+
+
+def decode_detached_header(data, *, payload_bytes: int) -> ChunkHeader:
+    """Parse a header held apart from its ``payload_bytes``-byte payload (exactly the header's bytes)."""
+    view = memoryview(data).cast("B")
+    fields = _fixed_fields(view)
+    if len(view) != FIXED_HEADER_BYTES + 8 * fields[8] or fields[10] != payload_bytes:
+        raise CorruptChunkError("header sizes do not match the chunk")
+    return _header_from(view, fields)
 
 
 def decode(data, *, fingerprint: Fingerprint, key: ChunkKey) -> tuple[ChunkHeader, memoryview]:

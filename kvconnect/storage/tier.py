@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
 
 from .. import chunk_format
 from ..chunk_format import ChunkHeader
@@ -145,15 +144,11 @@ def peek_mask(data, fingerprint: Fingerprint, key: ChunkKey) -> Optional[int]:
     Reads only the fixed header (magic, version, fingerprint, key): the checksum is
     verified later, when the whole chunk is read.
     """
-    view = memoryview(data).cast("B")
-    if len(view) < chunk_format.FIXED_HEADER_BYTES:
+    try:
+        fp, chunk_key, mask = chunk_format.peek_identity(data)
+    except CorruptChunkError:
         return None
-    magic, version, _, fp, chunk_key, start, end, mask, *_ = chunk_format._FIXED.unpack_from(view)
-    if magic != chunk_format.MAGIC or version != chunk_format.FORMAT_VERSION:
-        return None
-    if fp != bytes(fingerprint) or chunk_key != bytes(key) or end < start:
-        return None
-    return int(mask)
+    return mask if fp == bytes(fingerprint) and chunk_key == bytes(key) else None
 
 
 def read_header(view, *, fingerprint: Fingerprint, key: ChunkKey, payload_bytes: int) -> ChunkHeader:
@@ -164,22 +159,10 @@ def read_header(view, *, fingerprint: Fingerprint, key: ChunkKey, payload_bytes:
     with ``chunk_format.compute_checksum(header, payload)`` once the payload is read.
     Raises CorruptChunkError.
     """
-    view = memoryview(view).cast("B")
-    if len(view) < chunk_format.FIXED_HEADER_BYTES:
-        raise CorruptChunkError(f"header of {len(view)} bytes is too short")
-    # The fixed layout is chunk_format's (its module docstring gives the offsets).
-    magic, version, _, fp, chunk_key, start, end, mask, num_planes, _, size, checksum = chunk_format._FIXED.unpack_from(view)
-    if magic != chunk_format.MAGIC or version != chunk_format.FORMAT_VERSION:
-        raise CorruptChunkError(f"bad magic {magic!r} or format version {version}")
-    if len(view) != chunk_format.FIXED_HEADER_BYTES + 8 * num_planes or size != payload_bytes or end < start:
-        raise CorruptChunkError("header sizes do not match the chunk")
-    if fp != bytes(fingerprint) or chunk_key != bytes(key):
+    header = chunk_format.decode_detached_header(view, payload_bytes=payload_bytes)
+    if header.fingerprint != bytes(fingerprint) or header.key != bytes(key):
         raise CorruptChunkError("chunk belongs to another layout or key")
-    rows = np.frombuffer(view[chunk_format.FIXED_HEADER_BYTES :], dtype="<u4").reshape(-1, 2)
-    return ChunkHeader(
-        fingerprint=Fingerprint(fp), key=ChunkKey(chunk_key), token_start=start, token_end=end, group_mask=mask,
-        plane_rows=tuple((int(a), int(n)) for a, n in rows), payload_bytes=size, checksum=checksum,
-    )
+    return header
 
 
 class Breaker:

@@ -20,7 +20,7 @@ import torch
 from ..errors import TransferError
 from ..layout import KVLayout
 from . import torch_impl
-from .tables import PLANE_COLS, SEGMENT_COLS, SegmentBuilder, TransferTables, plane_table
+from .tables import SEGMENT_COLS, SegmentBuilder, TransferTables, plane_table
 
 try:
     from .. import _cpu_kernels
