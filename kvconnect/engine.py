@@ -191,8 +191,8 @@ class KVCacheEngine:
                 )
             except CorruptChunkError as exc:
                 logger.warning("kvconnect: dropping an inconsistent chunk; reporting a miss: %s", exc)
-                bad = entries[getattr(exc, "chunk_index", -1)] if 0 <= getattr(exc, "chunk_index", -1) < len(entries) else None
-                for e in [bad] if bad is not None else used:
+                index = getattr(exc, "chunk_index", None)  # set by plan: drop only that chunk
+                for e in [entries[index]] if index is not None else used:
                     if e is not None:
                         self.storage.drop(e.key)
                 with self._stats_lock:

@@ -43,7 +43,7 @@ import zmq
 from ..chunk_format import ChunkHeader
 from ..errors import StorageError
 from ..spec import ChunkKey, Fingerprint
-from ..storage.pool import PoolEntry, PoolStats, notify_evicted
+from ..storage.pool import PoolEntry, PoolStats, SlotViews, notify_evicted
 from . import protocol
 from .index import STATS_FIELDS
 from .channel import Channel
@@ -61,7 +61,7 @@ class SharedEntry(PoolEntry):
     incarnation: int = 0
 
 
-class SharedPoolClient:
+class SharedPoolClient(SlotViews):
     def __init__(
         self,
         url: str,
@@ -243,14 +243,6 @@ class SharedPoolClient:
     # -- views and stats -------------------------------------------------------------
     def slot_offset(self, slot: int) -> int:
         return DATA_OFFSET + slot * self._page_bytes
-
-    def slot_view(self, slot: int) -> torch.Tensor:
-        start = self.slot_offset(slot)
-        return self.buffer[start : start + self.slot_bytes]
-
-    def entry_view(self, entry: PoolEntry) -> torch.Tensor:
-        start = self.slot_offset(entry.slot)
-        return self.buffer[start : start + entry.header.payload_bytes]
 
     def server_stats(self) -> Optional[dict[str, int]]:
         """The server's counters (see ``index.STATS_FIELDS``), None when unreachable."""

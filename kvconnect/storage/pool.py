@@ -63,7 +63,20 @@ def notify_evicted(listeners: Sequence[Callable], victims: Sequence) -> None:
                 logger.exception("kvconnect: pool eviction listener failed")
 
 
-class ChunkPool:
+class SlotViews:
+    """Byte views of slots and entries, for any pool that defines ``buffer``, ``slot_bytes``
+    and ``slot_offset`` (the private ChunkPool and the cache server's shared pool)."""
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        start = self.slot_offset(slot)
+        return self.buffer[start : start + self.slot_bytes]
+
+    def entry_view(self, entry: PoolEntry) -> torch.Tensor:
+        start = self.slot_offset(entry.slot)
+        return self.buffer[start : start + entry.header.payload_bytes]
+
+
+class ChunkPool(SlotViews):
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
@@ -168,14 +181,6 @@ class ChunkPool:
     # -- views and stats -------------------------------------------------------------
     def slot_offset(self, slot: int) -> int:
         return slot * self.slot_bytes
-
-    def slot_view(self, slot: int) -> torch.Tensor:
-        start = self.slot_offset(slot)
-        return self.buffer[start : start + self.slot_bytes]
-
-    def entry_view(self, entry: PoolEntry) -> torch.Tensor:
-        start = self.slot_offset(entry.slot)
-        return self.buffer[start : start + entry.header.payload_bytes]
 
     def __len__(self) -> int:
         with self._lock:
