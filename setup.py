@@ -31,6 +31,7 @@ ext_modules = [
         "kvconnect._cpu_kernels",
         ["csrc/cpu_transfer.cpp"],
         include_dirs=["csrc"],
+        depends=["csrc/copy_plan.h", "csrc/staged_plan.h", "csrc/transfer_desc.h"],
         extra_compile_args=["-O3"] + omp,
         extra_link_args=omp,
         cxx_std=17,

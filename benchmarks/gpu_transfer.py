@@ -10,7 +10,11 @@ One run on one GPU prints, side by side:
   then one copy; the reverse for load); the naive per-plane copy (index, then copy each plane
   straight to/from pinned memory); each as GB/s and as a ratio to the memcpy limit;
 - store and load on two streams at once (combined GB/s);
-- optionally (--sweep) launch shapes, and merged runs vs one op per row vs copy engines (DMA).
+- each of those for both CUDA routes (--routes): "kernel" (zero-copy: SMs read and write the
+  pinned pool over PCIe) and "ring" (staged: the kernel gathers into a small device ring and
+  the copy engines move it in large copies, KernelTuning(staged=True));
+- optionally (--sweep) launch shapes, ring piece sizes, and merged runs vs one op per row vs
+  copy engines per run (DMA).
 
 Store moves every row each chunk keeps; load moves what a retrieve at the full prompt moves
 (windowed groups only their window, so DSv4 loads fewer bytes than it stores).
@@ -366,6 +370,9 @@ def bench_bidirectional(name: str, tokens: int, buf: torch.Tensor, repeats: int,
     return out
 
 
+ROUTES = {"kernel": cuda_path.DEFAULT_TUNING, "ring": cuda_path.KernelTuning(staged=True)}
+
+
 def sweep(buf: torch.Tensor, limit: dict, repeats: int) -> list:
     """Launch shapes and copy methods on a few cases; returns rows for a table."""
     K = cuda_path.KernelTuning
@@ -375,6 +382,10 @@ def sweep(buf: torch.Tensor, limit: dict, repeats: int) -> list:
         ("1 block/SM", K(blocks_per_sm=1)),
         ("rows (no merge)", K(merge_rows=False)),
         ("DMA batch", K(use_dma=True)),
+        ("ring 1M..8M x2", K(staged=True)),
+        ("ring 256K..4M x2", K(staged=True, first_piece_bytes=256 << 10, max_piece_bytes=4 << 20)),
+        ("ring 1M..16M x3", K(staged=True, max_piece_bytes=16 << 20, staging_slots=3)),
+        ("ring 4M..32M x2", K(staged=True, first_piece_bytes=4 << 20, max_piece_bytes=32 << 20)),
     ]
     rows = []
     side = torch.cuda.Stream()  # DMA batches refuse the legacy default stream
@@ -399,11 +410,13 @@ def main() -> None:
     parser.add_argument("--layouts", default="llama8b,dsv3_mla,dsv4_flash")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-baselines", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes and merge/row/DMA")
+    parser.add_argument("--routes", default="kernel,ring", help="CUDA routes to measure: kernel (zero-copy), ring (staged)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes, ring pieces and merge/row/DMA")
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     names = args.layouts.split(",")
+    routes = args.routes.split(",")
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"kvconnect CUDA runtime {cuda_path._cuda_kernels.cuda_runtime_version}, tuning {cuda_path.DEFAULT_TUNING}", flush=True)
@@ -422,21 +435,25 @@ def main() -> None:
     results = {"device": props.name, "limit": limit, "cases": [], "bidir": [], "sweep": []}
     results["overhead_us"] = fixed_overhead(buf, args.repeats)
     print("fixed cost of one 16-byte transfer (us): " + ", ".join(f"{k} {v:.1f}" for k, v in results["overhead_us"].items()), flush=True)
-    results["ceiling"] = kernel_ceiling(buf, args.repeats)
-    c = results["ceiling"]
-    print(f"kernel on one contiguous 1 GiB run: store {c['gather']:.2f} GB/s ({c['gather'] / limit['d2h']:.3f}; device time "
-          f"{c['gather_gpu']:.2f}), load {c['scatter']:.2f} ({c['scatter'] / limit['h2d']:.3f}; device time {c['scatter_gpu']:.2f})", flush=True)
+    results["ceiling"] = {route: kernel_ceiling(buf, args.repeats, ROUTES[route]) for route in routes}
+    for route, c in results["ceiling"].items():
+        print(f"{route} on one contiguous 1 GiB run: store {c['gather']:.2f} GB/s ({c['gather'] / limit['d2h']:.3f}; device time "
+              f"{c['gather_gpu']:.2f}), load {c['scatter']:.2f} ({c['scatter'] / limit['h2d']:.3f}; device time {c['scatter_gpu']:.2f})", flush=True)
     if args.sweep:
         results["sweep"] = sweep(buf, limit, args.repeats)
     for name in names:
         for tokens in sizes:
-            r = bench_case(name, tokens, buf, limit, args.repeats, not args.no_baselines, None)
-            results["cases"].append(r)
-            print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+            for k, route in enumerate(routes):  # torch baselines once per case
+                r = bench_case(name, tokens, buf, limit, args.repeats, k == 0 and not args.no_baselines, ROUTES[route])
+                r["route"] = route
+                results["cases"].append(r)
+                print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     for name in names:
-        r = bench_bidirectional(name, 8192, buf, args.repeats, None)
-        results["bidir"].append(r)
-        print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+        for route in routes:
+            r = bench_bidirectional(name, 8192, buf, args.repeats, ROUTES[route])
+            r["route"] = route
+            results["bidir"].append(r)
+            print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     again = memcpy_limit(1 << 30, args.repeats)
     print(f"pinned memcpy limit again: D2H {again['d2h']:.2f}, H2D {again['h2d']:.2f}, both {again['bidir']:.2f} GB/s; ratios use the higher", flush=True)
     limit = {k: max(limit[k], again[k]) for k in limit}
@@ -453,22 +470,23 @@ def main() -> None:
         for r in results["sweep"]:
             print(f"  {r['case']:<18}{r['shape']:<18} store {r['store']:6.2f} ({r['store_ratio']:.3f})  load {r['load']:6.2f} ({r['load_ratio']:.3f})")
 
-    c = results["ceiling"]
-    print(f"\nkernel on one contiguous 1 GiB run: store {c['gather']:.2f} ({c['gather'] / limit['d2h']:.3f}), device time {c['gather_gpu']:.2f} "
-          f"({c['gather_gpu'] / limit['d2h']:.3f}); load {c['scatter']:.2f} ({c['scatter'] / limit['h2d']:.3f}), device time "
-          f"{c['scatter_gpu']:.2f} ({c['scatter_gpu'] / limit['h2d']:.3f})")
+    print()
+    for route, c in results["ceiling"].items():
+        print(f"{route} on one contiguous 1 GiB run: store {c['gather']:.2f} ({c['gather'] / limit['d2h']:.3f}), device time {c['gather_gpu']:.2f} "
+              f"({c['gather_gpu'] / limit['d2h']:.3f}); load {c['scatter']:.2f} ({c['scatter'] / limit['h2d']:.3f}), device time "
+              f"{c['scatter_gpu']:.2f} ({c['scatter_gpu'] / limit['h2d']:.3f})")
     print(f"\n{props.name}; limit D2H {limit['d2h']:.1f} / H2D {limit['h2d']:.1f} GB/s (1 GiB pinned memcpy); GB/s (ratio to the limit)")
-    head = (f"{'layout':<12}{'tokens':>7}{'MB st/ld':>14}{'store':>15}{'load':>15}{'store pipe':>15}{'load pipe':>15}"
+    head = (f"{'layout':<12}{'tokens':>7}{'route':>7}{'MB st/ld':>14}{'store':>15}{'load':>15}{'store pipe':>15}{'load pipe':>15}"
             f"{'store dev':>15}{'load dev':>15}{'torch staged st/ld':>22}{'naive st/ld':>16}")
     print(head)
     for r in results["cases"]:
         fmt = lambda k: f"{r[k]:6.2f} ({r[k + '_ratio']:.3f})"  # noqa: E731
         base = f"{r['staged_store']:6.1f}/{r['staged_load']:5.1f}" if "staged_store" in r else "-"
         naive = f"{r['naive_store']:6.2f}/{r['naive_load']:5.2f}" if "naive_store" in r else "-"
-        print(f"{r['layout']:<12}{r['tokens']:>7}{r['store_MB']:>7.0f}/{r['load_MB']:<6.0f}{fmt('store'):>15}{fmt('load'):>15}"
+        print(f"{r['layout']:<12}{r['tokens']:>7}{r['route']:>7}{r['store_MB']:>7.0f}/{r['load_MB']:<6.0f}{fmt('store'):>15}{fmt('load'):>15}"
               f"{fmt('store_pipe'):>15}{fmt('load_pipe'):>15}{fmt('store_gpu'):>15}{fmt('load_gpu'):>15}{base:>22}{naive:>16}")
     for r in results["bidir"]:
-        print(f"store + load at once, {r['layout']} {r['tokens']} tokens: {r['combined']:.1f} GB/s combined "
+        print(f"store + load at once, {r['route']}, {r['layout']} {r['tokens']} tokens: {r['combined']:.1f} GB/s combined "
               f"({r['combined_pipe']:.1f} pipelined; memcpy both ways {limit['bidir']:.1f})")
 
 

@@ -107,7 +107,7 @@ def cuda_extension_and_cmd(cmdclass: dict) -> tuple[Optional[Extension], dict]:
     ext = Extension(
         "kvconnect._cuda_kernels",
         [SOURCE],
-        depends=["csrc/copy_plan.h", "csrc/transfer_desc.h"],
+        depends=["csrc/copy_plan.h", "csrc/cuda_resources.h", "csrc/staged_plan.h", "csrc/transfer_desc.h"],
         include_dirs=[pybind11.get_include(), "csrc"],
         library_dirs=[lib_dir],
         libraries=["cudart_static", "dl", "rt", "pthread"],

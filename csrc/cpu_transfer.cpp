@@ -2,6 +2,8 @@
 // Built as kvconnect._cpu_kernels with pybind11; no libtorch. Multi-threaded with
 // OpenMP over pieces of segments; rows whose source addresses are adjacent are merged
 // into one memcpy. The GIL is released while bytes move.
+// Also exposes the host planner of the CUDA staged route (staged_plan.h), which needs no
+// CUDA, so that it is tested on every machine.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -13,6 +15,7 @@
 #include <omp.h>
 #endif
 
+#include "staged_plan.h"
 #include "transfer_desc.h"
 
 namespace py = pybind11;
@@ -87,6 +90,47 @@ void transfer(const Int64Array& planes_arr, const Int64Array& segments_arr, cons
   for (int64_t k = 0; k < num_pieces; ++k) run_piece<kToBuffer>(pieces[k], planes, segments, slots, buffer);
 }
 
+// The staged route's plan of these tables, as arrays (paged addresses are raw pointers).
+py::dict staged_plan(const Int64Array& planes_arr, const Int64Array& segments_arr, const Int64Array& slots_arr,
+                     int64_t buffer_bytes, bool to_buffer, int64_t max_op_bytes, int64_t first_piece_bytes,
+                     int64_t max_piece_bytes, int64_t merge_gap_bytes) {
+  if (planes_arr.ndim() != 2 || planes_arr.shape(1) != kvconnect::kPlaneCols ||
+      segments_arr.ndim() != 2 || segments_arr.shape(1) != kvconnect::kSegmentCols || slots_arr.ndim() != 1)
+    throw std::invalid_argument("planes [P, 6], segments [S, 4] and slots [N] int64 arrays expected");
+  if (max_op_bytes < 16) throw std::invalid_argument("max_op_bytes must be >= 16");
+  const auto* planes = reinterpret_cast<const PlaneDesc*>(planes_arr.data());
+  const auto* segments = reinterpret_cast<const SegmentDesc*>(segments_arr.data());
+  kvconnect::staged_plan::StagedPlan sp;
+  std::vector<kvconnect::staged_plan::FlatOp> ops;
+  {
+    py::gil_scoped_release release;
+    kvconnect::copy_plan::validate(planes, planes_arr.shape(0), segments, segments_arr.shape(0), slots_arr.data(),
+                                   slots_arr.shape(0), buffer_bytes);
+    const auto runs = kvconnect::copy_plan::plan_runs(planes, segments, segments_arr.shape(0), slots_arr.data(), true,
+                                                      max_op_bytes);
+    kvconnect::staged_plan::plan_tables(planes, segments, segments_arr.shape(0), slots_arr.data(), runs, max_op_bytes,
+                                        first_piece_bytes, max_piece_bytes, merge_gap_bytes, to_buffer, ops, sp);
+  }
+  auto triples = [](const auto& rows) {
+    Int64Array a({static_cast<py::ssize_t>(rows.size()), py::ssize_t{3}});
+    static_assert(sizeof(rows[0]) == 3 * sizeof(int64_t), "three int64 columns");
+    if (!rows.empty()) std::memcpy(a.mutable_data(), rows.data(), rows.size() * 3 * sizeof(int64_t));
+    return a;
+  };
+  auto vector = [](const std::vector<int64_t>& v) {
+    Int64Array a(static_cast<py::ssize_t>(v.size()));
+    if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(int64_t));
+    return a;
+  };
+  py::dict out;
+  out["piece_bytes"] = vector(sp.piece_bytes);
+  out["ops"] = triples(sp.ops);  // paged, staging offset, bytes
+  out["op_begin"] = vector(sp.op_begin);
+  out["copies"] = triples(sp.copies);  // staging offset, buffer offset, bytes
+  out["copy_begin"] = vector(sp.copy_begin);
+  return out;
+}
+
 int max_threads() {
 #ifdef _OPENMP
   return omp_get_max_threads();
@@ -104,4 +148,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.def("scatter", &transfer<false>, "buffer -> paged planes", py::arg("planes"), py::arg("segments"),
         py::arg("slots"), py::arg("buffer_addr"), py::arg("buffer_bytes"), py::arg("num_threads"));
   m.def("max_threads", &max_threads);
+  m.def("staged_plan", &staged_plan, "the CUDA staged route's plan of these tables (csrc/staged_plan.h)",
+        py::arg("planes"), py::arg("segments"), py::arg("slots"), py::arg("buffer_bytes"), py::arg("to_buffer"),
+        py::arg("max_op_bytes"), py::arg("first_piece_bytes"), py::arg("max_piece_bytes"), py::arg("merge_gap_bytes"));
 }

@@ -12,6 +12,9 @@
 //      with four loads in flight per lane, and reads or writes the host buffer zero-copy
 //      through its mapped device address (identical to the host address under UVA);
 //   4. an event is recorded on the caller's stream; the synchronous form waits on it.
+// The staged route (Options::staged, staged_plan.h) replaces step 3 for a pinned buffer: the
+// batch goes through a ring of device slots, a kernel per piece on the caller's stream and
+// the copy engines on a side stream, so PCIe carries large DMA copies whatever the layout.
 // The GIL is released throughout; every CUDA status becomes a CudaError naming the call.
 #include <cuda_runtime.h>
 #include <pybind11/numpy.h>
@@ -27,6 +30,8 @@
 #include <vector>
 
 #include "copy_plan.h"
+#include "cuda_resources.h"
+#include "staged_plan.h"
 #include "transfer_desc.h"
 
 namespace py = pybind11;
@@ -37,35 +42,19 @@ using kvconnect::copy_plan::Plan;
 using kvconnect::copy_plan::plan_runs;
 using kvconnect::copy_plan::validate;
 using kvconnect::copy_plan::width_log2;
+using kvconnect::cuda::check;
+using kvconnect::cuda::CopyOp;
+using kvconnect::cuda::CudaError;
+using kvconnect::cuda::DeviceGuard;
+using kvconnect::cuda::num_sms;
+using kvconnect::cuda::pool;
+using kvconnect::cuda::Workspace;
+using kvconnect::staged_plan::StagedPlan;
 
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// errors
-
-class CudaError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-void check(cudaError_t status, const char* what) {
-  if (status == cudaSuccess) return;
-  cudaGetLastError();  // clear a non-sticky error so the next call starts clean
-  throw CudaError(std::string("kvconnect CUDA transfer: ") + what + " failed: " + cudaGetErrorName(status) + " (" +
-                  cudaGetErrorString(status) + ")");
-}
-
-// ---------------------------------------------------------------------------------------
 // device side
-
-// One contiguous copy between paged memory and the buffer. 24 bytes, read once per warp.
-struct CopyOp {
-  int64_t paged;       // device address of the first paged byte
-  int64_t flat;        // byte offset in the buffer
-  int32_t bytes;       // <= max_op_bytes
-  int32_t width_log2;  // log2 of the vector unit both start addresses are aligned to (0..4)
-};
-static_assert(sizeof(CopyOp) == 24, "CopyOp layout");
 
 template <typename V>
 __device__ __forceinline__ V load_once(const V* p) {
@@ -135,154 +124,23 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSM)
 }
 
 // ---------------------------------------------------------------------------------------
-// host side: per-device resources
-
-// One launch's op table: mapped pinned memory (the kernel reads it zero-copy through
-// `host_alias`) and, only for the copied-table variant, a device copy. Reused once the event
-// recorded after its launch has completed.
-struct Workspace {
-  int device = -1;
-  CopyOp* host = nullptr;
-  CopyOp* host_alias = nullptr;  // device address of `host`
-  size_t capacity = 0;
-  CopyOp* dev = nullptr;
-  size_t dev_capacity = 0;
-  cudaEvent_t done = nullptr;
-  bool busy = false;      // owned by a call right now
-  bool recorded = false;  // `done` was recorded after its last use
-  uint64_t last_use = 0;  // order of release, to wait on the oldest
-};
-
-// Per device at most kMaxWorkspaces op tables exist; a caller that finds all of them in
-// flight waits for the oldest instead of allocating (back-pressure, bounded pinned memory,
-// and no allocation on the hot path of a pipelined caller).
-constexpr int kMaxWorkspaces = 4;
-
-class WorkspacePool {
- public:
-  Workspace* acquire(int device, size_t num_ops) {
-    Workspace* ws = nullptr;
-    bool must_wait = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      int count = 0;
-      Workspace* oldest = nullptr;
-      for (auto& w : all_) {
-        if (w->device != device) continue;
-        ++count;
-        if (w->busy) continue;
-        if (w->recorded) {
-          const cudaError_t q = cudaEventQuery(w->done);
-          if (q == cudaErrorNotReady) {
-            if (oldest == nullptr || w->last_use < oldest->last_use) oldest = w.get();
-            continue;
-          }
-          check(q, "cudaEventQuery (workspace reuse)");
-          w->recorded = false;
-        }
-        if (ws == nullptr || (ws->capacity < num_ops && w->capacity > ws->capacity)) ws = w.get();
-      }
-      if (ws == nullptr && count >= kMaxWorkspaces && oldest != nullptr) {
-        ws = oldest;
-        must_wait = true;
-      }
-      if (ws == nullptr) {
-        all_.push_back(std::make_unique<Workspace>());
-        ws = all_.back().get();
-        ws->device = device;
-      }
-      ws->busy = true;
-    }
-    try {
-      if (must_wait) check(cudaEventSynchronize(ws->done), "cudaEventSynchronize (waiting for a free op table)");
-      if (ws->done == nullptr) check(cudaEventCreateWithFlags(&ws->done, cudaEventDisableTiming), "cudaEventCreate");
-      if (ws->capacity < num_ops) {
-        const size_t cap = std::max<size_t>({num_ops, 2 * ws->capacity, 4096});  // grow geometrically
-        if (ws->host) check(cudaFreeHost(ws->host), "cudaFreeHost (op table)");
-        ws->host = ws->host_alias = nullptr;
-        ws->capacity = 0;
-        check(cudaHostAlloc(reinterpret_cast<void**>(&ws->host), cap * sizeof(CopyOp),
-                            cudaHostAllocMapped | cudaHostAllocPortable),
-              "cudaHostAlloc (op table)");
-        check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ws->host_alias), ws->host, 0),
-              "cudaHostGetDevicePointer (op table)");
-        ws->capacity = cap;
-      }
-    } catch (...) {
-      release(ws);
-      throw;
-    }
-    return ws;
-  }
-
-  // The copied-table variant's device buffer (allocated on first use only).
-  CopyOp* device_table(Workspace* ws) {
-    if (ws->dev_capacity < ws->capacity) {
-      if (ws->dev) check(cudaFree(ws->dev), "cudaFree (op table)");
-      ws->dev = nullptr;
-      ws->dev_capacity = 0;
-      check(cudaMalloc(reinterpret_cast<void**>(&ws->dev), ws->capacity * sizeof(CopyOp)), "cudaMalloc (op table)");
-      ws->dev_capacity = ws->capacity;
-    }
-    return ws->dev;
-  }
-
-  // recorded: `done` was recorded after the workspace's last use on the stream.
-  void release(Workspace* ws, bool recorded = false) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ws->recorded = recorded || ws->recorded;
-    ws->last_use = ++clock_;
-    ws->busy = false;
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::unique_ptr<Workspace>> all_;
-  uint64_t clock_ = 0;
-};
-
-WorkspacePool& pool() {
-  static WorkspacePool* p = new WorkspacePool();  // never destroyed: CUDA may be gone at exit
-  return *p;
-}
-
-int num_sms(int device) {
-  static std::mutex mu;
-  static std::unordered_map<int, int> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(device);
-  if (it != cache.end()) return it->second;
-  int n = 0;
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute (SM count)");
-  cache[device] = n;
-  return n;
-}
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&prev_), "cudaGetDevice");
-    // Always: it also binds the device's primary context to a thread that has not used CUDA
-    // through this runtime yet (pointer queries see no mapping without it).
-    check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != prev_) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
-};
+// host side: buffers and launches (per-device resources: cuda_resources.h)
 
 // Device address of buffer bytes [addr, addr + bytes): mapped pinned host memory (its
 // device alias, equal to addr under UVA) or device memory of `device`. Pageable memory
 // cannot be reached by a kernel and is refused before anything moves.
-int64_t buffer_device_address(int64_t addr, int64_t bytes, int device) {
-  auto resolve = [device](int64_t a, const char* which) -> int64_t {
+struct BufferAddress {
+  int64_t device_addr;
+  bool host;  // pinned host memory (else device memory)
+};
+
+BufferAddress buffer_device_address(int64_t addr, int64_t bytes, int device) {
+  bool host = false;
+  auto resolve = [device, &host](int64_t a, const char* which) -> int64_t {
     cudaPointerAttributes attr{};
     check(cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(a)), "cudaPointerGetAttributes (buffer)");
     if (attr.type == cudaMemoryTypeHost) {
+      host = true;
       if (attr.devicePointer == nullptr)
         throw std::invalid_argument(std::string("the buffer's ") + which + " byte is pinned but not mapped into the device");
       return reinterpret_cast<int64_t>(attr.devicePointer);
@@ -297,9 +155,10 @@ int64_t buffer_device_address(int64_t addr, int64_t bytes, int device) {
                                 " byte is pageable host memory; the CUDA kernel needs a pinned buffer (pin_memory=True)");
   };
   const int64_t first = resolve(addr, "first");
-  if (bytes > 1 && resolve(addr + bytes - 1, "last") != first + bytes - 1)
+  const bool first_host = host;
+  if (bytes > 1 && (resolve(addr + bytes - 1, "last") != first + bytes - 1 || host != first_host))
     throw std::invalid_argument("the buffer spans more than one pinned allocation");
-  return first;
+  return {first, host};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -315,6 +174,9 @@ struct Options {
   bool copy_op_table;     // copy the op table to device memory first (else read it zero-copy)
   bool merge_rows;        // merge runs of adjacent rows into one op
   bool use_dma;           // copy engines (cudaMemcpyBatchAsync per run) instead of the kernel
+  bool staged;            // the staged route (pinned buffers; device buffers take the kernel)
+  int staging_slots;      // ring slots, >= 2
+  int64_t first_piece_bytes, max_piece_bytes, merge_gap_bytes;  // staged_plan.h
 };
 
 void launch_kernel(const Options& o, const CopyOp* ops, int64_t num_ops, char* buffer, bool to_buffer, int device,
@@ -364,6 +226,68 @@ void launch_dma(const PlaneDesc* planes, const SegmentDesc* segments, int64_t nu
 #endif
 }
 
+// The staged route on `stream` (S) and the ring's copy stream (C). Piece k uses slot k % K;
+// a store queues, per piece: S waits until slot's previous copies drained, kernel gathers
+// into the slot, S records filled; C waits filled, copies slot -> buffer, records drained.
+// A load: C waits drained (the slot's previous scatter), copies buffer -> slot, records
+// filled; S waits filled, kernel scatters, records drained. Each wait sees the latest record
+// queued before it, so events are reused per slot. C starts after S's earlier work, and S
+// continues only after C's last copy, so the caller sees one ordered operation on S.
+void run_staged(const StagedPlan& sp, Workspace* ws, const Options& o, int64_t buffer_host, bool to_buffer, int device,
+                cudaStream_t stream) {
+  pool().staging_ring(ws, o.staging_slots, o.max_piece_bytes);
+  CopyOp* out = ws->host;
+  for (const auto& op : sp.ops)  // slot bases are 256-aligned: alignment is the offset's
+    *out++ = CopyOp{op.paged, op.staging, static_cast<int32_t>(op.bytes), width_log2(op.paged, op.staging)};
+  cudaStream_t copies = ws->copy_stream;
+  check(cudaEventRecord(ws->start, stream), "cudaEventRecord (staged start)");
+  check(cudaStreamWaitEvent(copies, ws->start, 0), "cudaStreamWaitEvent (staged start)");
+  const cudaMemcpyKind kind = to_buffer ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+  for (size_t k = 0; k < sp.num_pieces(); ++k) {
+    const int slot = static_cast<int>(k % o.staging_slots);
+    char* ring = ws->staging + slot * ws->slot_bytes;
+    const bool reused = k >= static_cast<size_t>(o.staging_slots);
+    auto run_kernel = [&] {
+      const int64_t n = sp.op_begin[k + 1] - sp.op_begin[k];
+      if (n > 0) launch_kernel(o, ws->host_alias + sp.op_begin[k], n, ring, to_buffer, device, stream);
+    };
+    auto run_copies = [&] {
+      for (int64_t c = sp.copy_begin[k]; c < sp.copy_begin[k + 1]; ++c) {
+        const auto& cp = sp.copies[c];
+        void* host = reinterpret_cast<void*>(buffer_host + cp.flat);
+        void* dev = ring + cp.staging;
+        check(cudaMemcpyAsync(to_buffer ? host : dev, to_buffer ? dev : host, cp.bytes, kind, copies),
+              "cudaMemcpyAsync (staged copy)");
+      }
+    };
+    if (to_buffer) {
+      if (reused) check(cudaStreamWaitEvent(stream, ws->drained[slot], 0), "cudaStreamWaitEvent (slot drained)");
+      run_kernel();
+      check(cudaEventRecord(ws->filled[slot], stream), "cudaEventRecord (slot filled)");
+      check(cudaStreamWaitEvent(copies, ws->filled[slot], 0), "cudaStreamWaitEvent (slot filled)");
+      run_copies();
+      check(cudaEventRecord(ws->drained[slot], copies), "cudaEventRecord (slot drained)");
+    } else {
+      if (reused) check(cudaStreamWaitEvent(copies, ws->drained[slot], 0), "cudaStreamWaitEvent (slot drained)");
+      run_copies();
+      check(cudaEventRecord(ws->filled[slot], copies), "cudaEventRecord (slot filled)");
+      check(cudaStreamWaitEvent(stream, ws->filled[slot], 0), "cudaStreamWaitEvent (slot filled)");
+      run_kernel();
+      check(cudaEventRecord(ws->drained[slot], stream), "cudaEventRecord (slot drained)");
+    }
+  }
+  check(cudaEventRecord(ws->copies_done, copies), "cudaEventRecord (staged copies done)");
+  check(cudaStreamWaitEvent(stream, ws->copies_done, 0), "cudaStreamWaitEvent (staged copies done)");
+}
+
+// After a failure part-way: S waits for everything queued on C, so recording `done` on S
+// covers the whole call. False if even that failed (the workspace must then be leaked).
+bool join_copy_stream(Workspace* ws, cudaStream_t stream) {
+  if (ws->copy_stream == nullptr || ws->copies_done == nullptr) return true;
+  return cudaEventRecord(ws->copies_done, ws->copy_stream) == cudaSuccess &&
+         cudaStreamWaitEvent(stream, ws->copies_done, 0) == cudaSuccess;
+}
+
 // Returns the number of copy ops (runs, after splitting) the launch moved.
 int64_t transfer(bool to_buffer, const Int64Array& planes_arr, const Int64Array& segments_arr, const Int64Array& slots_arr,
                  int64_t buffer_addr, int64_t buffer_bytes, int device, int64_t stream_handle, bool synchronize,
@@ -379,6 +303,10 @@ int64_t transfer(bool to_buffer, const Int64Array& planes_arr, const Int64Array&
   if (o.max_op_bytes < 16 || o.max_op_bytes > (int64_t{1} << 30) || (o.max_op_bytes & (o.max_op_bytes - 1)))
     throw std::invalid_argument("max_op_bytes must be a power of two in [16, 2**30]");
   if (o.unroll != 2 && o.unroll != 4) throw std::invalid_argument("unroll must be 2 or 4");
+  if (o.staged) {
+    kvconnect::staged_plan::check_sizes(o.first_piece_bytes, o.max_piece_bytes, o.merge_gap_bytes);
+    if (o.staging_slots < 2 || o.staging_slots > 16) throw std::invalid_argument("staging_slots must be in [2, 16]");
+  }
   if (buffer_bytes < 0) throw std::invalid_argument("buffer_bytes must be >= 0");
   const auto* planes = reinterpret_cast<const PlaneDesc*>(planes_arr.data());
   const auto* segments = reinterpret_cast<const SegmentDesc*>(segments_arr.data());
@@ -394,39 +322,54 @@ int64_t transfer(bool to_buffer, const Int64Array& planes_arr, const Int64Array&
   if (plan.num_ops == 0) return 0;
 
   DeviceGuard guard(device);
-  const int64_t buffer_dev = buffer_device_address(buffer_addr, buffer_bytes, device);
+  const BufferAddress buffer = buffer_device_address(buffer_addr, buffer_bytes, device);
+  const int64_t buffer_dev = buffer.device_addr;
   if (o.use_dma) {
     launch_dma(planes, segments, num_segments, slots, plan, buffer_dev, to_buffer, stream);
     if (synchronize) check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (DMA transfer)");
     return plan.num_ops;
   }
+  const bool staged = o.staged && buffer.host;  // a device buffer gains nothing from staging
+  thread_local StagedPlan sp;  // reused: its memory stays mapped between calls
+  thread_local std::vector<kvconnect::staged_plan::FlatOp> flat_ops;
+  if (staged)
+    kvconnect::staged_plan::plan_tables(planes, segments, num_segments, slots, plan, o.max_op_bytes,
+                                        o.first_piece_bytes, o.max_piece_bytes, o.merge_gap_bytes, to_buffer, flat_ops,
+                                        sp);
+  const int64_t num_ops = staged ? static_cast<int64_t>(sp.ops.size()) : plan.num_ops;
 
-  Workspace* ws = pool().acquire(device, static_cast<size_t>(plan.num_ops));
+  Workspace* ws = pool().acquire(device, static_cast<size_t>(num_ops));
   bool recorded = false;
   try {
-    CopyOp* out = ws->host;
-    for_each_op(planes, segments, num_segments, slots, plan, o.max_op_bytes, [&](int64_t paged, int64_t flat, int64_t bytes) {
-      *out++ = CopyOp{paged, flat, static_cast<int32_t>(bytes), width_log2(paged, buffer_dev + flat)};
-    });
-    const CopyOp* table = ws->host_alias;
-    if (o.copy_op_table) {
-      CopyOp* dev = pool().device_table(ws);
-      check(cudaMemcpyAsync(dev, ws->host, plan.num_ops * sizeof(CopyOp), cudaMemcpyHostToDevice, stream),
-            "cudaMemcpyAsync (op table to device)");
-      table = dev;
+    if (staged) {
+      run_staged(sp, ws, o, buffer_addr, to_buffer, device, stream);
+    } else {
+      CopyOp* out = ws->host;
+      for_each_op(planes, segments, num_segments, slots, plan, o.max_op_bytes, [&](int64_t paged, int64_t flat, int64_t bytes) {
+        *out++ = CopyOp{paged, flat, static_cast<int32_t>(bytes), width_log2(paged, buffer_dev + flat)};
+      });
+      const CopyOp* table = ws->host_alias;
+      if (o.copy_op_table) {
+        CopyOp* dev = pool().device_table(ws);
+        check(cudaMemcpyAsync(dev, ws->host, plan.num_ops * sizeof(CopyOp), cudaMemcpyHostToDevice, stream),
+              "cudaMemcpyAsync (op table to device)");
+        table = dev;
+      }
+      launch_kernel(o, table, plan.num_ops, reinterpret_cast<char*>(buffer_dev), to_buffer, device, stream);
     }
-    launch_kernel(o, table, plan.num_ops, reinterpret_cast<char*>(buffer_dev), to_buffer, device, stream);
     check(cudaEventRecord(ws->done, stream), "cudaEventRecord (transfer done)");
     recorded = true;
-    if (synchronize) check(cudaEventSynchronize(ws->done), "cudaEventSynchronize (waiting for the transfer kernel)");
+    if (synchronize) check(cudaEventSynchronize(ws->done), "cudaEventSynchronize (waiting for the transfer)");
   } catch (...) {
-    // The op copy may already be queued: keep the workspace until the stream passes it.
-    if (!recorded && cudaEventRecord(ws->done, stream) == cudaSuccess) recorded = true;
+    // Work may already be queued: keep the workspace until the stream (and, staged, the copy
+    // stream) pass it.
+    if (!recorded && (!staged || join_copy_stream(ws, stream)) && cudaEventRecord(ws->done, stream) == cudaSuccess)
+      recorded = true;
     if (recorded) pool().release(ws, true);  // else leak it: it may still be read
     throw;
   }
   pool().release(ws, true);
-  return plan.num_ops;
+  return num_ops;
 }
 
 int64_t device_pointer(int64_t host_addr) {
@@ -466,15 +409,19 @@ PYBIND11_MODULE(_cuda_kernels, m) {
         [to_buffer](const Int64Array& planes, const Int64Array& segments, const Int64Array& slots, int64_t buffer_addr,
                     int64_t buffer_bytes, int device, int64_t stream, bool synchronize, int threads_per_block,
                     int blocks_per_sm, int64_t max_op_bytes, int unroll, bool copy_op_table,
-                    bool merge_rows, bool use_dma) {
-          const Options o{threads_per_block, blocks_per_sm, max_op_bytes, unroll, copy_op_table, merge_rows, use_dma};
+                    bool merge_rows, bool use_dma, bool staged, int staging_slots, int64_t first_piece_bytes,
+                    int64_t max_piece_bytes, int64_t merge_gap_bytes) {
+          const Options o{threads_per_block, blocks_per_sm, max_op_bytes, unroll, copy_op_table, merge_rows, use_dma,
+                          staged, staging_slots, first_piece_bytes, max_piece_bytes, merge_gap_bytes};
           return transfer(to_buffer, planes, segments, slots, buffer_addr, buffer_bytes, device, stream, synchronize, o);
         },
         doc, py::arg("planes"), py::arg("segments"), py::arg("slots"), py::arg("buffer_addr"), py::arg("buffer_bytes"),
         py::arg("device"), py::arg("stream"), py::arg("synchronize"), py::arg("threads_per_block") = 512,
         py::arg("blocks_per_sm") = 2, py::arg("max_op_bytes") = 32768, py::arg("unroll") = 4,
         py::arg("copy_op_table") = false, py::arg("merge_rows") = true,
-        py::arg("use_dma") = false);
+        py::arg("use_dma") = false, py::arg("staged") = false, py::arg("staging_slots") = 2,
+        py::arg("first_piece_bytes") = 1 << 20, py::arg("max_piece_bytes") = 8 << 20,
+        py::arg("merge_gap_bytes") = 64 << 10);
   };
   bind("gather", true, "paged planes -> buffer on `stream`; returns the number of copy ops");
   bind("scatter", false, "buffer -> paged planes on `stream`; returns the number of copy ops");

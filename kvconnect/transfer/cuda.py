@@ -61,6 +61,16 @@ class KernelTuning:
     merge_rows: merge rows whose paged addresses are adjacent into one op (False = one op per row).
     use_dma: move each run with the copy engines (cudaMemcpyBatchAsync) instead of the kernel;
         for measurements, needs a non-default stream.
+    staged: the staged route for a pinned buffer (csrc/staged_plan.h): per piece of the batch, the
+        kernel gathers into a slot of a small device ring and the copy engines move the slot in
+        large copies on a side stream (a load: the reverse), overlapped piece by piece. Costs
+        staging_slots x max_piece_bytes of device memory per concurrent call (4 at most per
+        device). A device buffer takes the direct kernel. Not yet measured on a GPU (docs/gpu.md).
+    staging_slots: slots in the ring (>= 2).
+    first_piece_bytes, max_piece_bytes: pieces double from the first size up to the largest
+        (multiples of 16): a store's first piece is small, so the link starts early; a load's
+        last one, so the scatter after the last copy is short.
+    merge_gap_bytes: a load copies across gaps of up to this many unused buffer bytes in one copy.
     """
 
     threads_per_block: int = 512
@@ -70,6 +80,11 @@ class KernelTuning:
     copy_op_table: bool = False
     merge_rows: bool = True
     use_dma: bool = False
+    staged: bool = False
+    staging_slots: int = 2
+    first_piece_bytes: int = 1 << 20
+    max_piece_bytes: int = 8 << 20
+    merge_gap_bytes: int = 64 << 10
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -128,7 +143,8 @@ def _launch(direction: str, layout: KVLayout, tables: TransferTables, buffer: to
     try:
         num_ops = fn(plane_table(layout), tables.segments, tables.slots, buffer.data_ptr(), buffer.numel(), device_index,
                      handle, synchronize, t.threads_per_block, t.blocks_per_sm, t.max_op_bytes, t.unroll,
-                     t.copy_op_table, t.merge_rows, t.use_dma)
+                     t.copy_op_table, t.merge_rows, t.use_dma, t.staged, t.staging_slots, t.first_piece_bytes,
+                     t.max_piece_bytes, t.merge_gap_bytes)
     except (IndexError, ValueError) as exc:  # validation: raised before anything was queued
         raise TransferError(str(exc)) from exc
     return num_ops, stream_obj
