@@ -386,6 +386,7 @@ def sweep(buf: torch.Tensor, limit: dict, repeats: int) -> list:
         ("ring 256K..4M x2", K(staged=True, first_piece_bytes=256 << 10, max_piece_bytes=4 << 20)),
         ("ring 1M..16M x3", K(staged=True, max_piece_bytes=16 << 20, staging_slots=3)),
         ("ring 4M..32M x2", K(staged=True, first_piece_bytes=4 << 20, max_piece_bytes=32 << 20)),
+        ("ring 8 KB ops", K(staged=True, max_op_bytes=8192)),  # more warps per piece (HBM side)
     ]
     rows = []
     side = torch.cuda.Stream()  # DMA batches refuse the legacy default stream

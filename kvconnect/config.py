@@ -20,6 +20,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_REMOTE_TIMEOUT_S     | remote_timeout_s     | float | 1.0     | bound on every remote-tier call |
 | KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
+| KVCONNECT_CUDA_TRANSFER        | cuda_transfer        | str   | kernel  | CUDA route: ``kernel`` (zero-copy) or ``staged`` (device ring + copy engines; docs/gpu.md) |
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 GB = 1 << 30
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
 
 
 def _default_threads() -> int:
@@ -58,6 +60,7 @@ class Config:
     remote_timeout_s: float = 1.0
     server_url: Optional[str] = None
     server_token: Optional[str] = None
+    cuda_transfer: str = "kernel"
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -70,6 +73,8 @@ class Config:
             raise ConfigError(f"num_threads (KVCONNECT_NUM_THREADS) must be > 0, got {self.num_threads}")
         if self.remote_timeout_s <= 0:
             raise ConfigError(f"remote_timeout_s (KVCONNECT_REMOTE_TIMEOUT_S) must be > 0, got {self.remote_timeout_s}")
+        if self.cuda_transfer not in CUDA_TRANSFERS:
+            raise ConfigError(f"cuda_transfer (KVCONNECT_CUDA_TRANSFER) must be one of {', '.join(CUDA_TRANSFERS)}, got {self.cuda_transfer!r}")
         if self.local_disk is not None and self.local_disk.startswith("file://"):
             object.__setattr__(self, "local_disk", self.local_disk[len("file://") :])
 

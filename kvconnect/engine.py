@@ -49,6 +49,7 @@ from .plan import (
 from .rows import chunk_bounds
 from .server import close_pool, make_pool
 from .storage import ChunkPool, StorageManager
+from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class KVCacheEngine:
         check_chunk_size(layout, self.config.chunk_size)
         transfer.backend_for(layout, backend)  # fail now, not on the first store
         self.backend = backend
+        self._cuda_tuning = route_tuning(self.config.cuda_transfer)
         self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)
         self.max_chunk_bytes = max_chunk_payload_bytes(layout, self.config.chunk_size)
         # a private ChunkPool, or the node cache server's shared pool when server_url is set
@@ -135,7 +137,8 @@ class KVCacheEngine:
         if writes:
             builder = store_segments(self.layout, writes, [self.pool.slot_offset(s) for s in slots])
             try:
-                transfer.gather(self.layout, builder.build(), self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads)
+                transfer.gather(self.layout, builder.build(), self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads,
+                                cuda_tuning=self._cuda_tuning)
             except BaseException:
                 self.storage.abort(slots)
                 raise
@@ -199,7 +202,8 @@ class KVCacheEngine:
                     self.stats.corrupt_chunks += 1
                 return 0
             tables_built = builder.build()
-            transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads)
+            transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads,
+                             cuda_tuning=self._cuda_tuning)
             with self._stats_lock:
                 self.stats.retrieved_chunks += sum(e is not None for e in used)
                 self.stats.retrieved_bytes += tables_built.payload_bytes(self.layout)

@@ -15,7 +15,7 @@ def test_defaults():
     c = Config.from_env({})
     assert c == Config()
     assert (c.chunk_size, c.local_cpu, c.max_local_cpu_size, c.save_unfull_chunk) == (256, True, 5.0, False)
-    assert c.local_disk is None and c.remote_url is None and c.model_name == ""
+    assert c.local_disk is None and c.remote_url is None and c.model_name == "" and c.cuda_transfer == "kernel"
     assert c.num_threads >= 1 and c.max_local_cpu_bytes == 5 * GB
 
 
@@ -31,6 +31,7 @@ def test_environment_variables():
         "KVCONNECT_NUM_THREADS": "3",
         "KVCONNECT_MODEL_NAME": "deepseek-v4-flash",
         "KVCONNECT_REMOTE_TIMEOUT_S": "0.25",
+        "KVCONNECT_CUDA_TRANSFER": "staged",
         "LMCACHE_SOMETHING_WE_DO_NOT_USE": "whatever",  # LMCache has many; ignored
         "PATH": "/usr/bin",
     }
@@ -40,6 +41,7 @@ def test_environment_variables():
     assert c.local_disk == "/tmp/kvc-disk" and c.max_local_disk_bytes == 20 * GB
     assert c.remote_url == "redis://127.0.0.1:6379" and c.save_unfull_chunk is True
     assert (c.num_threads, c.model_name, c.remote_timeout_s) == (3, "deepseek-v4-flash", 0.25)
+    assert c.cuda_transfer == "staged"
 
 
 @pytest.mark.parametrize("text,value", [("1", True), ("TRUE", True), ("on", True), ("Yes", True), ("0", False),
@@ -63,6 +65,7 @@ def test_boolean_spellings(text, value):
         ("KVCONNECT_NUM_THREADS", "many"),
         ("KVCONNECT_REMOTE_TIMEOUT_S", "0"),
         ("LMCACHE_SAVE_UNFULL_CHUNK", "2"),
+        ("KVCONNECT_CUDA_TRANSFER", "dma"),
     ],
 )
 def test_bad_values_name_the_variable(var, value):

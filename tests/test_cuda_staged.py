@@ -1,11 +1,10 @@
 """The CUDA staged route (kernel into a device ring, copy engines to pinned memory) against the
 torch oracle, byte for byte. Its planner is tested without a GPU in test_staged_plan.py; these
 tests run its executor (two streams, per-slot events, ring reuse) and skip without a GPU.
+test_cuda_transfer.py runs it too: concurrent callers, a device buffer, the whole engine.
 """
 
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 import pytest
@@ -21,8 +20,6 @@ from test_cuda_transfer import (  # noqa: F401  (gen is a fixture)
     check_scatter,
     gen,
     gpu,
-    llama_flash,
-    mla,
     pinned,
     planned_tables,
     random_tables,
@@ -100,51 +97,6 @@ def test_streams_events_and_a_growing_ring(gen):
     assert all(torch.equal(a, b) for a, b in zip(restored, case.snapshot()))
 
 
-@gpu
-def test_concurrent_callers_and_both_directions_at_once(gen):
-    case = llama_flash(layers=4, nb=64)
-    case.randomize(gen)
-    layout = case.layout()
-    jobs = [planned_tables(layout, 768, gen) for _ in range(4)]
-    refs = []
-    for tables, nbytes in jobs:
-        ref = pinned(nbytes, gen)
-        transfer.gather(layout, tables, ref, backend="torch")
-        refs.append(ref)
-    outs = [pinned(nbytes, gen) for _, nbytes in jobs]
-    errors = []
-
-    def work(k):
-        try:
-            stream = torch.cuda.Stream()
-            for _ in range(5):
-                cuda_path.run("gather", layout, jobs[k][0], outs[k], stream, tuning=STAGED["tiny"])
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    for out, ref in zip(outs, refs):
-        assert torch.equal(out, ref)
-
-
-@gpu
-def test_a_device_buffer_takes_the_direct_kernel(gen):
-    case = mla()
-    case.randomize(gen)
-    layout = case.layout()
-    tables, nbytes = planned_tables(layout, 512, gen)
-    dev = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-    cuda_path.run("gather", layout, tables, dev, tuning=STAGED["tiny"])
-    ref = pinned(nbytes, gen)
-    transfer.gather(layout, tables, ref, backend="torch")
-    assert torch.equal(dev.cpu(), ref)
-
-
 @built
 def test_bad_staging_options_are_refused_before_any_cuda_call():
     planes = np.array([[1 << 20, 4096, 256, 256, 16, 160]], np.int64)
@@ -155,3 +107,4 @@ def test_bad_staging_options_are_refused_before_any_cuda_call():
         with pytest.raises(ValueError, match=text):
             _cuda_kernels.gather(planes, seg, slots, 1 << 30, 1024, 0, 0, True, staged=True, **bad)
     assert _cuda_kernels.scatter(planes, seg[:0], slots[:0], 1 << 30, 0, 0, 0, True, staged=True) == 0
+

@@ -389,8 +389,12 @@ def test_async_on_a_caller_stream_returns_an_event(gen):
     assert all(torch.equal(a, b) for a, b in zip(case.snapshot(), before))  # the same bytes went back
 
 
+SMALL_RING = cuda_path.KernelTuning(staged=True, first_piece_bytes=256, max_piece_bytes=4096)  # staged route, many pieces
+
+
 @gpu
-def test_concurrent_callers_on_their_own_streams(gen):
+@pytest.mark.parametrize("tuning", [None, SMALL_RING], ids=["kernel", "staged"])
+def test_concurrent_callers_on_their_own_streams(tuning, gen):
     case = llama_flash(layers=4, nb=64)
     case.randomize(gen)
     layout = case.layout()
@@ -407,7 +411,7 @@ def test_concurrent_callers_on_their_own_streams(gen):
         try:
             stream = torch.cuda.Stream()
             for _ in range(5):
-                cuda_path.run("gather", layout, jobs[k][0], outs[k], stream)
+                cuda_path.run("gather", layout, jobs[k][0], outs[k], stream, tuning=tuning)
         except Exception as exc:  # reported below
             errors.append(exc)
 
@@ -422,13 +426,14 @@ def test_concurrent_callers_on_their_own_streams(gen):
 
 
 @gpu
-def test_device_buffer_and_uva_alias(gen):
+@pytest.mark.parametrize("tuning", [None, SMALL_RING], ids=["kernel", "staged"])  # staged: a device buffer takes the kernel
+def test_device_buffer_and_uva_alias(tuning, gen):
     case = mla()
     case.randomize(gen)
     layout = case.layout()
     tables, nbytes = planned_tables(layout, 512, gen)
     dev = torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE)
-    transfer.gather(layout, tables, dev)
+    transfer.gather(layout, tables, dev, cuda_tuning=tuning)
     ref = pinned(nbytes, gen)
     transfer.gather(layout, tables, ref, backend="torch")
     assert torch.equal(dev.cpu(), ref)
@@ -461,9 +466,11 @@ def test_bad_input_is_refused_before_anything_moves(gen):
 
 
 @gpu
+@pytest.mark.parametrize("route", ["kernel", "staged"])
 @pytest.mark.parametrize("name", ["llama_flash", "dsv32", "dsv4", "dsv4_packed"])
-def test_engine_store_retrieve_round_trip_matches_the_torch_engine(name, gen):
-    """The whole engine (pinned pool, planner, restore gate) on cuda tensors, kernel vs torch."""
+def test_engine_store_retrieve_round_trip_matches_the_torch_engine(name, route, gen):
+    """The whole engine (pinned pool, planner, restore gate) on cuda tensors, kernel vs torch
+    (route: KVCONNECT_CUDA_TRANSFER)."""
     num_tokens = 1024
     tokens = torch.randint(0, 50000, (num_tokens,), generator=gen)
     results = {}
@@ -472,7 +479,7 @@ def test_engine_store_retrieve_round_trip_matches_the_torch_engine(name, gen):
         case = ZOO[name]()
         case.randomize(g)
         layout = case.layout()
-        engine = KVCacheEngine(layout, Config(chunk_size=CHUNK, max_local_cpu_size=0.05), backend=backend)
+        engine = KVCacheEngine(layout, Config(chunk_size=CHUNK, max_local_cpu_size=0.05, cuda_transfer=route), backend=backend)
         stored = engine.store(tokens, random_block_tables(layout, num_tokens, g))
         original = case.snapshot()
         case.randomize(g)  # the engine's blocks are reused for other requests

@@ -199,3 +199,11 @@ def test_backend_selection():
     for bad in ("cuda", "npu", "CPU"):
         with pytest.raises(TransferError):
             transfer.backend_for(layout, bad)
+
+
+def test_a_cuda_route_is_refused_by_name():
+    from kvconnect.transfer import cuda as cuda_path
+
+    assert cuda_path.route_tuning("kernel") is None and cuda_path.route_tuning("staged").staged
+    with pytest.raises(TransferError, match="route"):
+        cuda_path.route_tuning("dma")

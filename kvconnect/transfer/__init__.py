@@ -91,7 +91,8 @@ def _sync(device: torch.device) -> None:
             module.synchronize()
 
 
-def _run(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, backend: Optional[str], num_threads: int) -> None:
+def _run(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, backend: Optional[str], num_threads: int,
+         cuda_tuning) -> None:
     chosen = backend_for(layout, backend)
     if chosen != "cuda":  # the CUDA wrapper checks the buffer, its C++ side every index (O(slots + segments))
         validate(layout, tables, buffer, exact_slots=chosen == "torch")
@@ -108,17 +109,21 @@ def _run(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch
     elif chosen == "cuda":
         from . import cuda as cuda_backend
 
-        cuda_backend.run(direction, layout, tables, buffer)
+        cuda_backend.run(direction, layout, tables, buffer, tuning=cuda_tuning)
     else:
         (torch_impl.gather if direction == "gather" else torch_impl.scatter)(layout, tables, buffer)
         _sync(layout.device)
 
 
-def gather(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, backend: Optional[str] = None, num_threads: int = 1) -> None:
-    """Copy the rows named by ``tables`` from the paged planes into ``buffer``."""
-    _run("gather", layout, tables, buffer, backend, num_threads)
+def gather(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, backend: Optional[str] = None, num_threads: int = 1,
+           cuda_tuning=None) -> None:
+    """Copy the rows named by ``tables`` from the paged planes into ``buffer``.
+
+    ``num_threads`` is for the CPU kernel, ``cuda_tuning`` (a ``cuda.KernelTuning``) for the CUDA one."""
+    _run("gather", layout, tables, buffer, backend, num_threads, cuda_tuning)
 
 
-def scatter(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, backend: Optional[str] = None, num_threads: int = 1) -> None:
+def scatter(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, backend: Optional[str] = None, num_threads: int = 1,
+            cuda_tuning=None) -> None:
     """Copy rows from ``buffer`` into the paged planes at the slots named by ``tables``."""
-    _run("scatter", layout, tables, buffer, backend, num_threads)
+    _run("scatter", layout, tables, buffer, backend, num_threads, cuda_tuning)

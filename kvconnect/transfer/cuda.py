@@ -45,7 +45,7 @@ except ImportError:  # built only where nvcc was found
 
 StreamLike = Union[None, int, "torch.cuda.Stream"]
 
-__all__ = ["KernelTuning", "available", "run", "run_async", "DEFAULT_TUNING"]
+__all__ = ["KernelTuning", "available", "run", "run_async", "route_tuning", "DEFAULT_TUNING"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +88,14 @@ class KernelTuning:
 
 
 DEFAULT_TUNING = KernelTuning()
+_ROUTES = {"kernel": None, "staged": KernelTuning(staged=True)}
+
+
+def route_tuning(route: str) -> Optional[KernelTuning]:
+    """The tuning of a configured CUDA route (``Config.cuda_transfer``); None is the default kernel."""
+    if route not in _ROUTES:
+        raise TransferError(f"unknown CUDA transfer route {route!r} (one of {', '.join(_ROUTES)})")
+    return _ROUTES[route]
 
 
 def available() -> bool:
