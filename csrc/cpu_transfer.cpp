@@ -90,26 +90,41 @@ void transfer(const Int64Array& planes_arr, const Int64Array& segments_arr, cons
   for (int64_t k = 0; k < num_pieces; ++k) run_piece<kToBuffer>(pieces[k], planes, segments, slots, buffer);
 }
 
-// The staged route's plan of these tables, as arrays (paged addresses are raw pointers).
+// The staged route's plan of these tables, as the CUDA executor receives it: ops in piece
+// order (paged addresses are raw pointers), and for each piece how many ops had been emitted
+// when it was reported complete. allow_streaming=False forces the whole plan.
 py::dict staged_plan(const Int64Array& planes_arr, const Int64Array& segments_arr, const Int64Array& slots_arr,
                      int64_t buffer_bytes, bool to_buffer, int64_t max_op_bytes, int64_t first_piece_bytes,
-                     int64_t max_piece_bytes, int64_t merge_gap_bytes) {
+                     int64_t max_piece_bytes, int64_t merge_gap_bytes, bool allow_streaming) {
+  namespace sp_ns = kvconnect::staged_plan;
   if (planes_arr.ndim() != 2 || planes_arr.shape(1) != kvconnect::kPlaneCols ||
       segments_arr.ndim() != 2 || segments_arr.shape(1) != kvconnect::kSegmentCols || slots_arr.ndim() != 1)
     throw std::invalid_argument("planes [P, 6], segments [S, 4] and slots [N] int64 arrays expected");
   if (max_op_bytes < 16) throw std::invalid_argument("max_op_bytes must be >= 16");
   const auto* planes = reinterpret_cast<const PlaneDesc*>(planes_arr.data());
   const auto* segments = reinterpret_cast<const SegmentDesc*>(segments_arr.data());
-  kvconnect::staged_plan::StagedPlan sp;
-  std::vector<kvconnect::staged_plan::FlatOp> ops;
+  const int64_t num_segments = segments_arr.shape(0);
+  const int64_t* slots = slots_arr.data();
+  sp_ns::StagedPlan sp;
+  std::vector<sp_ns::FlatOp> scratch;
+  std::vector<sp_ns::StagedOp> emitted;
+  std::vector<int64_t> emitted_at_done;
+  bool streamed = false;
   {
     py::gil_scoped_release release;
-    kvconnect::copy_plan::validate(planes, planes_arr.shape(0), segments, segments_arr.shape(0), slots_arr.data(),
-                                   slots_arr.shape(0), buffer_bytes);
-    const auto runs = kvconnect::copy_plan::plan_runs(planes, segments, segments_arr.shape(0), slots_arr.data(), true,
-                                                      max_op_bytes);
-    kvconnect::staged_plan::plan_tables(planes, segments, segments_arr.shape(0), slots_arr.data(), runs, max_op_bytes,
-                                        first_piece_bytes, max_piece_bytes, merge_gap_bytes, to_buffer, ops, sp);
+    kvconnect::copy_plan::validate(planes, planes_arr.shape(0), segments, num_segments, slots, slots_arr.shape(0),
+                                   buffer_bytes);
+    sp_ns::check_sizes(first_piece_bytes, max_piece_bytes, merge_gap_bytes);
+    const auto runs = kvconnect::copy_plan::plan_runs(planes, segments, num_segments, slots, true, max_op_bytes);
+    streamed = allow_streaming && sp_ns::lay_out_segments(planes, segments, num_segments, first_piece_bytes,
+                                                          max_piece_bytes, merge_gap_bytes, to_buffer, sp);
+    if (!streamed)
+      sp_ns::plan_whole(planes, segments, num_segments, slots, runs, max_op_bytes, first_piece_bytes, max_piece_bytes,
+                        merge_gap_bytes, to_buffer, scratch, sp);
+    sp_ns::emit_ops(
+        streamed, planes, segments, num_segments, slots, runs, max_op_bytes, sp,
+        [&](const sp_ns::StagedOp& op) { emitted.push_back(op); },
+        [&](size_t) { emitted_at_done.push_back(static_cast<int64_t>(emitted.size())); });
   }
   auto triples = [](const auto& rows) {
     Int64Array a({static_cast<py::ssize_t>(rows.size()), py::ssize_t{3}});
@@ -124,10 +139,12 @@ py::dict staged_plan(const Int64Array& planes_arr, const Int64Array& segments_ar
   };
   py::dict out;
   out["piece_bytes"] = vector(sp.piece_bytes);
-  out["ops"] = triples(sp.ops);  // paged, staging offset, bytes
+  out["ops"] = triples(emitted);  // paged, staging offset, bytes
   out["op_begin"] = vector(sp.op_begin);
+  out["ops_at_done"] = vector(emitted_at_done);
   out["copies"] = triples(sp.copies);  // staging offset, buffer offset, bytes
   out["copy_begin"] = vector(sp.copy_begin);
+  out["streamed"] = streamed;
   return out;
 }
 
@@ -150,5 +167,6 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.def("max_threads", &max_threads);
   m.def("staged_plan", &staged_plan, "the CUDA staged route's plan of these tables (csrc/staged_plan.h)",
         py::arg("planes"), py::arg("segments"), py::arg("slots"), py::arg("buffer_bytes"), py::arg("to_buffer"),
-        py::arg("max_op_bytes"), py::arg("first_piece_bytes"), py::arg("max_piece_bytes"), py::arg("merge_gap_bytes"));
+        py::arg("max_op_bytes"), py::arg("first_piece_bytes"), py::arg("max_piece_bytes"), py::arg("merge_gap_bytes"),
+        py::arg("allow_streaming") = true);
 }

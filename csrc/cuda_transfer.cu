@@ -233,17 +233,17 @@ void launch_dma(const PlaneDesc* planes, const SegmentDesc* segments, int64_t nu
 // filled; S waits filled, kernel scatters, records drained. Each wait sees the latest record
 // queued before it, so events are reused per slot. C starts after S's earlier work, and S
 // continues only after C's last copy, so the caller sees one ordered operation on S.
-void run_staged(const StagedPlan& sp, Workspace* ws, const Options& o, int64_t buffer_host, bool to_buffer, int device,
-                cudaStream_t stream) {
+// Pieces are queued as the plan completes them (streamed: while later ops are still being
+// planned, so a synchronous call does not wait for the whole plan before its first copy).
+void run_staged(bool streamed, const PlaneDesc* planes, const SegmentDesc* segments, int64_t num_segments,
+                const int64_t* slots, const Plan& runs, StagedPlan& sp, Workspace* ws, const Options& o,
+                int64_t buffer_host, bool to_buffer, int device, cudaStream_t stream) {
   pool().staging_ring(ws, o.staging_slots, o.max_piece_bytes);
-  CopyOp* out = ws->host;
-  for (const auto& op : sp.ops)  // slot bases are 256-aligned: alignment is the offset's
-    *out++ = CopyOp{op.paged, op.staging, static_cast<int32_t>(op.bytes), width_log2(op.paged, op.staging)};
   cudaStream_t copies = ws->copy_stream;
   check(cudaEventRecord(ws->start, stream), "cudaEventRecord (staged start)");
   check(cudaStreamWaitEvent(copies, ws->start, 0), "cudaStreamWaitEvent (staged start)");
   const cudaMemcpyKind kind = to_buffer ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
-  for (size_t k = 0; k < sp.num_pieces(); ++k) {
+  auto queue_piece = [&](size_t k) {
     const int slot = static_cast<int>(k % o.staging_slots);
     char* ring = ws->staging + slot * ws->slot_bytes;
     const bool reused = k >= static_cast<size_t>(o.staging_slots);
@@ -275,7 +275,16 @@ void run_staged(const StagedPlan& sp, Workspace* ws, const Options& o, int64_t b
       run_kernel();
       check(cudaEventRecord(ws->drained[slot], stream), "cudaEventRecord (slot drained)");
     }
-  }
+  };
+  CopyOp* out = ws->host;  // slot bases are 256-aligned: an op's alignment is its offset's
+  CopyOp* const end = ws->host + ws->capacity;
+  kvconnect::staged_plan::emit_ops(
+      streamed, planes, segments, num_segments, slots, runs, o.max_op_bytes, sp,
+      [&](const kvconnect::staged_plan::StagedOp& op) {
+        if (out == end) throw std::logic_error("kvconnect staged route: more ops than planned for");
+        *out++ = CopyOp{op.paged, op.staging, static_cast<int32_t>(op.bytes), width_log2(op.paged, op.staging)};
+      },
+      queue_piece);
   check(cudaEventRecord(ws->copies_done, copies), "cudaEventRecord (staged copies done)");
   check(cudaStreamWaitEvent(stream, ws->copies_done, 0), "cudaStreamWaitEvent (staged copies done)");
 }
@@ -332,17 +341,24 @@ int64_t transfer(bool to_buffer, const Int64Array& planes_arr, const Int64Array&
   const bool staged = o.staged && buffer.host;  // a device buffer gains nothing from staging
   thread_local StagedPlan sp;  // reused: its memory stays mapped between calls
   thread_local std::vector<kvconnect::staged_plan::FlatOp> flat_ops;
-  if (staged)
-    kvconnect::staged_plan::plan_tables(planes, segments, num_segments, slots, plan, o.max_op_bytes,
-                                        o.first_piece_bytes, o.max_piece_bytes, o.merge_gap_bytes, to_buffer, flat_ops,
-                                        sp);
-  const int64_t num_ops = staged ? static_cast<int64_t>(sp.ops.size()) : plan.num_ops;
+  bool streamed = false;
+  int64_t num_ops = plan.num_ops;  // op table entries to reserve
+  if (staged) {
+    streamed = kvconnect::staged_plan::lay_out_segments(planes, segments, num_segments, o.first_piece_bytes,
+                                                        o.max_piece_bytes, o.merge_gap_bytes, to_buffer, sp);
+    if (!streamed)
+      kvconnect::staged_plan::plan_whole(planes, segments, num_segments, slots, plan, o.max_op_bytes,
+                                         o.first_piece_bytes, o.max_piece_bytes, o.merge_gap_bytes, to_buffer,
+                                         flat_ops, sp);
+    // cutting at piece edges adds at most one op per edge
+    num_ops = streamed ? plan.num_ops + static_cast<int64_t>(sp.num_pieces()) : static_cast<int64_t>(sp.ops.size());
+  }
 
   Workspace* ws = pool().acquire(device, static_cast<size_t>(num_ops));
   bool recorded = false;
   try {
     if (staged) {
-      run_staged(sp, ws, o, buffer_addr, to_buffer, device, stream);
+      run_staged(streamed, planes, segments, num_segments, slots, plan, sp, ws, o, buffer_addr, to_buffer, device, stream);
     } else {
       CopyOp* out = ws->host;
       for_each_op(planes, segments, num_segments, slots, plan, o.max_op_bytes, [&](int64_t paged, int64_t flat, int64_t bytes) {
@@ -369,7 +385,7 @@ int64_t transfer(bool to_buffer, const Int64Array& planes_arr, const Int64Array&
     throw;
   }
   pool().release(ws, true);
-  return num_ops;
+  return staged ? sp.op_begin.back() : plan.num_ops;
 }
 
 int64_t device_pointer(int64_t host_addr) {

@@ -22,6 +22,13 @@
 //            A store grows from the start (the copy engines start after a small gather); a
 //            load grows from the end (the last scatter, after the last copy, is small).
 //   per piece: its ops split at piece edges (offset in the slot) and its copies (extent parts).
+//
+// Two ways to build it. Streamed, when the segments come in buffer order without overlap (the
+// engine's tables): extents, pieces and copies follow from the segments alone, and ops are
+// cut into pieces as copy_plan.h produces them, each piece reported complete as soon as the
+// next one starts, so the executor launches it while the rest is still being planned. Else
+// whole: every op is listed, sorted, and grouped by piece (a counting sort, which also covers
+// overlapping loads, whose parts do not come in piece order).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -112,28 +119,97 @@ void place(StagedPlan& p, std::vector<Row>& rows, std::vector<int64_t>& begin, F
   for_each([&](size_t k, const Row& row) { rows[p.cursor[k]++] = row; });
 }
 
-// Fills `out` from copy ops; `ops` is sorted by buffer offset in place.
+// Adds the buffer range [flat, flat + bytes) to extents built in buffer order.
+inline void extend(std::vector<Extent>& extents, int64_t flat, int64_t bytes, int64_t gap) {
+  if (extents.empty() || flat > extents.back().flat + extents.back().bytes + gap) {
+    const int64_t cursor = extents.empty() ? 0 : extents.back().stage + extents.back().bytes;
+    const int64_t pad = ((flat - cursor) % kAlign + kAlign) % kAlign;
+    extents.push_back({flat, 0, cursor + pad});
+  }
+  Extent& e = extents.back();
+  e.bytes = std::max(e.bytes, flat + bytes - e.flat);
+}
+
+// Pieces over the extents' staging space, and the copies of each piece (extents are in
+// staging order, so their parts come in piece order).
+inline void lay_out(StagedPlan& p, int64_t first_piece_bytes, int64_t max_piece_bytes, bool to_buffer) {
+  const int64_t used = p.extents.empty() ? 0 : p.extents.back().stage + p.extents.back().bytes;
+  piece_sizes((used + kAlign - 1) / kAlign * kAlign, first_piece_bytes, max_piece_bytes, !to_buffer, p.piece_bytes);
+  p.piece_start.assign(p.piece_bytes.size(), 0);
+  for (size_t k = 1; k < p.piece_bytes.size(); ++k) p.piece_start[k] = p.piece_start[k - 1] + p.piece_bytes[k - 1];
+  place(p, p.copies, p.copy_begin, [&](auto&& emit) {
+    size_t piece = 0;
+    for (const Extent& x : p.extents)
+      split(p, x.stage, x.bytes, piece, [&](size_t k, int64_t off, int64_t done, int64_t n) {
+        emit(k, StagedCopy{off, x.flat + done, n});
+      });
+  });
+}
+
+// True (and the plan's extents, pieces and copies laid out) when the segments are in buffer
+// order without overlap, so that their ops can be streamed.
+inline bool lay_out_segments(const PlaneDesc* planes, const SegmentDesc* segments, int64_t num_segments,
+                             int64_t first_piece_bytes, int64_t max_piece_bytes, int64_t merge_gap_bytes, bool to_buffer,
+                             StagedPlan& p) {
+  check_sizes(first_piece_bytes, max_piece_bytes, merge_gap_bytes);
+  p.extents.clear();
+  int64_t end = 0;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const SegmentDesc& seg = segments[s];
+    const int64_t bytes = seg.num_rows * planes[seg.plane].row_bytes;
+    if (bytes == 0) continue;
+    if (seg.buffer_offset < end) return false;
+    extend(p.extents, seg.buffer_offset, bytes, to_buffer ? 0 : merge_gap_bytes);
+    end = seg.buffer_offset + bytes;
+  }
+  lay_out(p, first_piece_bytes, max_piece_bytes, to_buffer);
+  return true;
+}
+
+// Cuts ops arriving in buffer order (from lay_out_segments' segments) into pieces: sink(op)
+// receives each part in piece order; done(k) is called as soon as piece k is complete, with
+// p.op_begin[k + 1] set. finish() completes the rest.
+class OpStream {
+ public:
+  explicit OpStream(StagedPlan& p) : p_(p) { p_.op_begin.assign(1, 0); }
+
+  template <typename Sink, typename Done>
+  void add(const FlatOp& op, Sink&& sink, Done&& done) {
+    while (op.flat >= p_.extents[extent_].flat + p_.extents[extent_].bytes) ++extent_;
+    const Extent& x = p_.extents[extent_];
+    split(p_, x.stage + (op.flat - x.flat), op.bytes, cut_, [&](size_t k, int64_t off, int64_t before, int64_t n) {
+      close_until(k, done);
+      sink(StagedOp{op.paged + before, off, n});
+      ++count_;
+    });
+  }
+  template <typename Done>
+  void finish(Done&& done) {
+    close_until(p_.num_pieces(), done);
+  }
+
+ private:
+  template <typename Done>
+  void close_until(size_t k, Done&& done) {
+    for (; open_ < k; ++open_) {
+      p_.op_begin.push_back(count_);
+      done(open_);
+    }
+  }
+  StagedPlan& p_;
+  size_t extent_ = 0, cut_ = 0, open_ = 0;
+  int64_t count_ = 0;
+};
+
+// The whole plan from copy ops in any order; `ops` is sorted by buffer offset in place.
 inline void plan(std::vector<FlatOp>& ops, int64_t first_piece_bytes, int64_t max_piece_bytes, int64_t merge_gap_bytes,
                  bool to_buffer, StagedPlan& out) {
   check_sizes(first_piece_bytes, max_piece_bytes, merge_gap_bytes);
-  const int64_t gap = to_buffer ? 0 : merge_gap_bytes;
-  out.extents.clear();
   auto by_flat = [](const FlatOp& a, const FlatOp& b) { return a.flat < b.flat; };
   if (!std::is_sorted(ops.begin(), ops.end(), by_flat)) std::stable_sort(ops.begin(), ops.end(), by_flat);
-  for (const FlatOp& op : ops) {
-    if (out.extents.empty() || op.flat > out.extents.back().flat + out.extents.back().bytes + gap) {
-      const int64_t cursor = out.extents.empty() ? 0 : out.extents.back().stage + out.extents.back().bytes;
-      const int64_t pad = ((op.flat - cursor) % kAlign + kAlign) % kAlign;
-      out.extents.push_back({op.flat, 0, cursor + pad});
-    }
-    Extent& e = out.extents.back();
-    e.bytes = std::max(e.bytes, op.flat + op.bytes - e.flat);
-  }
-  const int64_t used = out.extents.empty() ? 0 : out.extents.back().stage + out.extents.back().bytes;
-  piece_sizes((used + kAlign - 1) / kAlign * kAlign, first_piece_bytes, max_piece_bytes, !to_buffer, out.piece_bytes);
-  out.piece_start.assign(out.piece_bytes.size(), 0);
-  for (size_t k = 1; k < out.piece_bytes.size(); ++k) out.piece_start[k] = out.piece_start[k - 1] + out.piece_bytes[k - 1];
-
+  out.extents.clear();
+  for (const FlatOp& op : ops) extend(out.extents, op.flat, op.bytes, to_buffer ? 0 : merge_gap_bytes);
+  lay_out(out, first_piece_bytes, max_piece_bytes, to_buffer);
   place(out, out.ops, out.op_begin, [&](auto&& emit) {
     size_t e = 0, piece = 0;  // the extent holding the op's first byte (ops and extents both in buffer order)
     for (const FlatOp& op : ops) {
@@ -144,26 +220,39 @@ inline void plan(std::vector<FlatOp>& ops, int64_t first_piece_bytes, int64_t ma
       });
     }
   });
-  place(out, out.copies, out.copy_begin, [&](auto&& emit) {
-    size_t piece = 0;
-    for (const Extent& x : out.extents)
-      split(out, x.stage, x.bytes, piece, [&](size_t k, int64_t off, int64_t done, int64_t n) {
-        emit(k, StagedCopy{off, x.flat + done, n});
-      });
-  });
 }
 
-// The staged plan of validated descriptor tables from their runs of rows (copy_plan.h's
-// plan_runs, split at max_op_bytes for the kernel's load balance). `ops` is scratch.
-inline void plan_tables(const PlaneDesc* planes, const SegmentDesc* segments, int64_t num_segments, const int64_t* slots,
-                        const copy_plan::Plan& runs, int64_t max_op_bytes, int64_t first_piece_bytes,
-                        int64_t max_piece_bytes, int64_t merge_gap_bytes, bool to_buffer, std::vector<FlatOp>& ops,
-                        StagedPlan& out) {
+// The whole plan of validated descriptor tables from their runs of rows (copy_plan.h's
+// plan_runs, split at max_op_bytes for the kernel's load balance); `ops` is scratch.
+inline void plan_whole(const PlaneDesc* planes, const SegmentDesc* segments, int64_t num_segments, const int64_t* slots,
+                       const copy_plan::Plan& runs, int64_t max_op_bytes, int64_t first_piece_bytes,
+                       int64_t max_piece_bytes, int64_t merge_gap_bytes, bool to_buffer, std::vector<FlatOp>& ops,
+                       StagedPlan& out) {
   ops.clear();
   ops.reserve(static_cast<size_t>(runs.num_ops));
   copy_plan::for_each_op(planes, segments, num_segments, slots, runs, max_op_bytes,
                          [&](int64_t paged, int64_t flat, int64_t bytes) { ops.push_back({paged, flat, bytes}); });
   plan(ops, first_piece_bytes, max_piece_bytes, merge_gap_bytes, to_buffer, out);
+}
+
+// The plan's ops, piece by piece: sink(op) receives them in piece order and done(k) is called
+// once piece k is complete (op_begin[k + 1] set). streamed: after lay_out_segments, the ops
+// are cut as copy_plan.h produces them; else from plan_whole's ops.
+template <typename Sink, typename Done>
+void emit_ops(bool streamed, const PlaneDesc* planes, const SegmentDesc* segments, int64_t num_segments,
+              const int64_t* slots, const copy_plan::Plan& runs, int64_t max_op_bytes, StagedPlan& p, Sink&& sink,
+              Done&& done) {
+  if (streamed) {
+    OpStream stream(p);
+    copy_plan::for_each_op(planes, segments, num_segments, slots, runs, max_op_bytes,
+                           [&](int64_t paged, int64_t flat, int64_t bytes) { stream.add({paged, flat, bytes}, sink, done); });
+    stream.finish(done);
+    return;
+  }
+  for (size_t k = 0; k < p.num_pieces(); ++k) {
+    for (int64_t i = p.op_begin[k]; i < p.op_begin[k + 1]; ++i) sink(p.ops[i]);
+    done(k);
+  }
 }
 
 }  // namespace staged_plan

@@ -37,10 +37,22 @@ SHAPES = [  # (first_piece_bytes, max_piece_bytes, merge_gap_bytes, max_op_bytes
 NUM_SLOTS = 2
 
 
+PLAN_ARRAYS = ("piece_bytes", "ops", "op_begin", "ops_at_done", "copies", "copy_begin")
+
+
 def staged_plan(layout, tables: TransferTables, buffer_bytes: int, to_buffer: bool, shape) -> dict:
+    """The plan the executor gets; when it was streamed, it must equal the whole plan exactly
+    and every piece must have been reported complete as soon as its last op was out."""
     first, largest, gap, max_op = shape
-    return _cpu_kernels.staged_plan(plane_table(layout), tables.segments, tables.slots, buffer_bytes, to_buffer,
-                                    max_op, first, largest, gap)
+    args = (plane_table(layout), tables.segments, tables.slots, buffer_bytes, to_buffer, max_op, first, largest, gap)
+    plan = _cpu_kernels.staged_plan(*args)
+    assert np.array_equal(plan["ops_at_done"], plan["op_begin"][1:])
+    if plan["streamed"]:
+        whole = _cpu_kernels.staged_plan(*args, allow_streaming=False)
+        assert not whole["streamed"]
+        for name in PLAN_ARRAYS:
+            assert np.array_equal(plan[name], whole[name]), name
+    return plan
 
 
 def execute(plan: dict, buffer: torch.Tensor, to_buffer: bool, largest: int) -> None:
@@ -149,6 +161,19 @@ def test_one_contiguous_extent_becomes_one_copy_per_piece(rng):
         staging, flat, n = plan["copies"].T
         assert (staging % 16 == flat % 16).all()
         assert n.sum() == tables.payload_bytes(case.layout())
+
+
+def test_engine_tables_stream_and_others_take_the_whole_plan(rng):
+    """Tables in buffer order (the engine's) stream; segments out of order or overlapping do not,
+    and still move the same bytes."""
+    case = zoo.build("dsv4-flash", max_tokens=600)
+    tables, nbytes = planned_tables(case, 512, 256, rng, pad_bytes=88)
+    assert staged_plan(case.layout(), tables, nbytes, True, SHAPES[2])["streamed"]
+    shuffled = TransferTables(tables.segments[rng.permutation(len(tables.segments))].copy(), tables.slots)
+    assert not staged_plan(case.layout(), shuffled, nbytes, True, SHAPES[2])["streamed"]
+    check_gather(case, shuffled, nbytes, SHAPES[1])
+    buffer = torch.from_numpy(rng.integers(0, 256, nbytes + 32, dtype=np.uint8))
+    check_scatter(case, shuffled, buffer, SHAPES[1])
 
 
 def test_empty_tables_plan_nothing():
