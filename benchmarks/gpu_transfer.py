@@ -11,8 +11,8 @@ One run on one GPU prints, side by side:
   straight to/from pinned memory); each as GB/s and as a ratio to the memcpy limit;
 - store and load on two streams at once (combined GB/s);
 - each of those for both CUDA routes (--routes): "kernel" (zero-copy: SMs read and write the
-  pinned pool over PCIe) and "ring" (staged: the kernel gathers into a small device ring and
-  the copy engines move it in large copies, KernelTuning(staged=True));
+  pinned pool over PCIe) and "staged" (the kernel gathers into a small device ring and the
+  copy engines move it in large copies, KernelTuning(staged=True));
 - optionally (--sweep) launch shapes, ring piece sizes, and merged runs vs one op per row vs
   copy engines per run (DMA).
 
@@ -370,7 +370,7 @@ def bench_bidirectional(name: str, tokens: int, buf: torch.Tensor, repeats: int,
     return out
 
 
-ROUTES = {"kernel": cuda_path.DEFAULT_TUNING, "ring": cuda_path.KernelTuning(staged=True)}
+ROUTES = {"kernel": cuda_path.DEFAULT_TUNING, "staged": cuda_path.route_tuning("staged")}
 
 
 def sweep(buf: torch.Tensor, limit: dict, repeats: int) -> list:
@@ -382,11 +382,11 @@ def sweep(buf: torch.Tensor, limit: dict, repeats: int) -> list:
         ("1 block/SM", K(blocks_per_sm=1)),
         ("rows (no merge)", K(merge_rows=False)),
         ("DMA batch", K(use_dma=True)),
-        ("ring 1M..8M x2", K(staged=True)),
-        ("ring 256K..4M x2", K(staged=True, first_piece_bytes=256 << 10, max_piece_bytes=4 << 20)),
-        ("ring 1M..16M x3", K(staged=True, max_piece_bytes=16 << 20, staging_slots=3)),
-        ("ring 4M..32M x2", K(staged=True, first_piece_bytes=4 << 20, max_piece_bytes=32 << 20)),
-        ("ring 8 KB ops", K(staged=True, max_op_bytes=8192)),  # more warps per piece (HBM side)
+        ("staged 1M..8M x2", K(staged=True)),
+        ("staged 256K..4M x2", K(staged=True, first_piece_bytes=256 << 10, max_piece_bytes=4 << 20)),
+        ("staged 1M..16M x3", K(staged=True, max_piece_bytes=16 << 20, staging_slots=3)),
+        ("staged 4M..32M x2", K(staged=True, first_piece_bytes=4 << 20, max_piece_bytes=32 << 20)),
+        ("staged 8 KB ops", K(staged=True, max_op_bytes=8192)),  # more warps per piece (HBM side)
     ]
     rows = []
     side = torch.cuda.Stream()  # DMA batches refuse the legacy default stream
@@ -411,8 +411,8 @@ def main() -> None:
     parser.add_argument("--layouts", default="llama8b,dsv3_mla,dsv4_flash")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-baselines", action="store_true")
-    parser.add_argument("--routes", default="kernel,ring", help="CUDA routes to measure: kernel (zero-copy), ring (staged)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes, ring pieces and merge/row/DMA")
+    parser.add_argument("--routes", default="kernel,staged", help="CUDA routes to measure: kernel (zero-copy), staged (device ring)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes, staged piece sizes and merge/row/DMA")
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -444,8 +444,8 @@ def main() -> None:
         results["sweep"] = sweep(buf, limit, args.repeats)
     for name in names:
         for tokens in sizes:
-            for k, route in enumerate(routes):  # torch baselines once per case
-                r = bench_case(name, tokens, buf, limit, args.repeats, k == 0 and not args.no_baselines, ROUTES[route])
+            for i, route in enumerate(routes):  # torch baselines once per case
+                r = bench_case(name, tokens, buf, limit, args.repeats, i == 0 and not args.no_baselines, ROUTES[route])
                 r["route"] = route
                 results["cases"].append(r)
                 print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
