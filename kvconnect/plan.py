@@ -211,7 +211,9 @@ def store_segments(layout: KVLayout, plans: Sequence[StorePlan], buffer_offsets:
 def restorable_boundary(layout: KVLayout, chunks: Sequence[Chunk], masks: Sequence[Optional[int]], *, present_below: int = 0) -> int:
     """Largest chunk end P at which every group can be restored from stored chunks, else 0.
 
-    Full/compressed groups need their rows in every chunk of [0, P); a windowed group needs
+    Full/compressed groups need every chunk of [0, P) stored with their bit (so a hit never
+    extends past a chunk that is not stored, even one holding none of this rank's rows of
+    them, e.g. a DCP rank's share of a short chunk); a windowed group needs
     its rows in every chunk that holds rows of [P - W, P); page/state groups also need P on
     a row edge. Chunks ending at or below ``present_below`` are already in the engine.
     """

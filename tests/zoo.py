@@ -440,11 +440,17 @@ def _held_rows(case: ZooCase, g: int, bounds, masks, present_below: int) -> set:
 def expected_boundary(case: ZooCase, bounds: Sequence[tuple], masks: Sequence[Optional[int]], *, present_below: int = 0) -> int:
     """Largest chunk end P such that every row each group needs at P is held by a chunk
     stored with that group's bit (chunks ending at or below ``present_below`` count as held),
-    and page groups' P falls on a page edge. Brute force over rows."""
+    every chunk of [0, P) is stored with the bits of the groups without a window (even one
+    holding none of their rows: a hit never runs past a chunk that is not stored), and page
+    groups' P falls on a page edge. Brute force over rows."""
     groups = range(len(case.groups))
+    unwindowed = [g for g in groups if case.window(g) is None]
     for k in range(len(bounds) - 1, -1, -1):
         boundary = bounds[k][1]
         if any(case.is_page(g) and local_tokens(case.dcp, boundary) % case.tokens_per_row(g) for g in groups):
+            continue
+        if any(e > present_below and (m is None or not (m >> g) & 1)
+               for (_, e), m in zip(bounds[: k + 1], masks[: k + 1]) for g in unwindowed):
             continue
         held = [_held_rows(case, g, bounds[: k + 1], masks[: k + 1], present_below) for g in groups]
         if all(set(range(*needed_rows(case, g, boundary))) <= held[g] for g in groups):
