@@ -282,8 +282,13 @@ def test_kill_9_during_writes_then_restart_serves_no_bad_chunk(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _WRITER.format(tests=str(Path(__file__).parent), root=str(root))])
     try:
         deadline = time.monotonic() + 60
-        while len(list(root.rglob("*.kvc"))) < 6 or not list(root.rglob("*.tmp")):  # kill mid-write
-            assert proc.poll() is None and time.monotonic() < deadline, "writer did not make progress"
+        while True:  # kill mid-write: freeze the writer while a temporary file exists
+            while len(list(root.rglob("*.kvc"))) < 6 or not list(root.rglob("*.tmp")):
+                assert proc.poll() is None and time.monotonic() < deadline, "writer did not make progress"
+            proc.send_signal(signal.SIGSTOP)
+            if list(root.rglob("*.tmp")):
+                break
+            proc.send_signal(signal.SIGCONT)  # it renamed the file between the two looks: again
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
