@@ -47,6 +47,7 @@ inline void validate(const PlaneDesc* planes, int64_t num_planes, const SegmentD
       throw std::invalid_argument("plane " + std::to_string(p) + ": malformed geometry");
   }
   std::unordered_map<RunKey, std::pair<int64_t, int64_t>, RunKeyHash> ranges;
+  const std::pair<const RunKey, std::pair<int64_t, int64_t>>* last = nullptr;  // elements never move
   for (int64_t s = 0; s < num_segments; ++s) {
     const SegmentDesc& seg = segments[s];
     const bool ok = seg.plane >= 0 && seg.plane < num_planes && seg.num_rows >= 0 && seg.slot_offset >= 0 &&
@@ -55,17 +56,21 @@ inline void validate(const PlaneDesc* planes, int64_t num_planes, const SegmentD
                     seg.num_rows <= (buffer_bytes - seg.buffer_offset) / planes[seg.plane].row_bytes;
     if (!ok) reference_failure(planes, num_planes, segments, num_segments, slots, num_slots, buffer_bytes);
     if (seg.num_rows == 0) continue;
-    auto it = ranges.find({seg.slot_offset, seg.num_rows});
-    if (it == ranges.end()) {
-      const int64_t* run = slots + seg.slot_offset;
-      int64_t lo = run[0], hi = run[0];
-      for (int64_t i = 1; i < seg.num_rows; ++i) {
-        lo = std::min(lo, run[i]);
-        hi = std::max(hi, run[i]);
+    const RunKey key{seg.slot_offset, seg.num_rows};
+    if (last == nullptr || !(last->first == key)) {  // else the previous segment's run (every plane of a group)
+      auto it = ranges.find(key);
+      if (it == ranges.end()) {
+        const int64_t* run = slots + seg.slot_offset;
+        int64_t lo = run[0], hi = run[0];
+        for (int64_t i = 1; i < seg.num_rows; ++i) {
+          lo = std::min(lo, run[i]);
+          hi = std::max(hi, run[i]);
+        }
+        it = ranges.emplace(key, std::make_pair(lo, hi)).first;
       }
-      it = ranges.emplace(RunKey{seg.slot_offset, seg.num_rows}, std::make_pair(lo, hi)).first;
+      last = &*it;
     }
-    if (it->second.first < 0 || it->second.second >= planes[seg.plane].num_slots)
+    if (last->second.first < 0 || last->second.second >= planes[seg.plane].num_slots)
       reference_failure(planes, num_planes, segments, num_segments, slots, num_slots, buffer_bytes);
   }
 }
@@ -105,30 +110,36 @@ inline Plan plan_runs(const PlaneDesc* planes, const SegmentDesc* segments, int6
                       bool merge_rows, int64_t max_op_bytes) {
   Plan plan;
   plan.runs_of_segment.resize(num_segments, nullptr);
+  const std::pair<const GeometryKey, std::vector<int64_t>>* last = nullptr;  // elements never move
+  int64_t last_ops = 0;
   for (int64_t s = 0; s < num_segments; ++s) {
     const SegmentDesc& seg = segments[s];
     const PlaneDesc& p = planes[seg.plane];
     if (seg.num_rows == 0) continue;
     const GeometryKey key{seg.slot_offset, seg.num_rows, p.rows_per_block, p.row_stride_bytes, p.row_bytes,
                           p.block_stride_bytes};
-    auto it = plan.runs.find(key);
-    if (it == plan.runs.end()) {
-      std::vector<int64_t> starts{0};
-      const int64_t* run = slots + seg.slot_offset;
-      int64_t prev = slot_offset_bytes(p, run[0]);
-      for (int64_t i = 1; i < seg.num_rows; ++i) {
-        const int64_t cur = slot_offset_bytes(p, run[i]);
-        if (!merge_rows || cur != prev + p.row_bytes) starts.push_back(i);
-        prev = cur;
+    if (last == nullptr || !(last->first == key)) {  // else: the previous segment's runs (every plane of a group)
+      auto it = plan.runs.find(key);
+      if (it == plan.runs.end()) {
+        std::vector<int64_t> starts{0};
+        const int64_t* run = slots + seg.slot_offset;
+        int64_t prev = slot_offset_bytes(p, run[0]);
+        for (int64_t i = 1; i < seg.num_rows; ++i) {
+          const int64_t cur = slot_offset_bytes(p, run[i]);
+          if (!merge_rows || cur != prev + p.row_bytes) starts.push_back(i);
+          prev = cur;
+        }
+        it = plan.runs.emplace(key, std::move(starts)).first;
       }
-      it = plan.runs.emplace(key, std::move(starts)).first;
+      last = &*it;
+      last_ops = 0;  // ops of one segment with this geometry (row_bytes is part of the key)
+      for (size_t k = 0; k < it->second.size(); ++k) {
+        const int64_t end = k + 1 < it->second.size() ? it->second[k + 1] : seg.num_rows;
+        last_ops += pieces((end - it->second[k]) * p.row_bytes, max_op_bytes);
+      }
     }
-    const std::vector<int64_t>& starts = it->second;
-    plan.runs_of_segment[s] = &starts;
-    for (size_t k = 0; k < starts.size(); ++k) {
-      const int64_t end = k + 1 < starts.size() ? starts[k + 1] : seg.num_rows;
-      plan.num_ops += pieces((end - starts[k]) * p.row_bytes, max_op_bytes);
-    }
+    plan.runs_of_segment[s] = &last->second;
+    plan.num_ops += last_ops;
   }
   return plan;
 }

@@ -284,3 +284,16 @@ def test_a_load_whose_ranges_overlap_matches_the_cpu_kernel(data):
     plan = _cpu_kernels.staged_plan(planes, seg, sl, nbytes, False, 16, first, 2 * first, data.draw(st.sampled_from([0, 9])))
     execute(plan, buffer, False, 2 * first)
     assert torch.equal(pages, want)
+
+
+def test_a_shared_slot_run_is_checked_against_each_plane():
+    """Segments of several planes share one slot run (the validator checks the run once):
+    a slot inside the first plane but past the second is still refused."""
+    big, small = torch.zeros(100 * 64, dtype=torch.uint8), torch.zeros(10 * 64, dtype=torch.uint8)
+    planes = np.array([[big.data_ptr(), 64, 64, 64, 1, 100], [small.data_ptr(), 64, 64, 64, 1, 10]], np.int64)
+    slots = np.array([3, 50], np.int64)
+    segments = np.array([[0, 2, 0, 0], [1, 2, 0, 128]], np.int64)
+    with pytest.raises(IndexError, match="slot 50"):
+        _cpu_kernels.staged_plan(planes, segments, slots, 256, True, 64, 64, 64, 0)
+    ok = _cpu_kernels.staged_plan(planes, segments[:1], slots, 256, True, 64, 64, 64, 0)
+    assert int(ok["ops"][:, 2].sum()) == 128
