@@ -67,14 +67,18 @@ void run_piece(const Piece& piece, const PlaneDesc* planes, const SegmentDesc* s
   }
 }
 
-template <bool kToBuffer>
-void transfer(const Int64Array& planes_arr, const Int64Array& segments_arr, const Int64Array& slots_arr,
-              int64_t buffer_addr, int64_t buffer_bytes, int num_threads) {
+void check_shapes(const Int64Array& planes_arr, const Int64Array& segments_arr, const Int64Array& slots_arr) {
   if (planes_arr.ndim() != 2 || planes_arr.shape(1) != kvconnect::kPlaneCols)
     throw std::invalid_argument("planes must be an int64 array of shape [P, 6]");
   if (segments_arr.ndim() != 2 || segments_arr.shape(1) != kvconnect::kSegmentCols)
     throw std::invalid_argument("segments must be an int64 array of shape [S, 4]");
   if (slots_arr.ndim() != 1) throw std::invalid_argument("slots must be a 1-D int64 array");
+}
+
+template <bool kToBuffer>
+void transfer(const Int64Array& planes_arr, const Int64Array& segments_arr, const Int64Array& slots_arr,
+              int64_t buffer_addr, int64_t buffer_bytes, int num_threads) {
+  check_shapes(planes_arr, segments_arr, slots_arr);
   const auto* planes = reinterpret_cast<const PlaneDesc*>(planes_arr.data());
   const auto* segments = reinterpret_cast<const SegmentDesc*>(segments_arr.data());
   const int64_t* slots = slots_arr.data();
@@ -97,9 +101,7 @@ py::dict staged_plan(const Int64Array& planes_arr, const Int64Array& segments_ar
                      int64_t buffer_bytes, bool to_buffer, int64_t max_op_bytes, int64_t first_piece_bytes,
                      int64_t max_piece_bytes, int64_t merge_gap_bytes, bool allow_streaming) {
   namespace sp_ns = kvconnect::staged_plan;
-  if (planes_arr.ndim() != 2 || planes_arr.shape(1) != kvconnect::kPlaneCols ||
-      segments_arr.ndim() != 2 || segments_arr.shape(1) != kvconnect::kSegmentCols || slots_arr.ndim() != 1)
-    throw std::invalid_argument("planes [P, 6], segments [S, 4] and slots [N] int64 arrays expected");
+  check_shapes(planes_arr, segments_arr, slots_arr);
   if (max_op_bytes < 16) throw std::invalid_argument("max_op_bytes must be >= 16");
   const auto* planes = reinterpret_cast<const PlaneDesc*>(planes_arr.data());
   const auto* segments = reinterpret_cast<const SegmentDesc*>(segments_arr.data());

@@ -22,11 +22,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "copy_plan.h"
