@@ -40,6 +40,7 @@ from .tier import Breaker, LowerTier, StoreItem, peek_mask
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"kvconnect:"
+NOT_SENT = object()  # the result of a command whose store or shard failed or was skipped
 SOCKET_READ_BYTES = 1 << 20  # chunks are MBs: fewer, larger reads than the 32 KB default
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
 _SINGLE = ("redis", "rediss", "unix")
@@ -108,6 +109,7 @@ class RedisTier(LowerTier):
         self.timeout_s = timeout_s
         self._prefix = KEY_PREFIX + bytes(fingerprint).hex().encode() + b":"
         self._breaker = Breaker(retry_after_s, max_retry_after_s)
+        self._shard_breakers: dict[str, Breaker] = {}  # cluster primaries by "host:port"
         self._client_lock = threading.Lock()
         self._client: Any = None
 
@@ -148,29 +150,112 @@ class RedisTier(LowerTier):
         except Exception:  # closing a broken client may fail too; it is being dropped anyway
             pass
 
-    def _pipeline(self, op: str, build: Callable[[Any], None]) -> Optional[list]:
-        """Results of a pipelined batch (per-command exceptions kept), None when the store failed."""
+    def _pipeline(self, op: str, redis_keys: Sequence[bytes], add: Callable[[Any, int], None]) -> list:
+        """One result per key: the reply, the command's own exception, or ``NOT_SENT``.
+
+        ``add(pipe, i)`` queues the command for ``redis_keys[i]``. A failure of the store (or,
+        in a cluster, of one shard) makes its keys ``NOT_SENT``; it is logged and counted here.
+        """
         if not self._breaker.allow():
             self._count(skipped_unhealthy=1)
-            return None
+            return [NOT_SENT] * len(redis_keys)
         client = None
         try:
             client = self._client_or_connect()
+            if self.is_cluster:
+                return self._per_shard(op, client, redis_keys, add)
             pipe = client.pipeline(transaction=False)
-            build(pipe)
+            for i in range(len(redis_keys)):
+                add(pipe, i)
             results = pipe.execute(raise_on_error=False)
         except Exception as exc:  # any failure of the store or the client library is a miss
-            was_open = self._breaker.open
-            self._breaker.failure()
-            self._count(errors=1)
-            log = logger.debug if was_open else logger.warning
-            log("kvconnect: remote tier %s failed during %s (%s: %s); skipping it for a while",
-                self.url_for_logs, op, type(exc).__name__, exc)
-            if client is not None:
-                self._reset_client(client)
-            return None
+            self._store_failed(op, exc, client)
+            return [NOT_SENT] * len(redis_keys)
         self._breaker.success()
         return results
+
+    # -- a cluster, shard by shard -----------------------------------------------------
+    def _per_shard(self, op: str, client: Any, redis_keys: Sequence[bytes], add: Callable[[Any, int], None]) -> list:
+        """One plain pipeline per primary, one after the other.
+
+        A dead or stalled shard is a miss for its keys only (after at most its timeout), then
+        skipped for a while by its own breaker; the others keep serving. (redis-py's cluster
+        pipeline would re-send each command of a failed node one by one with retries: a 25 s
+        stall for 12 keys on a stalled shard at a 1 s timeout.) A key whose slot moved is a
+        miss this time (MOVED/ASK reply) and the slot map is refreshed for the next call.
+        """
+        out: list = [NOT_SENT] * len(redis_keys)
+        shards: dict[str, tuple[Any, list[int]]] = {}
+        for i, key in enumerate(redis_keys):
+            try:
+                node = client.get_node_from_key(key)
+            except Exception:  # slot served by no known node: a miss
+                self._count(errors=1)
+                continue
+            shards.setdefault(node.name, (node, []))[1].append(i)
+        num_tried = num_failed = 0
+        moved = False
+        for name, (node, indices) in shards.items():
+            breaker = self._shard_breaker(name)
+            if not breaker.allow():
+                self._count(skipped_unhealthy=1)
+                continue
+            num_tried += 1
+            try:
+                pipe = client.get_redis_connection(node).pipeline(transaction=False)
+                for i in indices:
+                    add(pipe, i)
+                results = pipe.execute(raise_on_error=False)
+            except Exception as exc:
+                num_failed += 1
+                self._log_failure(op, f"shard {name}", exc, quiet=breaker.failing)
+                breaker.failure()
+                self._count(errors=1)
+                continue
+            breaker.success()
+            for i, result in zip(indices, results):
+                out[i] = result
+                moved = moved or isinstance(result, self._redis.exceptions.AskError)  # MOVED is an AskError
+        if num_tried and num_failed == num_tried:
+            self._store_failed(op, None, client)  # nothing answered: the cluster itself is down
+        else:
+            self._breaker.success()
+            if moved:
+                self._refresh_slots(client)
+        return out
+
+    def _shard_breaker(self, name: str) -> Breaker:
+        with self._client_lock:
+            breaker = self._shard_breakers.get(name)
+            if breaker is None:
+                breaker = self._shard_breakers[name] = Breaker(self._breaker.retry_after_s, self._breaker.max_retry_after_s)
+            return breaker
+
+    def _refresh_slots(self, client: Any) -> None:
+        """Re-read the slot map after a MOVED/ASK reply; forget breakers of departed shards."""
+        try:
+            client.nodes_manager.initialize()
+            primaries = {node.name for node in client.get_primaries()}
+        except Exception as exc:
+            logger.debug("kvconnect: refreshing the cluster slot map failed (%s)", exc)
+            return
+        with self._client_lock:
+            for name in [n for n in self._shard_breakers if n not in primaries]:
+                del self._shard_breakers[name]
+
+    def _log_failure(self, op: str, what: str, exc: BaseException, *, quiet: bool) -> None:
+        (logger.debug if quiet else logger.warning)(
+            "kvconnect: remote tier %s: %s failed during %s (%s: %s)", self.url_for_logs, what, op, type(exc).__name__, exc)
+
+    def _store_failed(self, op: str, exc: Optional[BaseException], client: Any) -> None:
+        """The whole store failed: skip it for a while and rebuild the client next time."""
+        was_open = self._breaker.open
+        self._breaker.failure()
+        self._count(errors=1)
+        if exc is not None:
+            self._log_failure(op, "the store", exc, quiet=was_open)
+        if client is not None:
+            self._reset_client(client)
 
     @property
     def url_for_logs(self) -> str:
@@ -187,32 +272,28 @@ class RedisTier(LowerTier):
         if not keys:
             return []
         header_end = chunk_format.FIXED_HEADER_BYTES - 1
-        results = self._pipeline("lookup", lambda p: [p.getrange(self.redis_key(k), 0, header_end) for k in keys])
+        redis_keys = [self.redis_key(k) for k in keys]
+        results = self._pipeline("lookup", redis_keys, lambda p, i: p.getrange(redis_keys[i], 0, header_end))
         out: list[Optional[int]] = [None] * len(keys)
-        if results is not None:
-            for i, (key, value) in enumerate(zip(keys, results)):
-                if isinstance(value, Exception):
-                    self._count(errors=1)
-                elif value:
-                    out[i] = peek_mask(value, self.fingerprint, key)
+        for i, (key, value) in enumerate(zip(keys, results)):
+            if self._replied(value) and value:
+                out[i] = peek_mask(value, self.fingerprint, key)
         self._count(lookups=len(keys), lookup_hits=sum(m is not None for m in out))
         return out
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
         if not keys:
             return []
-        results = self._pipeline("get", lambda p: [p.get(self.redis_key(k)) for k in keys])
+        redis_keys = [self.redis_key(k) for k in keys]
+        results = self._pipeline("get", redis_keys, lambda p, i: p.get(redis_keys[i]))
         out: list[Optional[bytes]] = [None] * len(keys)
         bad: list[ChunkKey] = []
-        if results is not None:
-            for i, (key, value) in enumerate(zip(keys, results)):
-                if isinstance(value, Exception):
-                    self._count(errors=1)
-                elif value is not None:
-                    if self._verify(value, key):
-                        out[i] = value
-                    else:
-                        bad.append(key)
+        for i, (key, value) in enumerate(zip(keys, results)):
+            if self._replied(value) and value is not None:
+                if self._verify(value, key):
+                    out[i] = value
+                else:
+                    bad.append(key)
         if bad:
             logger.warning("kvconnect: remote tier held %d corrupt chunk(s); deleting them", len(bad))
             self._count(errors=len(bad), corrupt=len(bad))
@@ -221,26 +302,32 @@ class RedisTier(LowerTier):
         self._count(gets=len(keys), get_hits=len(hits), bytes_read=sum(map(len, hits)))
         return out
 
+    def _replied(self, result: Any) -> bool:
+        """Whether the store answered this command (its own error is counted here)."""
+        if result is NOT_SENT:
+            return False  # counted where the store or shard failed
+        if isinstance(result, Exception):
+            self._count(errors=1)
+            return False
+        return True
+
     # -- writes ----------------------------------------------------------------------
     def put(self, items: Sequence[StoreItem]) -> list[bool]:
         if not items:
             return []
+        redis_keys = [self.redis_key(it.key) for it in items]
         values = [b"".join((item.sealed_header(), item.payload)) for item in items]
-        results = self._pipeline("put", lambda p: [p.set(self.redis_key(it.key), v) for it, v in zip(items, values)])
-        if results is None:
-            return [False] * len(items)
-        ok = [r is True for r in results]
-        self._count(puts=sum(ok), bytes_written=sum(len(v) for v, good in zip(values, ok) if good),
-                    errors=len(ok) - sum(ok))
+        results = self._pipeline("put", redis_keys, lambda p, i: p.set(redis_keys[i], values[i]))
+        ok = [self._replied(r) and r is True for r in results]
+        self._count(puts=sum(ok), bytes_written=sum(len(v) for v, good in zip(values, ok) if good))
         return ok
 
     def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
             return []
-        results = self._pipeline("delete", lambda p: [p.delete(self.redis_key(k)) for k in keys])
-        if results is None:
-            return [False] * len(keys)
-        out = [r == 1 for r in results]
+        redis_keys = [self.redis_key(k) for k in keys]
+        results = self._pipeline("delete", redis_keys, lambda p, i: p.delete(redis_keys[i]))
+        out = [self._replied(r) and r == 1 for r in results]
         self._count(deletes=sum(out))
         return out
 

@@ -194,5 +194,11 @@ class Breaker:
             self._open_until = time.monotonic() + backoff
 
     @property
+    def failing(self) -> bool:
+        """Whether the last call failed (open, or about to be probed again)."""
+        with self._lock:
+            return self._failures > 0
+
+    @property
     def open(self) -> bool:
         return not self.allow()

@@ -149,13 +149,25 @@ class RedisNode:
         self.stop()
 
 
+def _slot_ranges(node: RedisNode) -> list[tuple[str, str]]:
+    """The slot ranges ``node`` serves, from its own line of ``cluster nodes``."""
+    for line in node.cli("cluster", "nodes").splitlines():
+        fields = line.split()
+        if "myself" in fields[2]:
+            return [tuple(r.split("-")) if "-" in r else (r, r) for r in fields[8:] if not r.startswith("[")]
+    return []
+
+
 class RedisClusterNodes:
     """Three cluster-enabled masters on loopback ports, joined with ``redis-cli --cluster create``."""
 
-    def __init__(self, workdir: Path, num_nodes: int = 3) -> None:
+    def __init__(self, workdir: Path, num_nodes: int = 3, *, full_coverage: bool = True) -> None:
+        """``full_coverage=False`` is how a cache runs: the shards that are up keep serving
+        while one is down (the server default stops the whole cluster after node-timeout)."""
         self.nodes = [
-            RedisNode(Path(workdir) / f"node{i}", extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
-                                                              f"nodes-{i}.conf", "--cluster-node-timeout", "2000"))
+            RedisNode(Path(workdir) / f"node{i}", extra_args=(
+                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000",
+                "--cluster-require-full-coverage", "yes" if full_coverage else "no"))
             for i in range(num_nodes)
         ]
 
@@ -172,13 +184,25 @@ class RedisClusterNodes:
         if out.returncode != 0:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
+        self.wait_ok()
+        return self
+
+    def wait_ok(self) -> None:
+        """Until every node reports ``cluster_state:ok`` (after a start or a node's restart)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while not all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
             time.sleep(0.05)
-        return self
+
+    def holder(self, redis_key: bytes) -> int:
+        """Index of the node whose slots hold ``redis_key``."""
+        slot = int(self.nodes[0].cli("cluster", "keyslot", redis_key.decode()))
+        for i, node in enumerate(self.nodes):
+            if any(int(lo) <= slot <= int(hi) for lo, hi in _slot_ranges(node)):
+                return i
+        raise LookupError(f"no node serves slot {slot}")
 
     def stop(self) -> None:
         for node in self.nodes:

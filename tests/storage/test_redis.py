@@ -208,3 +208,119 @@ def test_engine_round_trip_through_a_three_node_cluster(tmp_path):
         valkey = kv_rig.make_engine(layout, remote_url=cluster.url.replace("redis-cluster", "valkey-cluster"))
         assert kv_rig.retrieve_prompt(valkey, 3, n) == 12 * kv_rig.CHUNK_TOKENS
         valkey.close()
+
+
+# -- a cluster whose shards fail separately -------------------------------------------
+@pytest.fixture
+def cache_cluster(tmp_path):
+    """Three shards run as a cache: the shards that are up keep serving while one is down."""
+    if redis_available() is not None:
+        pytest.skip(redis_available())
+    with RedisClusterNodes(tmp_path / "cluster", full_coverage=False) as cluster:
+        yield cluster
+
+
+def timed(fn, *args):
+    start = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - start
+
+
+@needs_redis
+def test_cluster_shard_dead_or_stalled_is_a_miss_for_its_keys_only(cache_cluster):
+    cluster = cache_cluster
+    tier = RedisTier(cluster.url, FP, timeout_s=1.0, retry_after_s=0.3, max_retry_after_s=0.3)
+    items = [make_item(i, mask=1 + i % 7) for i in range(30)]
+    keys = [it.key for it in items]
+    assert tier.put(items) == [True] * 30
+    holder = [cluster.holder(tier.redis_key(k)) for k in keys]
+    assert set(holder) == {0, 1, 2}
+    victim = cluster.nodes[1]
+    on_victim = [h == 1 for h in holder]
+    expect_masks = [None if v else it.header.group_mask for it, v in zip(items, on_victim)]
+
+    # Stalled (SIGSTOP): its keys miss after one timeout; the other shards' keys hit exactly.
+    victim.pause()
+    masks, took_s = timed(tier.masks, keys)
+    assert masks == expect_masks and took_s < HANG_GUARD_S
+    assert tier.stats().errors == 1  # one failed shard, not one error per key
+    got, took_s = timed(tier.get, keys)  # the shard's breaker is open: skipped, no new wait
+    assert took_s < 0.3 and tier.stats().skipped_unhealthy == 1
+    assert [g is not None and bytes(g) == encoded(it) for g, it in zip(got, items)] == [not v for v in on_victim]
+    assert tier.healthy()  # the store as a whole is up
+
+    # Killed: the same, and writes to the live shards still land.
+    victim.resume()
+    victim.kill()
+    time.sleep(0.35)  # past the shard's back-off: probed again, refused at once
+    fresh = [make_item(i, version=1) for i in range(30)]
+    assert tier.put(fresh) == [not v for v in on_victim]
+    assert [g is not None for g in tier.get(keys)] == [not v for v in on_victim]
+
+    # Back (empty, same slots): picked up again after its back-off, every key writable.
+    victim.start()
+    cluster.wait_ok()
+    wait_until(lambda: tier.put(fresh) == [True] * 30, "the shard to be written again")
+    assert [bytes(g) for g in tier.get(keys)] == [encoded(it) for it in fresh]
+    tier.close()
+
+
+@needs_redis
+def test_cluster_without_any_shard_is_a_store_failure(cache_cluster):
+    tier = RedisTier(cache_cluster.url, FP, timeout_s=0.5, retry_after_s=5.0)
+    assert tier.put([make_item(i) for i in range(6)]) == [True] * 6
+    for node in cache_cluster.nodes:
+        node.kill()
+    assert tier.masks([key_of(i) for i in range(6)]) == [None] * 6
+    assert not tier.healthy()  # the whole store is skipped now, not probed shard by shard
+    assert tier.get([key_of(0)]) == [None] and tier.stats().skipped_unhealthy == 1
+    tier.close()
+
+
+def _move_slot(cluster: RedisClusterNodes, redis_key: bytes, src: int, dst: int) -> None:
+    """Migrate ``redis_key``'s slot (and its key) from node ``src`` to node ``dst``."""
+    slot = cluster.nodes[0].cli("cluster", "keyslot", redis_key.decode()).strip()
+    ids = [n.cli("cluster", "myid").strip() for n in cluster.nodes]
+    a, b = cluster.nodes[src], cluster.nodes[dst]
+    assert b.cli("cluster", "setslot", slot, "importing", ids[src]).strip() == "OK"
+    assert a.cli("cluster", "setslot", slot, "migrating", ids[dst]).strip() == "OK"
+    assert a.cli("migrate", "127.0.0.1", str(b.port), "", "0", "5000", "keys", redis_key.decode()).strip() == "OK"
+    for node in cluster.nodes:
+        node.cli("cluster", "setslot", slot, "node", ids[dst])
+    cluster.wait_ok()
+
+
+@needs_redis
+def test_cluster_slot_moved_is_one_miss_then_followed(cache_cluster):
+    cluster = cache_cluster
+    tier = RedisTier(cluster.url, FP)
+    items = [make_item(i) for i in range(12)]
+    assert tier.put(items) == [True] * 12
+    moved = items[0]
+    src = cluster.holder(tier.redis_key(moved.key))
+    _move_slot(cluster, tier.redis_key(moved.key), src, (src + 1) % 3)
+    first = tier.get([it.key for it in items])  # the client's slot map is stale for one key
+    assert first[0] is None and all(bytes(g) == encoded(it) for g, it in zip(first[1:], items[1:]))
+    assert bytes(tier.get([moved.key])[0]) == encoded(moved)  # slot map refreshed: found
+    assert tier.healthy()
+    tier.close()
+
+
+@needs_redis
+def test_engine_prefix_hit_stops_at_the_first_chunk_on_a_dead_shard(cache_cluster, tmp_path):
+    layout = kv_rig.mla_layout()
+    eng = kv_rig.make_engine(layout, remote_url=cache_cluster.url)
+    n = 12 * kv_rig.CHUNK_TOKENS + 5
+    assert kv_rig.store_prompt(eng, 4, n) == 12 * kv_rig.CHUNK_TOKENS
+    assert eng.storage.flush(HANG_GUARD_S)
+    tier = next(t for t in eng.storage.tiers if isinstance(t, RedisTier))
+    holders = [cache_cluster.holder(tier.redis_key(c.key)) for c in eng.chunks(kv_rig.tokens(4, n), include_partial=False)]
+    first_lost = next(i for i, h in enumerate(holders) if h != holders[0])  # chunks before it live on
+    victim = holders[first_lost]
+    cache_cluster.nodes[victim].kill()
+    eng.pool.clear()
+    expected = first_lost * kv_rig.CHUNK_TOKENS
+    assert 0 < expected < n
+    assert eng.lookup(kv_rig.tokens(4, n)) == expected
+    assert kv_rig.retrieve_prompt(eng, 4, n) == expected  # exact bytes for every loaded row
+    eng.close()
