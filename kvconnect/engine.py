@@ -5,6 +5,10 @@
     engine.lookup(tokens)                          -> P, tokens restorable from token 0
     engine.retrieve(tokens, block_ids, mask=None)  -> tokens loaded into the paged memory
 
+Each also takes ``namespace=`` (str or bytes): what besides token ids decides the KV, e.g. a
+LoRA adapter or a tenant's salt. Chunks stored under one namespace are misses under another
+(see keys.py); no namespace is the empty one.
+
 Data flow of ``store``: tokens -> chunk bounds -> key chain; block ids -> per-group slots
 of the rows each chunk keeps (windowed groups keep only their trailing rows); one
 gather moves every plane of every chunk into pool slots; headers are committed.
@@ -34,7 +38,7 @@ from . import transfer
 from .chunk_format import ChunkHeader
 from .config import Config
 from .errors import CorruptChunkError, TokenError
-from .keys import ChunkKeyer, Tokens, tokens_as_int64
+from .keys import ChunkKeyer, Namespace, Tokens, tokens_as_int64
 from .layout import KVLayout
 from .plan import (
     BlockTables,
@@ -88,13 +92,13 @@ class KVCacheEngine:
         return self.storage.pool
 
     # -- keys ------------------------------------------------------------------------
-    def chunks(self, tokens: Tokens, *, include_partial: bool) -> list[Chunk]:
+    def chunks(self, tokens: Tokens, *, include_partial: bool, namespace: Namespace = None) -> list[Chunk]:
         """The chunks of a token sequence with their keys."""
-        return self._chunks(tokens_as_int64(tokens), include_partial)
+        return self._chunks(tokens_as_int64(tokens), include_partial, namespace)
 
-    def _chunks(self, tok: np.ndarray, include_partial: bool) -> list[Chunk]:
+    def _chunks(self, tok: np.ndarray, include_partial: bool, namespace: Namespace) -> list[Chunk]:
         bounds = chunk_bounds(len(tok), self.config.chunk_size, include_partial)
-        keys = self.keyer.keys(tok, bounds)
+        keys = self.keyer.keys(tok, bounds, namespace)
         return [Chunk(i, s, e, k) for i, ((s, e), k) in enumerate(zip(bounds, keys))]
 
     def _masked_prefix(self, mask, num_tokens: int, *, chunk_aligned: bool = True) -> int:
@@ -111,7 +115,7 @@ class KVCacheEngine:
         return skip
 
     # -- store -----------------------------------------------------------------------
-    def store(self, tokens: Tokens, block_ids, mask=None) -> int:
+    def store(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None) -> int:
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
@@ -119,7 +123,7 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok))
         tables = BlockTables.of(self.layout, block_ids)
-        chunks = [c for c in self._chunks(tok, self.config.save_unfull_chunk) if c.start >= skip]
+        chunks = [c for c in self._chunks(tok, self.config.save_unfull_chunk, namespace) if c.start >= skip]
         plans = [p for p in plan_store(self.layout, chunks, tables) if p.group_mask]
         existing = self.storage.masks([p.chunk.key for p in plans])
         # rewrite a stored chunk only when the new one holds strictly more groups: a re-store
@@ -156,17 +160,24 @@ class KVCacheEngine:
         return done_tokens + sum(p.chunk.end - p.chunk.start for p in writes)
 
     # -- lookup ----------------------------------------------------------------------
-    def lookup(self, tokens: Tokens) -> int:
-        """Tokens restorable from token 0: the largest chunk end at which every group can resume."""
-        chunks = self._chunks(tokens_as_int64(tokens), include_partial=True)
+    def lookup(self, tokens: Tokens, *, namespace: Namespace = None) -> int:
+        """Tokens restorable from token 0: the largest chunk end at which every group can resume.
+
+        The pool's chunks of the hit become its most recently used, so that the stores running
+        between an engine's lookup and its retrieve evict other chunks first (a hit is still
+        not a promise: ``retrieve`` returns what it loaded).
+        """
+        chunks = self._chunks(tokens_as_int64(tokens), True, namespace)
         hit = restorable_boundary(self.layout, chunks, self.storage.masks([c.key for c in chunks]))
+        if hit:
+            self.pool.release(self.pool.acquire([c.key for c in chunks if c.end <= hit]))  # acquire touches
         with self._stats_lock:
             self.stats.lookups += 1
             self.stats.lookup_hit_tokens += hit
         return hit
 
     # -- retrieve --------------------------------------------------------------------
-    def retrieve(self, tokens: Tokens, block_ids, mask=None) -> int:
+    def retrieve(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None) -> int:
         """Load the rows needed to resume at the restorable boundary P into ``block_ids``.
 
         Returns P minus the masked prefix (0 on a miss). Raises BlockTableError, before
@@ -175,7 +186,7 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
-        chunks = self._chunks(tok, include_partial=True)
+        chunks = self._chunks(tok, True, namespace)
         # chunks below the mask are already in the engine: never fetch them from a tier
         wanted = [c for c in chunks if c.end > skip]
         entries = [None] * (len(chunks) - len(wanted)) + list(self.storage.acquire([c.key for c in wanted]))

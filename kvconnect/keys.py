@@ -1,11 +1,17 @@
 """Chunk keys: a prefix hash chain over token ids, namespaced by layout and chunk size.
 
-h_0 = BLAKE3(fingerprint || chunk size); h_i = BLAKE3-keyed(key=h_{i-1}, tokens of chunk i);
-the key of chunk i is the first 16 bytes of h_i. Token ids are hashed as little-endian
+h_0 = BLAKE3(fingerprint || chunk size [|| 0x01 || len(ns) || ns]); h_i = BLAKE3-keyed(key=h_{i-1},
+tokens of chunk i); the key of chunk i is the first 16 bytes of h_i. Token ids are hashed as little-endian
 uint32 (every real vocabulary fits; larger ids raise TokenError), so keys are a pure function
 of tokens and identity: equal across processes, TP ranks of the same shard, and machines,
 and independent of the engine's block size. BLAKE3 is cryptographic, so crafted prompts
 cannot collide into another prefix's chunk. A 128K-token prompt hashes in under a millisecond.
+
+A *namespace* (``ns``) is whatever besides token ids decides the KV of a request: a LoRA
+adapter, or a per-tenant salt that keeps one tenant's prefixes from hitting another's (vLLM's
+``cache_salt``). It enters h_0 only, length-prefixed and in BLAKE3's unkeyed mode while chunk
+steps use the keyed mode, so no namespace or token sequence can reproduce another
+namespace's chain. The empty namespace gives the keys of a request without one.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from .errors import TokenError
 from .spec import ChunkKey, Fingerprint
 
 KEY_BYTES = 16
+MAX_NAMESPACE_BYTES = 4096
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
+Namespace = Union[str, bytes, None]
 
 
 TOKEN_BYTES = 4
@@ -44,18 +52,40 @@ def tokens_as_int64(tokens: Tokens) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+def namespace_bytes(namespace: Namespace) -> bytes:
+    """A namespace as bytes (str as UTF-8; None is the empty namespace); TokenError if unusable."""
+    if namespace is None:
+        return b""
+    if isinstance(namespace, str):
+        namespace = namespace.encode("utf-8")
+    if not isinstance(namespace, (bytes, bytearray, memoryview)):
+        raise TokenError(f"a namespace must be str or bytes, got {type(namespace).__name__}")
+    namespace = bytes(namespace)
+    if len(namespace) > MAX_NAMESPACE_BYTES:
+        raise TokenError(f"a namespace holds at most {MAX_NAMESPACE_BYTES} bytes, got {len(namespace)}")
+    return namespace
+
+
 class ChunkKeyer:
     """Computes the key chain of a token sequence for one layout and chunk size."""
 
     def __init__(self, fingerprint: Fingerprint, chunk_tokens: int) -> None:
         self.chunk_tokens = chunk_tokens
-        self._seed = blake3.blake3(bytes(fingerprint) + int(chunk_tokens).to_bytes(8, "little")).digest()
+        self._identity = bytes(fingerprint) + int(chunk_tokens).to_bytes(8, "little")
+        self._seed = blake3.blake3(self._identity).digest()
 
-    def keys(self, tokens: np.ndarray, bounds: Sequence[tuple[int, int]]) -> list[ChunkKey]:
+    def seed(self, namespace: Namespace = None) -> bytes:
+        """h_0 of a namespace's chains."""
+        ns = namespace_bytes(namespace)
+        if not ns:
+            return self._seed
+        return blake3.blake3(self._identity + b"\x01" + len(ns).to_bytes(4, "little") + ns).digest()
+
+    def keys(self, tokens: np.ndarray, bounds: Sequence[tuple[int, int]], namespace: Namespace = None) -> list[ChunkKey]:
         """Keys of consecutive chunks ``bounds`` (which must start at 0 and tile the prefix)."""
         data = memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
         out: list[ChunkKey] = []
-        chain = self._seed
+        chain = self.seed(namespace)
         for start, end in bounds:
             chain = blake3.blake3(data[start * TOKEN_BYTES : end * TOKEN_BYTES], key=chain).digest()
             out.append(ChunkKey(chain[:KEY_BYTES]))

@@ -145,3 +145,60 @@ def test_empty_tokens_have_no_keys():
     layout = zoo.mla(max_tokens=300).layout()
     assert tokens_as_int64([]).dtype == np.int64
     assert _keys(layout, tokens=np.zeros(0, np.int64)) == []
+
+
+# -- namespaces (LoRA adapters, tenant salts) ----------------------------------------
+def test_namespace_changes_every_key_and_empty_is_none():
+    layout = zoo.mla(max_tokens=300).layout()
+    keyer = ChunkKeyer(layout.fingerprint, 256)
+    bounds = [(0, 256), (256, 512), (512, 768)]
+    tok = tokens_as_int64(TOKENS[:768])
+    base = keyer.keys(tok, bounds)
+    assert keyer.keys(tok, bounds, "") == keyer.keys(tok, bounds, b"") == keyer.keys(tok, bounds, None) == base
+    seen = {tuple(base)}
+    for ns in ("tenant-a", "tenant-b", b"tenant-a\x00", "lora:sql-adapter", "\u00e9", b"\xff" * 4096):
+        keys = keyer.keys(tok, bounds, ns)
+        assert not set(keys) & set().union(*seen), f"{ns!r}: a key collides with another namespace's"
+        assert keyer.keys(tok, bounds, ns) == keys  # pure
+        seen.add(tuple(keys))
+    assert keyer.keys(tok, bounds, "\u00e9") == keyer.keys(tok, bounds, "\u00e9".encode())  # str is its UTF-8
+
+
+def test_namespace_chain_cannot_be_reproduced_by_tokens():
+    """A namespace enters h_0 in unkeyed mode; chunk steps are keyed, so a prompt that spells
+    the namespace's bytes as tokens does not land on the namespace's chain."""
+    layout = zoo.mla(max_tokens=300).layout()
+    keyer = ChunkKeyer(layout.fingerprint, 4)
+    ns = np.arange(1, 5, dtype="<u4").tobytes()  # 16 bytes = the bytes of one 4-token chunk
+    tok = tokens_as_int64(np.arange(100, 108))
+    spelled = tokens_as_int64(np.concatenate([np.arange(1, 5), np.arange(100, 108)]))
+    under_ns = keyer.keys(tok, [(0, 4), (4, 8)], ns)
+    shifted = keyer.keys(spelled, [(0, 4), (4, 8), (8, 12)])
+    assert not set(under_ns) & set(shifted)
+
+
+@pytest.mark.parametrize("bad", [7, ["a"], b"x" * 4097, "y" * 4097])
+def test_bad_namespace_is_a_token_error(bad):
+    layout = zoo.mla(max_tokens=300).layout()
+    with pytest.raises(TokenError, match="namespace"):
+        ChunkKeyer(layout.fingerprint, 256).keys(tokens_as_int64(TOKENS[:256]), [(0, 256)], bad)
+
+
+def test_engine_namespaces_do_not_share_chunks(rng):
+    case = zoo.mla(max_tokens=600)
+    tokens = zoo.random_tokens(rng, 512)
+    engine = KVCacheEngine(case.layout(), zoo.small_config(256))
+    assert engine.store(tokens, zoo.random_tables(case, 512, rng), namespace="tenant-a") == 512
+    assert engine.lookup(tokens, namespace="tenant-a") == 512
+    assert engine.lookup(tokens) == 0 and engine.lookup(tokens, namespace="tenant-b") == 0
+    dst = case.clone(fill=0x5A)
+    before = dst.snapshot()
+    dst_engine = KVCacheEngine(dst.layout(), zoo.small_config(256))
+    assert zoo.transplant(engine, dst_engine, tokens) == 0  # no namespace: nothing to move
+    moved = [(c.key, engine.storage.export_chunk(c.key)) for c in engine.chunks(tokens, include_partial=False, namespace="tenant-a")]
+    assert all(dst_engine.storage.import_chunk(data, key) for key, data in moved)
+    assert dst_engine.retrieve(tokens, zoo.random_tables(case, 512, rng), namespace="tenant-b") == 0
+    assert dst.same_bytes(before)  # a miss writes nothing
+    assert dst_engine.retrieve(tokens, zoo.random_tables(case, 512, rng), namespace="tenant-a") == 512
+    with pytest.raises(TokenError):
+        engine.lookup(tokens, namespace=3)

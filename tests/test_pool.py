@@ -282,3 +282,22 @@ def test_store_does_not_evict_its_own_prefix(rng):
     assert engine.lookup(b) == 4 * CHUNK
     assert engine.lookup(a) == CHUNK
     assert engine.pool.stats().extra["pinned"] == 0
+
+
+@pytest.mark.parametrize("looked_up", [True, False])
+def test_a_lookup_hit_is_evicted_last(looked_up, rng):
+    """Between an engine's lookup and its retrieve other requests store: the chunks of the
+    hit were touched by the lookup, so the pool evicts other (older) entries first."""
+    case = zoo.llama("flash", max_tokens=600, num_layers=1)
+    layout = case.layout()
+    chunk_bytes = CHUNK * sum(p.row_bytes for p in layout.planes)
+    engine = KVCacheEngine(layout, zoo.small_config(CHUNK, max_local_cpu_size=4 * chunk_bytes / (1 << 30)))
+    a, b, c = (zoo.random_tokens(rng, 2 * CHUNK) for _ in range(3))
+    for prompt in (a, b):  # the pool is full, a is the least recently used
+        assert engine.store(prompt, zoo.random_tables(case, len(prompt), rng)) == 2 * CHUNK
+    if looked_up:
+        assert engine.lookup(a) == 2 * CHUNK
+    assert engine.store(c, zoo.random_tables(case, len(c), rng)) == 2 * CHUNK  # evicts two chunks
+    kept, lost = (a, b) if looked_up else (b, a)
+    assert engine.lookup(kept) == 2 * CHUNK and engine.lookup(lost) == 0
+    assert engine.pool.stats().extra["pinned"] == 0

@@ -29,10 +29,11 @@ CHUNK = 64
 # --- lookup channel ----------------------------------------------------------------------
 class FixedHits:
     def __init__(self, hit: int, delay_s: float = 0.0) -> None:
-        self.hit, self.delay_s, self.cleared, self.seen = hit, delay_s, 0, []
+        self.hit, self.delay_s, self.cleared, self.seen, self.namespaces = hit, delay_s, 0, [], []
 
-    def lookup(self, tokens):
+    def lookup(self, tokens, namespace=b""):
         self.seen.append(tokens.copy())
+        self.namespaces.append(namespace)
         time.sleep(self.delay_s)
         return self.hit
 
@@ -64,6 +65,8 @@ def test_hit_is_the_minimum_over_workers(servers):
     tokens = np.arange(600, dtype=np.int64)
     assert client.lookup(tokens) == 448
     assert all(np.array_equal(h.seen[0], tokens) for h in handlers)
+    assert client.lookup(tokens, b"\x91\xa4salt") == 448
+    assert [h.namespaces for h in handlers] == [[b"", b"\x91\xa4salt"]] * 2
     assert client.stats() == [{"hit": 512}, {"hit": 448}]
     assert client.clear() and [h.cleared for h in handlers] == [1, 1]
     client.close()
@@ -88,7 +91,9 @@ def test_server_survives_garbage(servers, tmp_path):
 
     garbage = [b"\x00\xff", pickle.dumps({"id": 1, "op": "lookup"}), msgpack.packb([1, 2]),
                msgpack.packb({"id": 2, "op": "lookup", "tokens": b"abc"}), msgpack.packb({"id": 3, "op": "nope"}),
-               msgpack.packb({"id": 4, "op": "lookup", "tokens": msgpack.ExtType(1, b"x")})]
+               msgpack.packb({"id": 4, "op": "lookup", "tokens": msgpack.ExtType(1, b"x")}),
+               msgpack.packb({"id": 5, "op": "lookup", "tokens": b"\0" * 8, "ns": "a str"}),
+               msgpack.packb({"id": 6, "op": "lookup", "tokens": b"\0" * 8, "ns": b"n" * 4097})]
     for g in garbage:
         sock.send(g)
         reply = msgpack.unpackb(sock.recv(), raw=False)
@@ -112,8 +117,9 @@ def test_rank_addresses():
 
 
 # --- scheduler ---------------------------------------------------------------------------
-def _view(n: int, req_id: str = "r", num_tokens: int | None = None, cacheable: bool = True) -> RequestView:
-    return RequestView(req_id, np.arange(n, dtype=np.int64) + 3, num_tokens if num_tokens is not None else n, cacheable)
+def _view(n: int, req_id: str = "r", num_tokens: int | None = None, cacheable: bool = True, namespace: bytes = b"") -> RequestView:
+    return RequestView(req_id, np.arange(n, dtype=np.int64) + 3, num_tokens if num_tokens is not None else n, cacheable,
+                       namespace)
 
 
 def test_hits_leave_a_token_and_count_beyond_vllms_own():
@@ -172,6 +178,31 @@ def test_finished_without_a_recent_save_frees_at_once():
     assert len(sched.build_plan({"r": 128}, lambda r: 0, lambda r: ((1, 2),)).saves) == 1
     sched.build_plan({"r": 1}, lambda r: 128, lambda r: ((1, 2),))  # a decode step: nothing to save
     assert sched.request_finished("r") is False
+
+
+def test_a_requests_namespace_reaches_its_lookup_load_and_saves():
+    hits = FixedHits(128)
+    sched = KVConnectScheduler(hits, chunk_tokens=CHUNK)
+    req = _view(300, namespace=b"tenant")
+    assert sched.num_new_matched_tokens(req, 0) == (128, True)
+    sched.after_alloc(req, ((1, 2),), num_computed=0, num_external=128)
+    plan = sched.build_plan({"r": 172}, lambda r: 128, lambda r: ((1, 2, 3, 4, 5),))
+    assert hits.namespaces == [b"tenant"]
+    assert [j.namespace for j in plan.loads] == [b"tenant"] and [j.namespace for j in plan.saves] == [b"tenant"]
+
+
+def test_worker_keeps_namespaces_apart():
+    layout = KVLayout.from_tensors({"l": torch.randn(NB, 2, BS, 16)}, groups=[GroupSpec(block_size=BS)], layout_hints="page")
+    worker = _worker(Translation(layout, (0,), 1, ("l",)))
+    tokens = np.arange(128, dtype=np.int64)
+    _step(worker, StepPlan(saves=(SaveJob("a", tokens, ((1, 2, 3, 4),), 0, b"tenant-a"),)))
+    worker.begin_step()
+    assert worker.lookup(tokens, b"tenant-a") == 128
+    assert worker.lookup(tokens) == 0 and worker.lookup(tokens, b"tenant-b") == 0
+    job = LoadJob("b", tokens, ((5, 6, 7, 8),), present_tokens=0, end_tokens=127, namespace=b"tenant-b")
+    _, loaded, _ = _step(worker, StepPlan(loads=(job,)))
+    assert loaded == {"b"} and worker.take_load_error_blocks() == {5, 6, 7, 8}  # a miss: recompute
+    worker.close()
 
 
 def test_uncacheable_requests_are_never_saved():

@@ -289,13 +289,29 @@ def _request(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
+LORA = SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql")
+
+
 @pytest.mark.parametrize("extra, cacheable", [
-    ({}, True), ({"mm_features": [object()]}, False), ({"lora_request": object()}, False),
-    ({"cache_salt": "tenant"}, False), ({"prompt_token_ids": None}, False),
+    ({}, True), ({"mm_features": [object()]}, False), ({"prompt_embeds": object()}, False),
+    ({"lora_request": LORA}, True), ({"cache_salt": "tenant"}, True), ({"prompt_token_ids": None}, False),
+    ({"cache_salt": "x" * 5000}, False),  # too long for a namespace: neither looked up nor saved
 ])
-def test_request_view_is_cacheable_only_when_tokens_decide_the_kv(extra, cacheable):
+def test_request_view_is_cacheable_only_when_tokens_and_namespace_decide_the_kv(extra, cacheable):
     view = translate.request_view(_request(**extra))
     assert view.cacheable is cacheable and view.num_tokens == 4
+
+
+def test_request_namespace_is_lora_and_salt():
+    ns = lambda **kw: translate.request_view(_request(**kw)).namespace  # noqa: E731
+    assert ns() == b""  # plain requests keep the keys they always had
+    variants = [ns(cache_salt="a"), ns(cache_salt="b"), ns(lora_request=LORA), ns(lora_request=LORA, cache_salt="a"),
+                ns(lora_request=SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/other")),
+                ns(lora_request=SimpleNamespace(lora_name="sql2", lora_int_id=3, lora_path="/adapters/sql"))]
+    assert len(set(variants)) == len(variants) and b"" not in variants
+    # the int id is process-local: not part of the namespace (vLLM keys its prefix cache the same way)
+    assert ns(lora_request=SimpleNamespace(lora_name="sql", lora_int_id=9, lora_path="/adapters/sql")) == ns(lora_request=LORA)
+    assert ns(cache_salt="a") == ns(cache_salt="a")
 
 
 def test_current_block_ids_prefer_the_scheduler_block_state():

@@ -7,12 +7,13 @@ timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong 
 
     server = LookupServer(address, handler)     # worker: handler.lookup/stats/clear
     client = LookupClient(addresses, timeout_s) # scheduler
-    client.lookup(tokens) -> int                # min over workers, 0 on any failure
+    client.lookup(tokens, namespace=b"") -> int # min over workers, 0 on any failure
     client.stats() -> list[dict | None]; client.clear() -> bool
     server.close(); client.close()
 
 Wire format: msgpack maps with a fixed schema, no extension types, sizes capped; no
-object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "tokens": bin}`` (little-endian int64),
+object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "tokens": bin,
+"ns": bin}`` (tokens little-endian int64; ``ns``, the request's namespace, only when not empty),
 ``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear"}``; replies
 ``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
 
@@ -35,6 +36,7 @@ import numpy as np
 import zmq
 
 from kvconnect.errors import ConfigError
+from kvconnect.keys import MAX_NAMESPACE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ _POLL_MS = 100
 
 
 class LookupHandler(Protocol):
-    def lookup(self, tokens: np.ndarray) -> int: ...
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int: ...
     def stats(self) -> dict[str, int]: ...
     def clear(self) -> None: ...
 
@@ -127,10 +129,13 @@ class LookupServer:
         op, rid = msg.get("op"), msg["id"]
         try:
             if op == "lookup":
-                data = msg.get("tokens")
+                data, namespace = msg.get("tokens"), msg.get("ns", b"")
                 if not isinstance(data, bytes) or len(data) % 8:
                     raise ValueError("tokens must be little-endian int64 bytes")
-                return {"id": rid, "ok": True, "hit": int(self._handler.lookup(np.frombuffer(data, dtype="<i8")))}
+                if not isinstance(namespace, bytes) or len(namespace) > MAX_NAMESPACE_BYTES:
+                    raise ValueError(f"ns must be at most {MAX_NAMESPACE_BYTES} bytes")
+                hit = self._handler.lookup(np.frombuffer(data, dtype="<i8"), namespace)
+                return {"id": rid, "ok": True, "hit": int(hit)}
             if op == "stats":
                 return {"id": rid, "ok": True, "stats": {str(k): int(v) for k, v in self._handler.stats().items()}}
             if op == "clear":
@@ -219,11 +224,13 @@ class LookupClient:
                                len(waiting), len(self._socks), msg.get("op"), self.timeout_s)
             return replies
 
-    def lookup(self, tokens: np.ndarray) -> int:
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int:
         """Tokens every worker can restore from token 0 (0 if any worker fails or is silent)."""
-        data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+        msg = {"op": "lookup", "tokens": np.ascontiguousarray(tokens, dtype="<i8").tobytes()}
+        if namespace:
+            msg["ns"] = bytes(namespace)
         hits = []
-        for reply in self._ask({"op": "lookup", "tokens": data}):
+        for reply in self._ask(msg):
             hit = reply.get("hit") if reply else None
             if not isinstance(hit, int) or hit < 0:
                 return 0

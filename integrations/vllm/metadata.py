@@ -28,7 +28,8 @@ class RequestView:
     req_id: str
     prompt_tokens: np.ndarray  # int64, the prompt only (outputs are never stored)
     num_tokens: int  # prompt + outputs so far
-    cacheable: bool = True  # False when token ids alone do not decide the KV (see translate)
+    cacheable: bool = True  # False when token ids and namespace do not decide the KV (see translate)
+    namespace: bytes = b""  # what besides token ids decides the KV: LoRA adapter, cache_salt
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class LoadJob:
     block_ids: BlockIds
     present_tokens: int
     end_tokens: int
+    namespace: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class SaveJob:
     tokens: np.ndarray
     block_ids: BlockIds
     stored_tokens: int
+    namespace: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class HitSource(Protocol):
-    def lookup(self, tokens: np.ndarray) -> int: ...
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int: ...
     def clear(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -41,6 +41,7 @@ class HitSource(Protocol):
 class _Tracked:
     prompt: np.ndarray
     stored_tokens: int  # chunk-aligned prefix already stored (or that vLLM had before)
+    namespace: bytes = b""
 
 
 class KVConnectScheduler:
@@ -62,7 +63,7 @@ class KVConnectScheduler:
             return 0, False
         if num_computed >= len(prompt) - 1:
             return 0, False
-        boundary = self.hits.lookup(prompt)
+        boundary = self.hits.lookup(prompt, req.namespace)
         # vLLM must compute at least one token itself to produce logits.
         end = min(boundary, req.num_tokens - 1, len(prompt))
         if end <= num_computed:
@@ -88,9 +89,9 @@ class KVConnectScheduler:
                 logger.error("kvconnect: vLLM asked to load %d tokens of %s, %d were offered", end, req.req_id, boundary)
             elif end < boundary - 1:  # vLLM trimmed the hit: load only whole chunks below it
                 boundary = end // self.chunk_tokens * self.chunk_tokens
-            self._loads.append(LoadJob(req.req_id, req.prompt_tokens[:boundary], block_ids, present, end))
+            self._loads.append(LoadJob(req.req_id, req.prompt_tokens[:boundary], block_ids, present, end, req.namespace))
             done = end
-        self._tracked[req.req_id] = _Tracked(req.prompt_tokens, done // self.chunk_tokens * self.chunk_tokens)
+        self._tracked[req.req_id] = _Tracked(req.prompt_tokens, done // self.chunk_tokens * self.chunk_tokens, req.namespace)
 
     # -- every step ------------------------------------------------------------------
     def build_plan(
@@ -124,7 +125,7 @@ class KVConnectScheduler:
         block_ids = block_ids_of(req_id)
         if block_ids is None:
             return None
-        job = SaveJob(req_id, tracked.prompt[:end], block_ids, tracked.stored_tokens)
+        job = SaveJob(req_id, tracked.prompt[:end], block_ids, tracked.stored_tokens, tracked.namespace)
         tracked.stored_tokens = end if end == len(tracked.prompt) else end // self.chunk_tokens * self.chunk_tokens
         return job
 

@@ -41,10 +41,12 @@ from fractions import Fraction
 from typing import Any, Mapping, Optional, Sequence
 
 import blake3
+import msgpack
 import numpy as np
 import torch
 
 from kvconnect.errors import BlockTableError, LayoutError
+from kvconnect.keys import MAX_NAMESPACE_BYTES
 from kvconnect.layout import KVLayout
 from kvconnect.spec import DCPSpec, GroupSpec
 
@@ -341,24 +343,37 @@ def attention_backend_names(vllm_config: Any, layer_names: Sequence[str]) -> dic
 
 
 def request_view(request: Any) -> RequestView:
-    """A request's prompt; not cacheable when more than its token ids decides its KV.
+    """A request's prompt and namespace; not cacheable when more than these decides its KV.
 
-    Multimodal inputs (placeholder tokens stand for different images), LoRA adapters,
-    prompt embeddings and vLLM's per-request ``cache_salt`` all change the KV of the same
-    token ids, and chunk keys hash token ids only: such requests are neither looked up nor
-    saved.
+    A LoRA adapter (by name and path, as vLLM's own prefix cache keys it) and vLLM's
+    per-request ``cache_salt`` change the KV of the same token ids: they form the request's
+    namespace, so its chunks are found only by requests with the same adapter and salt.
+    Multimodal inputs (placeholder tokens stand for different images) and prompt embeddings
+    are not covered by chunk keys: such requests are neither looked up nor saved.
     """
     prompt = getattr(request, "prompt_token_ids", None)
     tokens = np.asarray(prompt if prompt is not None else [], dtype=np.int64)
+    namespace = request_namespace(request)
     cacheable = (
         prompt is not None
         and not getattr(request, "mm_features", None)
-        and getattr(request, "lora_request", None) is None
         and getattr(request, "prompt_embeds", None) is None
-        and not getattr(request, "cache_salt", None)
+        and len(namespace) <= MAX_NAMESPACE_BYTES
     )
     return RequestView(req_id=request.request_id, prompt_tokens=tokens, num_tokens=int(request.num_tokens),
-                       cacheable=bool(cacheable))
+                       cacheable=bool(cacheable), namespace=namespace)
+
+
+def request_namespace(request: Any) -> bytes:
+    """The namespace bytes of a request: empty without LoRA and salt (the keys of plain requests)."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(["lora", str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")])
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(["cache_salt", str(salt)])
+    return msgpack.packb(parts) if parts else b""
 
 
 def num_computed_tokens(request: Any) -> int:

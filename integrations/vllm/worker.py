@@ -66,9 +66,9 @@ class KVConnectWorker:
                     translation.layout.num_groups, translation.layout.describe())
 
     # -- lookup channel handler (called from the server thread) --------------------------
-    def lookup(self, tokens: np.ndarray) -> int:
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int:
         self._count("lookups")
-        return self.engine.lookup(tokens) if self.engine is not None else 0
+        return self.engine.lookup(tokens, namespace=namespace) if self.engine is not None else 0
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -115,7 +115,7 @@ class KVConnectWorker:
             # running requests, so the rows of those tokens must never be written
             mask = np.ones(len(job.tokens), dtype=bool)
             mask[: job.present_tokens] = False
-        loaded = self.engine.retrieve(job.tokens, tables, mask=mask)
+        loaded = self.engine.retrieve(job.tokens, tables, mask=mask, namespace=job.namespace)
         self._count("loaded_tokens", loaded)
         return job.present_tokens + loaded >= job.end_tokens
 
@@ -143,7 +143,7 @@ class KVConnectWorker:
             if job.stored_tokens:
                 mask = np.ones(len(job.tokens), dtype=bool)
                 mask[: job.stored_tokens] = False
-            self.engine.store(job.tokens, tables, mask=mask)
+            self.engine.store(job.tokens, tables, mask=mask, namespace=job.namespace)
             self._count("saves")
         except Exception:
             logger.warning("kvconnect: save of %s failed; it will be a miss", job.req_id, exc_info=True)

@@ -94,3 +94,24 @@ def test_tensor_parallel_ranks_each_restore_their_heads(tiny_models, run_vllm, t
     assert all(cached["resets"]) and cached["outputs"] == plain["outputs"]
     assert [[s["loaded_tokens"] for s in ranks] for ranks in cached["stats"]] == [[0, 0], [256, 256]]
     assert all(s["load_failures"] == 0 and s["enabled"] == 1 for s in cached["stats"][-1])
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_models, run_vllm, tmp_path):
+    """vLLM's per-request ``cache_salt``: a prefix stored under one salt comes back only to
+    requests with that salt, never to another salt or to unsalted requests."""
+    rng = random.Random(3)
+    prefix = _tokens(rng, 300)  # 4 whole chunks
+    salted = lambda salt: {"tokens": prefix + _tokens(rng, 20), "cache_salt": salt}  # noqa: E731
+    phases = [[salted("tenant-a")], [salted("tenant-b")], [salted("tenant-a")], [prefix + _tokens(rng, 20)]]
+    opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=MAX_TOKENS, max_num_batched_tokens=128)
+    model = tiny_models("llama")
+
+    plain = run_vllm(model, phases, **opts)
+    cached = run_vllm(model, phases, connector=f"ipc://{tmp_path}/kvc", **opts)
+
+    assert all(cached["resets"]) and cached["outputs"] == plain["outputs"]
+    # cumulative per phase: only the second tenant-a request loads (the prefix's 4 chunks)
+    assert [s["loaded_tokens"] for (s,) in cached["stats"]] == [0, 0, 256, 256]
+    (last,) = cached["stats"][-1]
+    assert last["load_failures"] == 0 and last["save_failures"] == 0
+    assert last["engine_stored_chunks"] == 5 + 5 + 1 + 5  # each namespace stores its own prefix

@@ -3,7 +3,7 @@
     python tests/integration/vllm_run.py --model DIR --out result.json [--connector URL] ...
 
 Generates greedily, one phase at a time, from the prompts given as JSON lists of token
-ids; before every phase but the first, vLLM's own prefix cache is reset, so a prefix can
+ids (or ``{"tokens": [...], "cache_salt": "..."}`` for a salted request); before every phase but the first, vLLM's own prefix cache is reset, so a prefix can
 only come back through kvconnect. With ``--connector``, after each phase the workers'
 counters are read over the connector's lookup channel (``lookup_url`` = URL). Writes
 ``{"outputs": [[ids...], ...], "stats": [[{...} per rank] per phase], "resets": [bool per reset],
@@ -71,7 +71,7 @@ def main() -> None:
     for i, prompts in enumerate(phases):
         if i:
             resets.append(bool(llm.reset_prefix_cache()))
-        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        results = llm.generate([_prompt(TokensPrompt, p) for p in prompts], params, use_tqdm=False)
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
         if client is not None:
             stats.append(client.stats())  # one dict per worker (TP rank)
@@ -82,6 +82,12 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f)
     del llm
+
+
+def _prompt(tokens_prompt, p):
+    if isinstance(p, dict):
+        return tokens_prompt(prompt_token_ids=p["tokens"], cache_salt=p["cache_salt"])
+    return tokens_prompt(prompt_token_ids=p)
 
 
 if __name__ == "__main__":
