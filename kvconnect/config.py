@@ -15,6 +15,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_LOCAL_DISK_FSYNC     | local_disk_fsync     | bool  | false   | fsync each disk-tier file before its rename (survives power loss) |
 | LMCACHE_REMOTE_URL             | remote_url           | str   | none    | remote tier (``redis://``, ``rediss://``, ``unix://``, ``redis-cluster://``) |
 | LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
+| LMCACHE_SAVE_DECODE_CACHE      | save_decode_cache    | bool  | false   | engine adapters also store the chunks generated tokens complete |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
 | KVCONNECT_MODEL_NAME           | model_name           | str   | ""      | folded into the layout fingerprint |
 | KVCONNECT_REMOTE_TIMEOUT_S     | remote_timeout_s     | float | 1.0     | bound on every remote-tier call |
@@ -55,6 +56,7 @@ class Config:
     local_disk_fsync: bool = False
     remote_url: Optional[str] = None
     save_unfull_chunk: bool = False
+    save_decode_cache: bool = False
     num_threads: int = dataclasses.field(default_factory=_default_threads)
     model_name: str = ""
     remote_timeout_s: float = 1.0

@@ -170,6 +170,44 @@ def test_saves_follow_the_chunks_each_step_completes():
     assert sched.build_plan({}, lambda r: 0, ids).finished == ("r",)
 
 
+@pytest.mark.parametrize("save_unfull", [False, True])
+def test_decode_chunks_are_saved_in_the_step_that_completes_them(save_unfull):
+    sched = KVConnectScheduler(FixedHits(0), chunk_tokens=CHUNK, save_unfull_chunk=save_unfull, save_decode_cache=True)
+    req = _view(100)
+    sched.num_new_matched_tokens(req, 0)
+    sched.after_alloc(req, (), num_computed=0, num_external=0)
+    outputs = np.arange(1000, 1100, dtype=np.int64)
+    reads = []
+
+    def tokens_of(req_id):  # prompt + the outputs sampled so far, as vLLM's all_token_ids
+        reads.append(computed["r"])
+        return np.concatenate([req.prompt_tokens, outputs[: computed["r"] + 1 - 100]])
+
+    computed = {"r": 0}
+    jobs = []
+    for step_tokens in [100] + [1] * 60:  # prefill, then one token per decode step
+        plan = sched.build_plan({"r": step_tokens}, lambda r: computed[r], lambda r: ((1, 2, 3),), tokens_of)
+        computed["r"] += step_tokens
+        jobs += [(len(j.tokens), j.stored_tokens) for j in plan.saves]
+        for job in plan.saves:
+            assert np.array_equal(job.tokens[:100], req.prompt_tokens[: len(job.tokens)])
+            assert np.array_equal(job.tokens[100:], outputs[: max(0, len(job.tokens) - 100)])
+    prefill = [(100, 0)] if save_unfull else [(64, 0)]
+    assert jobs == prefill + [(128, 64)]  # the decode step computing token 127 completes chunk 1
+    assert reads == [127]  # token ids are read only in the step a chunk completes
+
+
+def test_decode_chunks_are_not_saved_by_default():
+    sched = KVConnectScheduler(FixedHits(0), chunk_tokens=CHUNK)
+    req = _view(100)
+    sched.num_new_matched_tokens(req, 0)
+    sched.after_alloc(req, (), num_computed=0, num_external=0)
+    never = lambda r: pytest.fail("token ids read without save_decode_cache")  # noqa: E731
+    saves = [sched.build_plan({"r": 100}, lambda r: 0, lambda r: ((1,),), never).saves]
+    saves += [sched.build_plan({"r": 1}, lambda r: 100 + i, lambda r: ((1,),), never).saves for i in range(40)]
+    assert [len(j.tokens) for s in saves for j in s] == [64]
+
+
 def test_finished_without_a_recent_save_frees_at_once():
     sched = KVConnectScheduler(FixedHits(0), chunk_tokens=CHUNK)
     req = _view(128)

@@ -83,7 +83,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
                                   timeout_s=float(adapter.get("lookup_timeout_s", 1.0)))
             self._scheduler = KVConnectScheduler(client, chunk_tokens=config.chunk_size,
-                                                 save_unfull_chunk=config.save_unfull_chunk)
+                                                 save_unfull_chunk=config.save_unfull_chunk,
+                                                 save_decode_cache=config.save_decode_cache)
         else:
             self._ranks = translate.parallel_ranks(vllm_config, in_worker=True)
             self._worker = KVConnectWorker(config, rank_address(channel, self._ranks.worker_index))
@@ -179,6 +180,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             translate.scheduled_tokens(scheduler_output),
             lambda req_id: translate.num_computed_tokens(self._requests[req_id]),
             lambda req_id: translate.current_block_ids(scheduler_output, manager, req_id),
+            lambda req_id: translate.all_token_ids(self._requests[req_id]),
         )
         return KVConnectMetadata(plan)
 

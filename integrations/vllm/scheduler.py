@@ -5,7 +5,7 @@ passes ``RequestView`` values and block ids). Called, per request, in vLLM's ord
 
     num_new_matched_tokens(req, num_computed)   -> (tokens to load beyond num_computed, async)
     after_alloc(req, block_ids, num_computed, num_external)   a load is planned if num_external > 0
-    build_plan(scheduled, num_computed_of, block_ids_of)      -> StepPlan (loads + saves)
+    build_plan(scheduled, num_computed_of, block_ids_of, tokens_of) -> StepPlan (loads + saves)
     request_finished(req_id)                    -> True while the workers may still save it
 
 Hits come from the workers through the lookup channel (restore-gated, minimum over ranks).
@@ -15,7 +15,11 @@ waits one step while the workers scatter the chunks and report it through get_fi
 
 Saves: each step, the chunks a request completes in that step (chunk ends in
 (stored, computed]) are saved from its current block ids; sliding-window blocks are freed
-between steps, so a chunk is never saved later than the step that computes it.
+between steps, so a chunk is never saved later than the step that computes it. With
+``save_decode_cache`` (LMCache's ``LMCACHE_SAVE_DECODE_CACHE``) the same holds past the
+prompt: a chunk that generated tokens complete is saved in the decode step that computes
+its last token, under the key chain of prompt + outputs, so a next turn that sends the
+conversation back hits it. Token ids are read (``tokens_of``) only when a chunk completes.
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ class _Tracked:
 
 
 class KVConnectScheduler:
-    def __init__(self, hits: HitSource, *, chunk_tokens: int, save_unfull_chunk: bool = False) -> None:
+    def __init__(self, hits: HitSource, *, chunk_tokens: int, save_unfull_chunk: bool = False,
+                 save_decode_cache: bool = False) -> None:
         self.hits = hits
         self.chunk_tokens = chunk_tokens
         self.save_unfull_chunk = save_unfull_chunk
+        self.save_decode_cache = save_decode_cache
         self._queries: dict[str, tuple[int, int]] = {}  # req_id -> (present tokens, restorable boundary)
         self._loads: list[LoadJob] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -99,15 +105,20 @@ class KVConnectScheduler:
         scheduled: Mapping[str, int],
         num_computed_of: Callable[[str], int],
         block_ids_of: Callable[[str], Optional[BlockIds]],
+        tokens_of: Optional[Callable[[str], np.ndarray]] = None,
     ) -> StepPlan:
-        """Loads planned since the last step, and the saves of chunks completed this step."""
+        """Loads planned since the last step, and the saves of chunks completed this step.
+
+        ``tokens_of(req_id)``: the request's prompt + output token ids (needed only with
+        ``save_decode_cache``).
+        """
         saves = []
         for req_id, num_new in scheduled.items():
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
             try:
-                job = self._save_job(req_id, tracked, num_computed_of(req_id) + num_new, block_ids_of)
+                job = self._save_job(req_id, tracked, num_computed_of(req_id) + num_new, block_ids_of, tokens_of)
             except Exception:  # a save is optional; a planned load must still be shipped
                 logger.warning("kvconnect: cannot plan the save of %s", req_id, exc_info=True)
                 continue
@@ -118,21 +129,28 @@ class KVConnectScheduler:
         self._last_saves = {job.req_id for job in saves}
         return plan
 
-    def _save_job(self, req_id: str, tracked: _Tracked, computed: int, block_ids_of) -> Optional[SaveJob]:
-        end = self._storable_end(tracked.prompt, computed)
+    def _save_job(self, req_id: str, tracked: _Tracked, computed: int, block_ids_of, tokens_of) -> Optional[SaveJob]:
+        tokens = tracked.prompt
+        if computed > len(tokens) and self.save_decode_cache and tokens_of is not None:
+            if computed // self.chunk_tokens * self.chunk_tokens <= tracked.stored_tokens:
+                return None  # no chunk completes this step: do not read the token ids
+            tokens = tokens_of(req_id)
+        end = self._storable_end(tokens, computed, len(tracked.prompt))
         if end <= tracked.stored_tokens:
             return None
         block_ids = block_ids_of(req_id)
         if block_ids is None:
             return None
-        job = SaveJob(req_id, tracked.prompt[:end], block_ids, tracked.stored_tokens, tracked.namespace)
+        # a stored partial prompt tail is a chunk of its own: the full chunk over it is new
+        stored = tracked.stored_tokens // self.chunk_tokens * self.chunk_tokens
+        job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace)
         tracked.stored_tokens = end if end == len(tracked.prompt) else end // self.chunk_tokens * self.chunk_tokens
         return job
 
-    def _storable_end(self, prompt: np.ndarray, computed: int) -> int:
-        """Tokens of the prompt whose chunks are complete once ``computed`` tokens are."""
-        computed = min(computed, len(prompt))
-        if computed == len(prompt) and self.save_unfull_chunk:
+    def _storable_end(self, tokens: np.ndarray, computed: int, prompt_tokens: int) -> int:
+        """Tokens whose chunks are complete once ``computed`` tokens are (only ids known count)."""
+        computed = min(computed, len(tokens))
+        if computed == prompt_tokens and self.save_unfull_chunk:
             return computed
         return computed // self.chunk_tokens * self.chunk_tokens
 

@@ -376,6 +376,11 @@ def request_namespace(request: Any) -> bytes:
     return msgpack.packb(parts) if parts else b""
 
 
+def all_token_ids(request: Any) -> np.ndarray:
+    """A request's prompt and generated token ids so far (vLLM's ``all_token_ids``)."""
+    return np.asarray(request.all_token_ids, dtype=np.int64)
+
+
 def num_computed_tokens(request: Any) -> int:
     return int(request.num_computed_tokens)
 

@@ -115,3 +115,25 @@ def test_cache_salt_keeps_tenants_apart(tiny_models, run_vllm, tmp_path):
     (last,) = cached["stats"][-1]
     assert last["load_failures"] == 0 and last["save_failures"] == 0
     assert last["engine_stored_chunks"] == 5 + 5 + 1 + 5  # each namespace stores its own prefix
+
+
+def test_generated_tokens_come_back_in_the_next_turn(tiny_models, run_vllm, tmp_path):
+    """``save_decode_cache``: chunks completed by generated tokens are saved while decoding, so
+    the next turn of a conversation (prompt + answer + a new message) restores past the
+    first turn's prompt."""
+    rng = random.Random(4)
+    turn1 = _tokens(rng, 100)  # one whole chunk + 36 tokens; 40 generated tokens complete chunk 2
+    opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=40, max_num_batched_tokens=128)
+    model = tiny_models("llama")
+    answer = run_vllm(model, [[turn1]], **opts)["outputs"][0]
+    turn2 = turn1 + answer + _tokens(rng, 30)
+    phases = [[turn1], [turn2]]
+
+    plain = run_vllm(model, phases, **opts)
+    cached = run_vllm(model, phases, connector=f"ipc://{tmp_path}/kvc", save_decode_cache=True, **opts)
+
+    assert all(cached["resets"]) and cached["outputs"] == plain["outputs"]
+    assert [s["loaded_tokens"] for (s,) in cached["stats"]] == [0, 2 * CHUNK]  # prompt 64 + decode 64
+    assert [s["engine_stored_chunks"] for (s,) in cached["stats"]] == [2, 3]  # turn 2's decode adds [128, 192)
+    (last,) = cached["stats"][-1]
+    assert last["load_failures"] == 0 and last["save_failures"] == 0

@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--save-decode-cache", type=lambda s: s.lower() in ("1", "true"), default=False)
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -50,7 +51,8 @@ def main() -> None:
             kv_connector="KVConnectConnector", kv_role="kv_both",
             kv_connector_module_path="kvconnect.integrations.vllm", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"lookup_url": args.connector, "chunk_size": args.chunk_size,
-                                       "max_local_cpu_size": 0.25, "lookup_timeout_s": 10.0},
+                                       "max_local_cpu_size": 0.25, "lookup_timeout_s": 10.0,
+                                       "save_decode_cache": args.save_decode_cache},
         )
     llm = LLM(
         model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
