@@ -218,7 +218,7 @@ class RedisTier(LowerTier):
                 moved = moved or isinstance(result, self._redis.exceptions.AskError)  # MOVED is an AskError
         if num_tried and num_failed == num_tried:
             self._store_failed(op, None, client)  # nothing answered: the cluster itself is down
-        else:
+        elif num_failed < num_tried:  # some shard answered
             self._breaker.success()
             if moved:
                 self._refresh_slots(client)
