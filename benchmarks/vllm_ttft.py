@@ -8,6 +8,12 @@ fresh prompts: generate 1 token (cold: vLLM computes the whole prompt and kvconn
 it), reset vLLM's own prefix cache, generate again (hit: kvconnect restores all whole
 chunks, vLLM computes the last token). TTFT is the wall time of a 1-token generate. Prints
 one JSON line with the medians and the ratio.
+
+``--answer-tokens N`` measures a second turn of a conversation instead, with
+``save_decode_cache`` on: turn 1 = a ``--tokens`` prompt answered with N generated tokens;
+turn 2 = turn 1 + its answer + a 64-token follow-up. TTFT of turn 2 when kvconnect restores
+prompt and answer (decode cache), when only the prompt's chunks are stored (same lengths, an
+answer that was never generated: what ``save_decode_cache`` off gives), and cold.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--answer-tokens", type=int, default=0, help="measure a second turn after an answer of N tokens")
     args = parser.parse_args()
+    follow_up = 64 if args.answer_tokens else 0
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -54,13 +62,14 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="kvconnect-ttft-")
     model = build_model(os.path.join(workdir, "model"), hidden=args.hidden, layers=args.layers, vocab=4096)
     llm = LLM(
-        model=model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.tokens + 64,
+        model=model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.tokens + args.answer_tokens + follow_up + 64,
         enforce_eager=True, seed=0, distributed_executor_backend="uni",
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVConnectConnector", kv_role="kv_both",
             kv_connector_module_path="kvconnect.integrations.vllm", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"chunk_size": args.chunk_size, "max_local_cpu_size": 2.0,
-                                       "lookup_url": f"ipc://{workdir}/kvc"},
+                                       "lookup_url": f"ipc://{workdir}/kvc",
+                                       "save_decode_cache": args.answer_tokens > 0},
         ),
     )
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
@@ -79,6 +88,9 @@ def main() -> None:
 
     ttft([rng.randrange(3, 4096) for _ in range(args.chunk_size * 2)])  # warm up
     flush_and_reset()
+    if args.answer_tokens:
+        print(json.dumps(second_turn(args, llm, SamplingParams, TokensPrompt, ttft, flush_and_reset, rng)))
+        return
     cold, hit = [], []
     for _ in range(args.reps):
         prompt = [rng.randrange(3, 4096) for _ in range(args.tokens)]
@@ -99,6 +111,34 @@ def main() -> None:
         "samples": {"recompute_s": cold, "hit_s": hit},
     }
     print(json.dumps(result))
+
+
+def second_turn(args, llm, sampling_params, tokens_prompt, ttft, flush_and_reset, rng) -> dict:
+    answer_params = sampling_params(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True, detokenize=False)
+    draw = lambda n: [rng.randrange(3, 4096) for _ in range(n)]  # noqa: E731
+    times: dict[str, list[float]] = {"decode_cache_hit_s": [], "prompt_only_hit_s": [], "recompute_s": []}
+    for _ in range(args.reps):
+        prompt = draw(args.tokens)
+        (out,) = llm.generate([tokens_prompt(prompt_token_ids=prompt)], answer_params, use_tqdm=False)
+        answer = list(out.outputs[0].token_ids)
+        flush_and_reset()
+        follow = draw(64)
+        cases = {
+            "decode_cache_hit_s": prompt + answer + follow,
+            "prompt_only_hit_s": prompt + draw(len(answer)) + follow,  # an answer never generated
+            "recompute_s": draw(len(prompt) + len(answer) + len(follow)),
+        }
+        for name, tokens in cases.items():
+            times[name].append(ttft(tokens))
+            flush_and_reset()
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "prompt_tokens": args.tokens, "answer_tokens": args.answer_tokens, "follow_up_tokens": 64,
+        "layers": args.layers, "hidden": args.hidden, "chunk_size": args.chunk_size, **med,
+        "speedup_decode_cache_vs_prompt_only": med["prompt_only_hit_s"] / med["decode_cache_hit_s"],
+        "speedup_decode_cache_vs_recompute": med["recompute_s"] / med["decode_cache_hit_s"],
+        "samples": times,
+    }
 
 
 if __name__ == "__main__":
