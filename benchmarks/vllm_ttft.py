@@ -89,7 +89,8 @@ def main() -> None:
     ttft([rng.randrange(3, 4096) for _ in range(args.chunk_size * 2)])  # warm up
     flush_and_reset()
     if args.answer_tokens:
-        print(json.dumps(second_turn(args, llm, SamplingParams, TokensPrompt, ttft, flush_and_reset, rng)))
+        print(json.dumps(second_turn(args, llm, SamplingParams, TokensPrompt, ttft, flush_and_reset, rng,
+                                     lambda: worker_stats(workdir)["loaded_tokens"])))
         return
     cold, hit = [], []
     for _ in range(args.reps):
@@ -98,11 +99,7 @@ def main() -> None:
         flush_and_reset()
         hit.append(ttft(prompt))
         flush_and_reset()
-    from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
-
-    client = LookupClient([rank_address(f"ipc://{workdir}/kvc", 0)], timeout_s=10.0)
-    (stats,) = client.stats()
-    client.close()
+    stats = worker_stats(workdir)
     result = {
         "prompt_tokens": args.tokens, "loaded_tokens_per_hit": stats["loaded_tokens"] / args.reps,
         "load_failures": stats["load_failures"], "layers": args.layers, "hidden": args.hidden, "dtype": args.dtype,
@@ -113,10 +110,20 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def second_turn(args, llm, sampling_params, tokens_prompt, ttft, flush_and_reset, rng) -> dict:
+def worker_stats(workdir: str) -> dict:
+    from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
+
+    client = LookupClient([rank_address(f"ipc://{workdir}/kvc", 0)], timeout_s=10.0)
+    (stats,) = client.stats()
+    client.close()
+    return stats
+
+
+def second_turn(args, llm, sampling_params, tokens_prompt, ttft, flush_and_reset, rng, loaded_tokens) -> dict:
     answer_params = sampling_params(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True, detokenize=False)
     draw = lambda n: [rng.randrange(3, 4096) for _ in range(n)]  # noqa: E731
     times: dict[str, list[float]] = {"decode_cache_hit_s": [], "prompt_only_hit_s": [], "recompute_s": []}
+    loaded: dict[str, list[int]] = {name: [] for name in times}
     for _ in range(args.reps):
         prompt = draw(args.tokens)
         (out,) = llm.generate([tokens_prompt(prompt_token_ids=prompt)], answer_params, use_tqdm=False)
@@ -129,15 +136,17 @@ def second_turn(args, llm, sampling_params, tokens_prompt, ttft, flush_and_reset
             "recompute_s": draw(len(prompt) + len(answer) + len(follow)),
         }
         for name, tokens in cases.items():
+            before = loaded_tokens()
             times[name].append(ttft(tokens))
             flush_and_reset()
+            loaded[name].append(loaded_tokens() - before)
     med = {name: statistics.median(t) for name, t in times.items()}
     return {
         "prompt_tokens": args.tokens, "answer_tokens": args.answer_tokens, "follow_up_tokens": 64,
         "layers": args.layers, "hidden": args.hidden, "chunk_size": args.chunk_size, **med,
         "speedup_decode_cache_vs_prompt_only": med["prompt_only_hit_s"] / med["decode_cache_hit_s"],
         "speedup_decode_cache_vs_recompute": med["recompute_s"] / med["decode_cache_hit_s"],
-        "samples": times,
+        "loaded_tokens": loaded, "samples": times,
     }
 
 
