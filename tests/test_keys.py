@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import zoo
 from kvconnect import DCPSpec, KVCacheEngine, TokenError
@@ -175,6 +177,27 @@ def test_namespace_chain_cannot_be_reproduced_by_tokens():
     under_ns = keyer.keys(tok, [(0, 4), (4, 8)], ns)
     shifted = keyer.keys(spelled, [(0, 4), (4, 8), (8, 12)])
     assert not set(under_ns) & set(shifted)
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40),
+    chunk=st.sampled_from([1, 3, 8]),
+    namespaces=st.lists(st.binary(max_size=24), min_size=2, max_size=4, unique=True),
+)
+def test_namespaced_chains_are_prefix_chains_and_disjoint(tokens, chunk, namespaces):
+    from kvconnect.rows import chunk_bounds
+
+    keyer = ChunkKeyer(zoo.mla(max_tokens=64).layout().fingerprint, chunk)
+    tok = tokens_as_int64(np.array(tokens, dtype=np.int64))
+    bounds = chunk_bounds(len(tok), chunk, True)
+    chains = {ns: keyer.keys(tok, bounds, ns) for ns in namespaces}
+    for ns, keys in chains.items():
+        cut = len(bounds) // 2
+        assert keyer.keys(tok[: bounds[cut - 1][1]] if cut else tok[:0], bounds[:cut], ns) == keys[:cut]
+    seen: set = set()
+    for keys in chains.values():  # no key of one namespace appears in another's chain
+        assert not seen & set(keys)
+        seen |= set(keys)
 
 
 @pytest.mark.parametrize("bad", [7, ["a"], b"x" * 4097, "y" * 4097])
