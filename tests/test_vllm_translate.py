@@ -296,6 +296,7 @@ LORA = SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql"
     ({}, True), ({"mm_features": [object()]}, False), ({"prompt_embeds": object()}, False),
     ({"lora_request": LORA}, True), ({"cache_salt": "tenant"}, True), ({"prompt_token_ids": None}, False),
     ({"cache_salt": "x" * 5000}, False),  # too long for a namespace: neither looked up nor saved
+    ({"lora_request": object()}, False),  # an adapter without a name cannot be told apart
 ])
 def test_request_view_is_cacheable_only_when_tokens_and_namespace_decide_the_kv(extra, cacheable):
     view = translate.request_view(_request(**extra))

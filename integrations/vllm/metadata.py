@@ -26,7 +26,7 @@ class RequestView:
     """What the scheduler side needs of a vLLM request."""
 
     req_id: str
-    prompt_tokens: np.ndarray  # int64, the prompt only (outputs are never stored)
+    prompt_tokens: np.ndarray  # int64, the prompt only (outputs come from tokens_of, save_decode_cache)
     num_tokens: int  # prompt + outputs so far
     cacheable: bool = True  # False when token ids and namespace do not decide the KV (see translate)
     namespace: bytes = b""  # what besides token ids decides the KV: LoRA adapter, cache_salt

@@ -44,7 +44,7 @@ class HitSource(Protocol):
 @dataclass
 class _Tracked:
     prompt: np.ndarray
-    stored_tokens: int  # chunk-aligned prefix already stored (or that vLLM had before)
+    stored_tokens: int  # prefix already stored or held by vLLM: chunk-aligned, or the prompt with its partial tail
     namespace: bytes = b""
 
 

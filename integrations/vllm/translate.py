@@ -358,18 +358,23 @@ def request_view(request: Any) -> RequestView:
         prompt is not None
         and not getattr(request, "mm_features", None)
         and getattr(request, "prompt_embeds", None) is None
+        and namespace is not None
         and len(namespace) <= MAX_NAMESPACE_BYTES
     )
     return RequestView(req_id=request.request_id, prompt_tokens=tokens, num_tokens=int(request.num_tokens),
-                       cacheable=bool(cacheable), namespace=namespace)
+                       cacheable=bool(cacheable), namespace=namespace or b"")
 
 
-def request_namespace(request: Any) -> bytes:
-    """The namespace bytes of a request: empty without LoRA and salt (the keys of plain requests)."""
+def request_namespace(request: Any) -> Optional[bytes]:
+    """The namespace bytes of a request: empty without LoRA and salt (the keys of plain requests);
+    None for an adapter without a name (it cannot be told apart from others: not cached)."""
     parts = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        parts.append(["lora", str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")])
+        name = getattr(lora, "lora_name", None)
+        if not name:
+            return None
+        parts.append(["lora", str(name), str(getattr(lora, "lora_path", "") or "")])
     salt = getattr(request, "cache_salt", None)
     if salt:
         parts.append(["cache_salt", str(salt)])
