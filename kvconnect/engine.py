@@ -167,7 +167,7 @@ class KVCacheEngine:
         between an engine's lookup and its retrieve evict other chunks first (a hit is still
         not a promise: ``retrieve`` returns what it loaded).
         """
-        chunks = self._chunks(tokens_as_int64(tokens), True, namespace)
+        chunks = self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace)
         hit = restorable_boundary(self.layout, chunks, self.storage.masks([c.key for c in chunks]))
         if hit:
             self.pool.release(self.pool.acquire([c.key for c in chunks if c.end <= hit]))  # acquire touches
@@ -186,7 +186,7 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
-        chunks = self._chunks(tok, True, namespace)
+        chunks = self._chunks(tok, include_partial=True, namespace=namespace)
         # chunks below the mask are already in the engine: never fetch them from a tier
         wanted = [c for c in chunks if c.end > skip]
         entries = [None] * (len(chunks) - len(wanted)) + list(self.storage.acquire([c.key for c in wanted]))
