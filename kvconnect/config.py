@@ -22,6 +22,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
 | KVCONNECT_CUDA_TRANSFER        | cuda_transfer        | str   | kernel  | CUDA route: ``kernel`` (zero-copy) or ``staged`` (device ring + copy engines; docs/gpu.md) |
+| KVCONNECT_TRANSFER_ROUTE       | transfer_route       | str   | auto    | transfer backend for any device: ``auto`` (per device, docs/gpu.md), ``compiled`` (the CPU/CUDA kernel; CUDA's variant from KVCONNECT_CUDA_TRANSFER), ``triton``, ``torch`` |
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ GB = 1 << 30
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
+TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.route_backend
 
 
 def _default_threads() -> int:
@@ -63,6 +65,7 @@ class Config:
     server_url: Optional[str] = None
     server_token: Optional[str] = None
     cuda_transfer: str = "kernel"
+    transfer_route: str = "auto"
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -77,6 +80,8 @@ class Config:
             raise ConfigError(f"remote_timeout_s (KVCONNECT_REMOTE_TIMEOUT_S) must be > 0, got {self.remote_timeout_s}")
         if self.cuda_transfer not in CUDA_TRANSFERS:
             raise ConfigError(f"cuda_transfer (KVCONNECT_CUDA_TRANSFER) must be one of {', '.join(CUDA_TRANSFERS)}, got {self.cuda_transfer!r}")
+        if self.transfer_route not in TRANSFER_ROUTES:
+            raise ConfigError(f"transfer_route (KVCONNECT_TRANSFER_ROUTE) must be one of {', '.join(TRANSFER_ROUTES)}, got {self.transfer_route!r}")
         if self.local_disk is not None and self.local_disk.startswith("file://"):
             object.__setattr__(self, "local_disk", self.local_disk[len("file://") :])
 

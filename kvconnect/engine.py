@@ -76,6 +76,8 @@ class KVCacheEngine:
         self.layout = layout
         self.config = config or Config.from_env()
         check_chunk_size(layout, self.config.chunk_size)
+        if backend is None:  # an explicit backend wins over KVCONNECT_TRANSFER_ROUTE
+            backend = transfer.route_backend(layout, self.config.transfer_route)
         transfer.backend_for(layout, backend)  # fail now, not on the first store
         self.backend = backend
         self._cuda_tuning = route_tuning(self.config.cuda_transfer)

@@ -4,14 +4,18 @@
     scatter(layout, tables, buffer)  # buffer -> paged planes  (retrieve)
 
 ``buffer`` is a 1-D uint8 tensor (a CPU pool, pinned when the KV lives on an accelerator).
-Dispatch: the compiled CPU kernel for ``cpu`` planes, the compiled CUDA kernel for ``cuda``
-planes when it is built, the torch implementation for anything else (or when
-``backend="torch"`` is asked for). Every call is validated here before a pointer crosses;
-both calls return when the bytes have landed.
+Dispatch (``backend=None``): the compiled CPU kernel for ``cpu`` planes, the compiled CUDA
+kernel for ``cuda`` planes when it is built, the Triton route (triton_route.py) for Ascend
+``npu`` planes when Triton for the NPU (triton-ascend) is importable, the torch implementation
+for anything else (logged once where a kernel was wanted). ``backend`` forces one of
+``"cpu"``, ``"cuda"``, ``"triton"``, ``"torch"``; ``route_backend`` maps the configured
+``KVCONNECT_TRANSFER_ROUTE`` to it. Every call is validated here before a pointer crosses
+(the same TransferError whatever the backend); both calls return when the bytes have landed.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
@@ -19,7 +23,7 @@ import torch
 
 from ..errors import TransferError
 from ..layout import KVLayout
-from . import torch_impl
+from . import torch_impl, triton_route
 from .tables import SEGMENT_COLS, SegmentBuilder, TransferTables, plane_table
 
 try:
@@ -32,23 +36,60 @@ try:
 except ImportError:
     _cuda_kernels = None
 
-__all__ = ["gather", "scatter", "backend_for", "SegmentBuilder", "TransferTables", "plane_table", "validate"]
+__all__ = ["gather", "scatter", "backend_for", "route_backend", "SegmentBuilder", "TransferTables", "plane_table",
+           "validate", "BACKENDS", "ROUTES"]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("cpu", "cuda", "triton", "torch")
+ROUTES = ("auto", "compiled", "triton", "torch")  # Config.transfer_route (KVCONNECT_TRANSFER_ROUTE)
+_logged_fallback: set = set()
+
+
+def route_backend(layout: KVLayout, route: str) -> Optional[str]:
+    """The backend a configured route forces for these planes (None: ``backend_for``'s choice)."""
+    if route not in ROUTES:
+        raise TransferError(f"unknown transfer route {route!r} (one of {', '.join(ROUTES)})")
+    if route == "auto":
+        return None
+    if route == "compiled":
+        device = layout.device.type
+        if device not in ("cpu", "cuda"):
+            raise TransferError(f"no compiled transfer kernel for {device} planes (KVCONNECT_TRANSFER_ROUTE=compiled)")
+        return device
+    return route
+
+
+def _fallback(device: str, why: str) -> str:
+    if device not in _logged_fallback:
+        _logged_fallback.add(device)
+        logger.warning("kvconnect: %s planes take the torch transfer path (%s)", device, why)
+    return "torch"
 
 
 def backend_for(layout: KVLayout, requested: Optional[str] = None) -> str:
     if requested is not None:
-        if requested not in ("cpu", "cuda", "torch"):
+        if requested not in BACKENDS:
             raise TransferError(f"unknown transfer backend {requested!r}")
         if requested == "cpu" and (_cpu_kernels is None or layout.device.type != "cpu"):
             raise TransferError("the compiled CPU kernel needs cpu planes and a built kvconnect._cpu_kernels")
         if requested == "cuda" and (_cuda_kernels is None or layout.device.type != "cuda"):
             raise TransferError("the compiled CUDA kernel needs cuda planes and a built kvconnect._cuda_kernels")
+        if requested == "triton" and not triton_route.available(layout.device.type):
+            raise TransferError(f"the Triton route needs Triton for {layout.device.type} "
+                                "(triton on CUDA, triton-ascend on an NPU, TRITON_INTERPRET=1 on cpu planes)")
         return requested
     device = layout.device.type
     if device == "cpu" and _cpu_kernels is not None:
         return "cpu"
     if device == "cuda" and _cuda_kernels is not None:
-        return "cuda"
+        return "cuda"  # the compiled kernel until the Triton route measures faster on a GPU (docs/gpu.md)
+    if device == "npu":
+        if triton_route.available("npu"):
+            return "triton"
+        return _fallback(device, "Triton for the NPU (triton-ascend) is not importable")
+    if device in ("cpu", "cuda"):
+        return _fallback(device, f"kvconnect._{device}_kernels is not built")
     return "torch"
 
 
@@ -92,10 +133,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _run(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, backend: Optional[str], num_threads: int,
-         cuda_tuning) -> None:
+         cuda_tuning, triton_tuning) -> None:
     chosen = backend_for(layout, backend)
     if chosen != "cuda":  # the CUDA wrapper checks the buffer, its C++ side every index (O(slots + segments))
-        validate(layout, tables, buffer, exact_slots=chosen == "torch")
+        validate(layout, tables, buffer, exact_slots=chosen in ("torch", "triton"))
     if not len(tables.segments):
         return
     if chosen == "cpu":
@@ -110,20 +151,23 @@ def _run(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch
         from . import cuda as cuda_backend
 
         cuda_backend.run(direction, layout, tables, buffer, tuning=cuda_tuning)
+    elif chosen == "triton":
+        triton_route.run(direction, layout, tables, buffer, tuning=triton_tuning)
     else:
         (torch_impl.gather if direction == "gather" else torch_impl.scatter)(layout, tables, buffer)
         _sync(layout.device)
 
 
 def gather(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, backend: Optional[str] = None, num_threads: int = 1,
-           cuda_tuning=None) -> None:
+           cuda_tuning=None, triton_tuning=None) -> None:
     """Copy the rows named by ``tables`` from the paged planes into ``buffer``.
 
-    ``num_threads`` is for the CPU kernel, ``cuda_tuning`` (a ``cuda.KernelTuning``) for the CUDA one."""
-    _run("gather", layout, tables, buffer, backend, num_threads, cuda_tuning)
+    ``num_threads`` is for the CPU kernel, ``cuda_tuning`` (a ``cuda.KernelTuning``) for the CUDA one,
+    ``triton_tuning`` (a ``triton_route.TritonTuning``) for the Triton route."""
+    _run("gather", layout, tables, buffer, backend, num_threads, cuda_tuning, triton_tuning)
 
 
 def scatter(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, backend: Optional[str] = None, num_threads: int = 1,
-            cuda_tuning=None) -> None:
+            cuda_tuning=None, triton_tuning=None) -> None:
     """Copy rows from ``buffer`` into the paged planes at the slots named by ``tables``."""
-    _run("scatter", layout, tables, buffer, backend, num_threads, cuda_tuning)
+    _run("scatter", layout, tables, buffer, backend, num_threads, cuda_tuning, triton_tuning)

@@ -1,0 +1,341 @@
+"""The Triton transfer route against the torch oracle, byte for byte, over the model zoo.
+
+On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before Triton is
+imported): the CPU tensors stand in for device memory and the interpreter executes the very
+kernel source a GPU or an NPU compiles (triton_kernels.py). Both ways are covered: the direct
+launch over the whole batch, and the staged route (the CUDA staged route's plan, a device ring
+of a few slots much smaller than the batch, one kernel per piece). Each comparison covers the
+whole memory of the cache (padding, unused and absent blocks) and of the buffer (the gaps
+between segments, the slot padding a store must not write).
+
+The CUDA build of the same source is compiled here for sm_90 (no GPU needed) and its PTX
+checked for 128-bit loads; the ``gpu`` tests run it on a CUDA device and skip without one.
+Skips cleanly when triton is not installed (the core CI run).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the GPU tests need it unset)
+
+import re  # noqa: E402
+import zlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+import zoo  # noqa: E402
+from kvconnect import Config, GroupSpec, KVCacheEngine, TransferError, transfer  # noqa: E402
+from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments  # noqa: E402
+from kvconnect.spec import ChunkKey  # noqa: E402
+from kvconnect.transfer import SegmentBuilder, TransferTables, triton_route  # noqa: E402
+from kvconnect.transfer.triton_route import TritonTuning  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+cpu_only = pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET is unset (a GPU run)")
+gpu = pytest.mark.gpu
+
+# the direct launch; a staged ring of 3 slots of 1-4 KB pieces (every batch here is many times larger)
+DIRECT = TritonTuning(staged=False, item_bytes=8192)
+STAGED = TritonTuning(staged=True, staging_slots=3, first_piece_bytes=1024, max_piece_bytes=4096, merge_gap_bytes=64,
+                      max_op_bytes=2048)
+TUNINGS = {"direct": DIRECT, "staged": STAGED}
+
+# GQA (flash, HND), MLA (CUDA, Ascend), DSv3.2 indexer (CUDA, Ascend), DSv4 padded and packed,
+# SWA hybrid, state hybrid, vLLM CPU pages, DCP shards
+NAMES = ["llama-flash", "llama-hnd-flashinfer", "dsv3-mla", "dsv3-mla-ascend", "dsv32", "dsv32-ascend", "dsv4-flash",
+         "dsv4-flash-packed", "gemma3-swa", "state-hybrid", "vllm-cpu", "dsv3-mla-dcp", "mla-swa-dcp"]
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _chunk(name: str) -> int:
+    return zoo.ZOO[name][1][0] if name in zoo.ZOO else 64
+
+
+def _case(name: str):
+    return zoo.build(name, max_tokens=2 * _chunk(name))
+
+
+def edge_rows(nb: int = 40, bs: int = 16):
+    """The narrowest and widest rows: 1-byte and 3-byte rows (odd alignment) and 40 KB pages."""
+    b = zoo._Builder()
+    b.add("one", b.tight(torch.uint8, (nb, bs, 1)))
+    b.add("three", b.tight(torch.uint8, (nb, bs, 3)))
+    b.add("wide", b.padded(torch.uint8, 8, 2, 40960, 2 * 40960 + 48, group=1))
+    groups = [GroupSpec(block_size=bs), GroupSpec(block_size=2)]
+    return b.case("edge-rows", groups, hints=None, num_blocks=[nb, 8])
+
+
+def planned_tables(case, layout, rng, *, pad_bytes: int = 40) -> tuple[TransferTables, int]:
+    """Store tables of two chunks from random block tables, one block of one group absent (-1):
+    the planner skips that group in that chunk, so its rows must never be touched."""
+    chunk = _chunk(case.name)
+    bounds = [(0, chunk), (chunk, 2 * chunk)]
+    ids = zoo.random_tables(case, 2 * chunk, rng, keep=zoo.window_keep(case, bounds))
+    g = int(rng.integers(len(ids)))
+    present = [i for i, x in enumerate(ids[g]) if x >= 0]
+    if len(present) > 1:
+        ids[g][present[-1]] = -1
+    chunks = [Chunk(i, i * chunk, (i + 1) * chunk, ChunkKey(bytes(16))) for i in range(2)]
+    plans = plan_store(layout, chunks, BlockTables.of(layout, ids))
+    slot_bytes = max_chunk_payload_bytes(layout, chunk) + pad_bytes
+    tables = store_segments(layout, plans, [i * slot_bytes for i in range(len(plans))]).build()
+    assert len(tables.segments)
+    return tables, slot_bytes * len(plans)
+
+
+def scattered_tables(layout, rng, *, max_rows: int = 24) -> tuple[TransferTables, int]:
+    """Distinct random rows of every plane (sorted runs and scattered) at odd buffer offsets."""
+    builder, offset = SegmentBuilder(), 0
+    for i, p in enumerate(layout.planes):
+        n = int(rng.integers(1, min(max_rows, p.num_slots) + 1))
+        slots = rng.choice(p.num_slots, size=n, replace=False)
+        if rng.random() < 0.5:
+            slots.sort()
+        offset += int(rng.integers(0, 16))
+        so = builder.add_slots(slots.astype(np.int64))
+        builder.add_segments(np.array([i]), np.array([n]), np.array([so]), np.array([offset]))
+        offset += n * p.row_bytes
+    return builder.build(), offset + 5
+
+
+def check_gather(case, layout, tables, nbytes, rng, tuning, offset: int = 0):
+    base = torch.from_numpy(rng.integers(0, 256, nbytes + offset, dtype=np.uint8))
+    ref = base.clone()
+    before = case.snapshot()
+    transfer.gather(layout, tables, base[offset:], backend="triton", triton_tuning=tuning)
+    transfer.gather(layout, tables, ref[offset:], backend="torch")
+    assert torch.equal(base, ref), f"{int((base != ref).sum())} buffer bytes differ from the torch oracle"
+    assert case.same_bytes(before), "a gather wrote into the cache"
+
+
+def check_scatter(case, tables, nbytes, rng, tuning, offset: int = 0):
+    buffer = torch.from_numpy(rng.integers(0, 256, nbytes + offset, dtype=np.uint8))[offset:]
+    kept = buffer.clone()
+    got, want = case.clone(), case.clone()
+    transfer.scatter(got.layout(), tables, buffer, backend="triton", triton_tuning=tuning)
+    transfer.scatter(want.layout(), tables, buffer, backend="torch")
+    assert got.first_difference(want) is None  # every byte, targeted rows or not
+    assert not got.same_bytes(case), "nothing was written"
+    assert torch.equal(buffer, kept), "a scatter wrote into the buffer"
+
+
+# ---------------------------------------------------------------------------------------
+# the interpreter on CPU
+
+
+@cpu_only
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+@pytest.mark.parametrize("name", NAMES)
+def test_planned_chunks_match_the_oracle(name, tuning, rng):
+    case = _case(name)
+    layout = case.layout()
+    tables, nbytes = planned_tables(case, layout, rng)
+    check_gather(case, layout, tables, nbytes, rng, TUNINGS[tuning])
+    check_scatter(case, tables, nbytes, rng, TUNINGS[tuning])
+
+
+@cpu_only
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+@pytest.mark.parametrize("name", ["edge-rows", "dsv4-flash-packed", "dsv32-ascend"])
+def test_scattered_rows_at_odd_offsets_match_the_oracle(name, tuning, rng):
+    """Every unit width (1..16 bytes), rows from 1 byte to 40 KB, buffers at odd addresses."""
+    case = edge_rows() if name == "edge-rows" else _case(name)
+    layout = case.layout()
+    tables, nbytes = scattered_tables(layout, rng)
+    for offset in (0, 1, 8):
+        check_gather(case, layout, tables, nbytes, rng, TUNINGS[tuning], offset)
+        check_scatter(case, tables, nbytes, rng, TUNINGS[tuning], offset)
+
+
+@cpu_only
+def test_work_items_cover_each_row_once_at_the_widest_unit(rng):
+    case = edge_rows()
+    layout = case.layout()
+    tables, _ = scattered_tables(layout, rng, max_rows=40)
+    items = triton_route.work_items(layout, tables, 4096, item_bytes=24)
+    seg, first, n, unit = items.T
+    for s, (plane, rows, _, buf_off) in enumerate(tables.segments.tolist()):
+        mine = seg == s
+        covered = np.concatenate([np.arange(f, f + k) for f, k in zip(first[mine], n[mine])])
+        assert np.array_equal(covered, np.arange(rows))
+        row_bytes = layout.planes[plane].row_bytes
+        assert (n[mine] * row_bytes <= max(24, row_bytes)).all()
+        want = min(16, (4096 + buf_off) & -(4096 + buf_off), row_bytes & -row_bytes, 16)
+        assert (1 << unit[mine] <= want).all()
+    assert set(unit.tolist()) >= {0}  # 1- and 3-byte rows move byte by byte
+
+
+@cpu_only
+def test_staged_ring_is_bounded_by_the_pieces_not_the_batch(rng):
+    case = _case("dsv4-flash")
+    layout = case.layout()
+    tables, nbytes = planned_tables(case, layout, rng)
+    plan = triton_route.staged_plan(layout, tables, nbytes, True, STAGED)
+    assert len(plan["piece_bytes"]) > 3 * STAGED.staging_slots  # every slot is reused several times
+    assert plan["piece_bytes"].max() <= STAGED.max_piece_bytes
+    triton_route._rings.clear()
+    check_gather(case, layout, tables, nbytes, rng, STAGED)
+    (ring,) = triton_route._rings[layout.device]
+    assert ring.numel() <= STAGED.staging_slots * STAGED.max_piece_bytes < nbytes // 4
+
+
+@cpu_only
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_bad_tables_are_refused_before_launch(direction):
+    """The shared validation (transfer.validate): the same TransferError as the other kernels."""
+    from test_transfer_cpu import _bad_tables
+
+    case = _case("dsv3-mla")
+    layout = case.layout()
+    before = case.snapshot()
+    row_bytes = layout.planes[0].row_bytes
+    for tuning in TUNINGS.values():
+        for what, tables in _bad_tables(layout).items():
+            buffer = torch.full((64 * row_bytes,), 0x3C, dtype=torch.uint8)
+            with pytest.raises(TransferError):
+                getattr(transfer, direction)(layout, tables, buffer, backend="triton", triton_tuning=tuning)
+            assert torch.equal(buffer, torch.full_like(buffer, 0x3C)), what
+            assert case.same_bytes(before), what
+    good = TransferTables(np.array([[0, 2, 0, 0]], np.int64), np.array([0, 1], np.int64))
+    for buffer in (torch.zeros(4 * row_bytes, dtype=torch.int8), torch.zeros(8 * row_bytes, dtype=torch.uint8)[::2]):
+        with pytest.raises(TransferError):
+            getattr(transfer, direction)(layout, good, buffer, backend="triton")
+    assert case.same_bytes(before)
+
+
+@cpu_only
+def test_tuning_and_route_are_checked():
+    for bad in (dict(block_bytes=24), dict(staging_slots=1), dict(item_bytes=0), dict(num_programs=0)):
+        with pytest.raises(TransferError):
+            TritonTuning(**bad)
+    layout = _case("llama-flash").layout()
+    assert transfer.backend_for(layout, "triton") == "triton"
+    assert transfer.route_backend(layout, "auto") is None
+    assert transfer.route_backend(layout, "compiled") == "cpu"
+    assert transfer.route_backend(layout, "triton") == "triton"
+    with pytest.raises(TransferError):
+        transfer.route_backend(layout, "dma")
+    empty = SegmentBuilder().build()
+    transfer.gather(layout, empty, torch.zeros(4, dtype=torch.uint8), backend="triton")
+
+
+@cpu_only
+def test_engine_round_trip_on_the_configured_triton_route(rng):
+    """KVCONNECT_TRANSFER_ROUTE=triton drives the whole engine: store with one cache, retrieve
+    into a zeroed one, and the restored rows equal what the torch route restores."""
+    case = _case("dsv32-ascend")
+    tokens = zoo.random_tokens(rng, 128)
+    ids = zoo.random_tables(case, 128, rng)
+    restored = {}
+    for route in ("triton", "torch"):
+        config = zoo.small_config(64, transfer_route=route)
+        src = KVCacheEngine(case.layout(), config)
+        assert src.backend == route
+        assert src.store(tokens, ids) > 0
+        dst_case = case.clone(fill=0)
+        dst = KVCacheEngine(dst_case.layout(), config)
+        zoo.transplant(src, dst, tokens)
+        assert dst.retrieve(tokens, ids) == 128
+        restored[route] = dst_case
+    assert restored["triton"].first_difference(restored["torch"]) is None
+    assert not restored["triton"].same_bytes(case.clone(fill=0))
+
+
+def test_config_reads_the_route():
+    assert Config.from_env({"KVCONNECT_TRANSFER_ROUTE": "triton"}).transfer_route == "triton"
+    assert Config.from_env({}).transfer_route == "auto"
+    from kvconnect.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        Config.from_env({"KVCONNECT_TRANSFER_ROUTE": "fast"})
+
+
+def test_npu_dispatch_takes_triton_only_where_triton_ascend_is_importable(monkeypatch, caplog):
+    """An npu layout cannot be built here (no torch_npu); the choice is checked on a stand-in."""
+
+    class NpuLayout:
+        device = torch.device("meta")
+
+    layout = NpuLayout()
+    layout.device = type("D", (), {"type": "npu"})()
+    monkeypatch.setattr(transfer, "_logged_fallback", set())
+    monkeypatch.setattr(triton_route, "available", lambda device_type: False)
+    with caplog.at_level("WARNING"):
+        assert transfer.backend_for(layout) == "torch"
+        assert transfer.backend_for(layout) == "torch"
+    assert sum("torch transfer path" in r.message for r in caplog.records) == 1  # logged once
+    monkeypatch.setattr(triton_route, "available", lambda device_type: device_type == "npu")
+    assert transfer.backend_for(layout) == "triton"
+    with pytest.raises(TransferError):
+        transfer.route_backend(layout, "compiled")
+
+
+def test_the_cuda_build_compiles_with_128_bit_loads():
+    """The same source through Triton's CUDA compiler (sm_90, no GPU needed): it compiles, and
+    16-byte units become one 128-bit load and store per lane."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvconnect.transfer import triton_kernels as k
+
+    fn = lambda kernel: getattr(kernel, "fn", kernel)  # noqa: E731  (the interpreter wraps the function)
+    jit = lambda kernel: triton.runtime.jit.JITFunction(fn(kernel))  # noqa: E731
+    i64 = "*i64"
+    cases = [
+        (k.segments_kernel, {"planes_ptr": i64, "segments_ptr": i64, "slots_ptr": i64, "items_ptr": i64, "num_items": "i32",
+                             "buffer_addr": "i64", "TO_BUFFER": "constexpr", "BLOCK_BYTES": "constexpr"}),
+        (k.ops_kernel, {"ops_ptr": i64, "num_ops": "i32", "ring_addr": "i64", "TO_BUFFER": "constexpr",
+                        "BLOCK_BYTES": "constexpr"}),
+    ]
+    for kernel, signature in cases:
+        for to_buffer in (True, False):
+            src = ASTSource(jit(kernel), signature, constexprs={"TO_BUFFER": to_buffer, "BLOCK_BYTES": 4096})
+            try:
+                ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+            except RuntimeError as exc:  # e.g. no ptxas shipped for this platform
+                pytest.skip(f"Triton's CUDA toolchain is not usable here: {exc}")
+            ops = set(re.findall(r"(?:ld|st)\.global\.\w+(?:\.\w+)?", ptx))
+            assert {"ld.global.v4.b32", "st.global.v4.b32"} <= ops, sorted(ops)
+            assert {"ld.global.b8", "st.global.b8"} <= ops  # and byte units for odd rows
+
+
+# ---------------------------------------------------------------------------------------
+# real Triton on a CUDA GPU (TRITON_INTERPRET unset; skipped without a GPU)
+
+
+def _cuda_case(case):
+    moved = case.clone()
+    moved.backings = [b.cuda() for b in case.backings]
+    moved.kv_caches = moved._views(moved.backings)
+    return moved
+
+
+@gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU and TRITON_INTERPRET unset")
+@pytest.mark.parametrize("tuning", ["auto", "staged"])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_planned_chunks_match_the_oracle(name, tuning, rng):
+    case = _case(name)
+    dev = _cuda_case(case)
+    layout = dev.layout()
+    tables, nbytes = planned_tables(case, layout, rng)
+    t = TritonTuning() if tuning == "auto" else TritonTuning(staged=True, first_piece_bytes=4096, max_piece_bytes=16384)
+    host = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8)).pin_memory()
+    ref = host.clone().pin_memory()
+    transfer.gather(layout, tables, host, backend="triton", triton_tuning=t)
+    transfer.gather(layout, tables, ref, backend="torch")
+    assert torch.equal(host, ref)
+    got, want = _cuda_case(case), _cuda_case(case)
+    transfer.scatter(got.layout(), tables, host, backend="triton", triton_tuning=t)
+    transfer.scatter(want.layout(), tables, host, backend="torch")
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got.backings, want.backings))
