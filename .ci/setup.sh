@@ -9,4 +9,8 @@ $PY -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check "pybind11>=2.11" numpy msgpack pyzmq blake3 xxhash pyyaml \
     "pytest>=7" "hypothesis>=6" redis
+# Triton runs the Triton transfer route's kernels in its interpreter on CPU (TRITON_INTERPRET=1,
+# tests/test_transfer_triton.py) and compiles them for sm_90 without a GPU; the suite skips those
+# tests where it is absent. The version vLLM 0.23 and SGLang pin.
+$PY -m pip install -q --disable-pip-version-check triton==3.8.0
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[test,redis]"

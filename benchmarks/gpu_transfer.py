@@ -10,22 +10,31 @@ One run on one GPU prints, side by side:
   then one copy; the reverse for load); the naive per-plane copy (index, then copy each plane
   straight to/from pinned memory); each as GB/s and as a ratio to the memcpy limit;
 - store and load on two streams at once (combined GB/s);
-- each of those for both CUDA routes (--routes): "kernel" (zero-copy: SMs read and write the
-  pinned pool over PCIe) and "staged" (the kernel gathers into a small device ring and the
-  copy engines move it in large copies, KernelTuning(staged=True));
+- each of those for every route of --routes: the CUDA kernel's "kernel" (zero-copy: SMs read
+  and write the pinned pool over PCIe) and "staged" (the kernel gathers into a small device
+  ring and the copy engines move it in large copies, KernelTuning(staged=True)); the Triton
+  route's "triton" (one launch, zero-copy through unified addressing) and "triton_staged"
+  (the same staged plan and ring, Triton kernels per piece; the NPU's way); and "torch"
+  (kvconnect's torch path, one indexing op per plane and segment: what an NPU gets without
+  Triton). Pipelined and device-time columns need an asynchronous call: "-" where a route
+  has none;
 - optionally (--sweep) launch shapes, ring piece sizes, and merged runs vs one op per row vs
   copy engines per run (DMA).
 
 Store moves every row each chunk keeps; load moves what a retrieve at the full prompt moves
 (windowed groups only their window, so DSv4 loads fewer bytes than it stores).
 
-Run: python benchmarks/gpu_transfer.py [--sizes 256,8192,65536] [--sweep] [--json out.json]
+Run: python benchmarks/gpu_transfer.py [--sizes 256,8192,65536] [--routes kernel,staged,triton,triton_staged,torch]
+     [--sweep] [--json out.json]
+     python benchmarks/gpu_transfer.py --dry-run   # no GPU: CPU tensors, one chunk per layout, Triton in its
+                                                   # interpreter; checks bytes against the torch path, times nothing
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -43,10 +52,12 @@ from kvconnect.chunk_format import ChunkHeader  # noqa: E402
 from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, retrieve_segments, store_segments  # noqa: E402
 from kvconnect.spec import ChunkKey  # noqa: E402
 from kvconnect.transfer import cuda as cuda_path  # noqa: E402
+from kvconnect.transfer import triton_route  # noqa: E402
 from kvconnect.transfer.torch_impl import byte_views  # noqa: E402
 
 CHUNK = 256
 GB = 1e9
+DEVICE = "cuda"  # --dry-run: "cpu"
 
 
 # ---------------------------------------------------------------------------------------
@@ -55,13 +66,13 @@ GB = 1e9
 
 def llama8b(capacity_tokens: int) -> KVLayout:
     nb = capacity_tokens // 16 + 1
-    kv = {f"layers.{i}": torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for i in range(32)}
+    kv = {f"layers.{i}": torch.empty(2, nb, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE) for i in range(32)}
     return KVLayout.from_tensors(kv, groups=[GroupSpec(block_size=16)], model_name="llama-8b-like")
 
 
 def dsv3_mla(capacity_tokens: int) -> KVLayout:
     nb = capacity_tokens // 64 + 1
-    kv = {f"layers.{i}": torch.empty(nb, 64, 576, dtype=torch.bfloat16, device="cuda") for i in range(61)}
+    kv = {f"layers.{i}": torch.empty(nb, 64, 576, dtype=torch.bfloat16, device=DEVICE) for i in range(61)}
     return KVLayout.from_tensors(kv, groups=[GroupSpec(block_size=64)], model_name="dsv3-like")
 
 
@@ -76,7 +87,7 @@ def dsv4_flash(capacity_tokens: int, packed: bool = False, num_layers: int = 44)
         nb[n] = -(-capacity_tokens // spec.block_size) + 1
         page[n] = -(-spec.rows_per_block * row_bytes // align) * align
     members = {n: [layer for layer, caches in layers.items() if n in caches] for n in names}
-    packed_backing = {n: torch.empty(nb[n] * page[n] * len(members[n]), dtype=torch.uint8, device="cuda") for n in names} if packed else {}
+    packed_backing = {n: torch.empty(nb[n] * page[n] * len(members[n]), dtype=torch.uint8, device=DEVICE) for n in names} if packed else {}
     kv, layer_groups = {}, {}
     for layer, caches in layers.items():
         for n in caches:
@@ -88,7 +99,7 @@ def dsv4_flash(capacity_tokens: int, packed: bool = False, num_layers: int = 44)
                 offset = members[n].index(layer) * page[n] // elem
                 view = torch.as_strided(packed_backing[n].view(dtype), shape, (block_stride, row_bytes // elem, 1), offset)
             else:
-                backing = torch.empty(nb[n] * page[n] // elem, dtype=dtype, device="cuda")
+                backing = torch.empty(nb[n] * page[n] // elem, dtype=dtype, device=DEVICE)
                 view = torch.as_strided(backing, shape, (page[n] // elem, row_bytes // elem, 1))
             kv[f"layers.{layer}.{n}"] = view
             layer_groups[f"layers.{layer}.{n}"] = names.index(n)
@@ -305,25 +316,52 @@ class TorchBaselines:
 # the table
 
 
-def bench_case(name: str, tokens: int, buf: torch.Tensor, limit: dict, repeats: int, baselines: bool, tuning) -> dict:
+class Route:
+    """One way of moving a job: ``call(direction, layout, tables, buf, stream=None)`` returns when the
+    bytes landed; ``queue`` (None where the route has no asynchronous form) returns once queued."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name in CUDA_ROUTES:
+            tuning = CUDA_ROUTES[name]
+            self.call = lambda d, layout, tables, buf, stream=None: cuda_path.run(d, layout, tables, buf, stream, tuning=tuning)
+            self.queue = lambda d, layout, tables, buf, stream=None: cuda_path.run_async(d, layout, tables, buf, stream, tuning=tuning)
+        elif name in TRITON_ROUTES:
+            tuning = TRITON_ROUTES[name]
+            self.call = lambda d, layout, tables, buf, stream=None: getattr(transfer, d)(
+                layout, tables, buf, backend="triton", triton_tuning=tuning)
+            self.queue = None
+        elif name == "torch":
+            self.call = lambda d, layout, tables, buf, stream=None: getattr(transfer, d)(layout, tables, buf, backend="torch")
+            self.queue = None
+        else:
+            raise SystemExit(f"unknown route {name!r} (one of {', '.join(ALL_ROUTES)})")
+
+
+def bench_case(name: str, tokens: int, buf: torch.Tensor, limit: dict, repeats: int, baselines: bool, route: Route) -> dict:
     layout = LAYOUTS[name][1](tokens)
     randomize(layout)
     gen = torch.Generator().manual_seed(tokens)
     job = Job(layout, tokens, block_ids(layout, tokens, gen), 0)
     assert job.span_bytes <= buf.numel(), "pinned buffer too small"
     reps = repeats if tokens <= 8192 else max(2, repeats // 2)
+    if route.name == "torch" and len(layout.planes) > 100 and tokens > 8192:
+        reps = 1  # one indexing op per plane and segment: minutes at 64K tokens
     r = {"layout": name, "tokens": tokens, "planes": len(layout.planes), "store_MB": job.store_bytes / 1e6,
          "load_MB": job.load_bytes / 1e6, "store_segments": len(job.store.segments)}
-    st = lambda: cuda_path.run("gather", layout, job.store, buf, tuning=tuning)  # noqa: E731
-    ld = lambda: cuda_path.run("scatter", layout, job.load, buf, tuning=tuning)  # noqa: E731
+    st = lambda: route.call("gather", layout, job.store, buf)  # noqa: E731
+    ld = lambda: route.call("scatter", layout, job.load, buf)  # noqa: E731
     r["store"] = job.store_bytes / wall(st, reps) / GB
     r["load"] = job.load_bytes / wall(ld, reps) / GB
-    calls = max(3, min(50, int(2e9 // max(job.store_bytes, 1))))
-    r["store_pipe"] = job.store_bytes / pipelined(lambda: cuda_path.run_async("gather", layout, job.store, buf, tuning=tuning), calls) / GB
-    r["load_pipe"] = job.load_bytes / pipelined(lambda: cuda_path.run_async("scatter", layout, job.load, buf, tuning=tuning), calls) / GB
-    r["store_gpu"] = job.store_bytes / gpu_seconds(lambda: cuda_path.run_async("gather", layout, job.store, buf, tuning=tuning), reps) / GB
-    r["load_gpu"] = job.load_bytes / gpu_seconds(lambda: cuda_path.run_async("scatter", layout, job.load, buf, tuning=tuning), reps) / GB
-    r["store_ops"] = cuda_path.run("gather", layout, job.store, buf, tuning=tuning)
+    if route.queue is not None:
+        q = route.queue
+        calls = max(3, min(50, int(2e9 // max(job.store_bytes, 1))))
+        r["store_pipe"] = job.store_bytes / pipelined(lambda: q("gather", layout, job.store, buf), calls) / GB
+        r["load_pipe"] = job.load_bytes / pipelined(lambda: q("scatter", layout, job.load, buf), calls) / GB
+        r["store_gpu"] = job.store_bytes / gpu_seconds(lambda: q("gather", layout, job.store, buf), reps) / GB
+        r["load_gpu"] = job.load_bytes / gpu_seconds(lambda: q("scatter", layout, job.load, buf), reps) / GB
+    if route.name in CUDA_ROUTES:
+        r["store_ops"] = route.call("gather", layout, job.store, buf)
     if baselines:
         torch_reps = max(2, reps // 2)
         b = TorchBaselines(layout, job.store)
@@ -344,7 +382,7 @@ def bench_case(name: str, tokens: int, buf: torch.Tensor, limit: dict, repeats: 
     return r
 
 
-def bench_bidirectional(name: str, tokens: int, buf: torch.Tensor, repeats: int, tuning) -> dict:
+def bench_bidirectional(name: str, tokens: int, buf: torch.Tensor, repeats: int, route: Route) -> dict:
     """Store job A on one stream while job B (other blocks, other buffer half) loads on another."""
     layout = LAYOUTS[name][1](2 * tokens)
     randomize(layout)
@@ -356,8 +394,8 @@ def bench_bidirectional(name: str, tokens: int, buf: torch.Tensor, repeats: int,
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def both():
-        cuda_path.run_async("gather", layout, a.store, buf, s1, tuning=tuning)
-        cuda_path.run_async("scatter", layout, b.store, buf, s2, tuning=tuning)
+        route.queue("gather", layout, a.store, buf, s1)
+        route.queue("scatter", layout, b.store, buf, s2)
 
     seconds = wall(both, repeats)
     calls = max(3, min(20, int(2e9 // a.store_bytes)))
@@ -370,7 +408,43 @@ def bench_bidirectional(name: str, tokens: int, buf: torch.Tensor, repeats: int,
     return out
 
 
-ROUTES = {"kernel": cuda_path.DEFAULT_TUNING, "staged": cuda_path.route_tuning("staged")}
+CUDA_ROUTES = {"kernel": cuda_path.DEFAULT_TUNING, "staged": cuda_path.route_tuning("staged")}
+TRITON_ROUTES = {"triton": triton_route.TritonTuning(staged=False), "triton_staged": triton_route.TritonTuning(staged=True)}
+ALL_ROUTES = (*CUDA_ROUTES, *TRITON_ROUTES, "torch")
+
+
+def dry_run(names: list, routes: list) -> None:
+    """No GPU: every layout at one chunk on CPU tensors, each route that runs on CPU (Triton in its
+    interpreter, both ways; the torch path) checked byte for byte against the torch path. Exercises
+    the layouts, the job tables and the route plumbing; times nothing."""
+    global DEVICE
+    DEVICE = "cpu"
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are first imported
+    runnable = [r for r in routes if r in TRITON_ROUTES or r == "torch"]
+    print(f"dry run on CPU (no GPU): routes {', '.join(runnable)}; skipped: {', '.join(set(routes) - set(runnable)) or '-'}")
+    if any(r in TRITON_ROUTES for r in runnable) and not triton_route.available("cpu"):
+        raise SystemExit("the Triton routes need triton installed (pip install triton==3.8.0)")
+    for name in names:
+        layout = LAYOUTS[name][1](CHUNK)
+        randomize(layout)
+        job = Job(layout, CHUNK, block_ids(layout, CHUNK, torch.Generator().manual_seed(0)), 0)
+        want = torch.zeros(job.span_bytes, dtype=torch.uint8)
+        transfer.gather(layout, job.store, want, backend="torch")
+        for rname in runnable:
+            route = Route(rname)
+            got = torch.zeros_like(want)
+            t0 = time.perf_counter()
+            route.call("gather", layout, job.store, got)
+            route.call("scatter", layout, job.store, got)  # writes back the very bytes it read
+            seconds = time.perf_counter() - t0
+            again = torch.zeros_like(want)
+            transfer.gather(layout, job.store, again, backend="torch")
+            ok = torch.equal(got, want) and torch.equal(again, want)
+            print(f"  {name:<12} {len(layout.planes):>4} planes {job.store_bytes / 1e6:7.2f} MB  {rname:<14} "
+                  f"{'bytes equal the torch path' if ok else 'BYTES DIFFER'} ({seconds:.1f} s on CPU, not a measurement)")
+            if not ok:
+                raise SystemExit(1)
+        del layout
 
 
 def sweep(buf: torch.Tensor, limit: dict, repeats: int) -> list:
@@ -411,13 +485,23 @@ def main() -> None:
     parser.add_argument("--layouts", default="llama8b,dsv3_mla,dsv4_flash")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-baselines", action="store_true")
-    parser.add_argument("--routes", default="kernel,staged", help="CUDA routes to measure: kernel (zero-copy), staged (device ring)")
+    parser.add_argument("--routes", default="kernel,staged,triton,triton_staged,torch",
+                        help="routes to measure: kernel, staged (the CUDA kernel), triton, triton_staged (the Triton route), "
+                             "torch (kvconnect's torch path)")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: check the setup and the CPU-runnable routes at one chunk")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes, staged piece sizes and merge/row/DMA")
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     names = args.layouts.split(",")
     routes = args.routes.split(",")
+    for r in routes:
+        Route(r)  # unknown names fail before anything is allocated
+    if args.dry_run:
+        dry_run(names, routes)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --dry-run to check the setup without one)")
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"kvconnect CUDA runtime {cuda_path._cuda_kernels.cuda_runtime_version}, tuning {cuda_path.DEFAULT_TUNING}", flush=True)
@@ -436,7 +520,7 @@ def main() -> None:
     results = {"device": props.name, "limit": limit, "cases": [], "bidir": [], "sweep": []}
     results["overhead_us"] = fixed_overhead(buf, args.repeats)
     print("fixed cost of one 16-byte transfer (us): " + ", ".join(f"{k} {v:.1f}" for k, v in results["overhead_us"].items()), flush=True)
-    results["ceiling"] = {route: kernel_ceiling(buf, args.repeats, ROUTES[route]) for route in routes}
+    results["ceiling"] = {route: kernel_ceiling(buf, args.repeats, CUDA_ROUTES[route]) for route in routes if route in CUDA_ROUTES}
     for route, c in results["ceiling"].items():
         print(f"{route} on one contiguous 1 GiB run: store {c['gather']:.2f} GB/s ({c['gather'] / limit['d2h']:.3f}; device time "
               f"{c['gather_gpu']:.2f}), load {c['scatter']:.2f} ({c['scatter'] / limit['h2d']:.3f}; device time {c['scatter_gpu']:.2f})", flush=True)
@@ -445,13 +529,13 @@ def main() -> None:
     for name in names:
         for tokens in sizes:
             for i, route in enumerate(routes):  # torch baselines once per case
-                r = bench_case(name, tokens, buf, limit, args.repeats, i == 0 and not args.no_baselines, ROUTES[route])
+                r = bench_case(name, tokens, buf, limit, args.repeats, i == 0 and not args.no_baselines, Route(route))
                 r["route"] = route
                 results["cases"].append(r)
                 print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     for name in names:
-        for route in routes:
-            r = bench_bidirectional(name, 8192, buf, args.repeats, ROUTES[route])
+        for route in (r for r in routes if Route(r).queue is not None):
+            r = bench_bidirectional(name, 8192, buf, args.repeats, Route(route))
             r["route"] = route
             results["bidir"].append(r)
             print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
@@ -477,15 +561,23 @@ def main() -> None:
               f"({c['gather_gpu'] / limit['d2h']:.3f}); load {c['scatter']:.2f} ({c['scatter'] / limit['h2d']:.3f}), device time "
               f"{c['scatter_gpu']:.2f} ({c['scatter_gpu'] / limit['h2d']:.3f})")
     print(f"\n{props.name}; limit D2H {limit['d2h']:.1f} / H2D {limit['h2d']:.1f} GB/s (1 GiB pinned memcpy); GB/s (ratio to the limit)")
-    head = (f"{'layout':<12}{'tokens':>7}{'route':>7}{'MB st/ld':>14}{'store':>15}{'load':>15}{'store pipe':>15}{'load pipe':>15}"
+    head = (f"{'layout':<12}{'tokens':>7}{'route':>14}{'MB st/ld':>14}{'store':>15}{'load':>15}{'store pipe':>15}{'load pipe':>15}"
             f"{'store dev':>15}{'load dev':>15}{'torch staged st/ld':>22}{'naive st/ld':>16}")
     print(head)
     for r in results["cases"]:
-        fmt = lambda k: f"{r[k]:6.2f} ({r[k + '_ratio']:.3f})"  # noqa: E731
+        fmt = lambda k: f"{r[k]:6.2f} ({r[k + '_ratio']:.3f})" if k in r else "-"  # noqa: E731
         base = f"{r['staged_store']:6.1f}/{r['staged_load']:5.1f}" if "staged_store" in r else "-"
         naive = f"{r['naive_store']:6.2f}/{r['naive_load']:5.2f}" if "naive_store" in r else "-"
-        print(f"{r['layout']:<12}{r['tokens']:>7}{r['route']:>7}{r['store_MB']:>7.0f}/{r['load_MB']:<6.0f}{fmt('store'):>15}{fmt('load'):>15}"
+        print(f"{r['layout']:<12}{r['tokens']:>7}{r['route']:>14}{r['store_MB']:>7.0f}/{r['load_MB']:<6.0f}{fmt('store'):>15}{fmt('load'):>15}"
               f"{fmt('store_pipe'):>15}{fmt('load_pipe'):>15}{fmt('store_gpu'):>15}{fmt('load_gpu'):>15}{base:>22}{naive:>16}")
+    by_case = {}
+    for r in results["cases"]:
+        by_case.setdefault((r["layout"], r["tokens"]), {})[r["route"]] = r
+    for (layout_name, tokens), rs in by_case.items():
+        if "torch" in rs:
+            gaps = [f"{route} {rs[route]['store'] / rs['torch']['store']:.1f}x store, {rs[route]['load'] / rs['torch']['load']:.1f}x load"
+                    for route in rs if route != "torch"]
+            print(f"over kvconnect's torch path, {layout_name} {tokens} tokens ({rs['torch']['planes']} planes): " + "; ".join(gaps))
     for r in results["bidir"]:
         print(f"store + load at once, {r['route']}, {r['layout']} {r['tokens']} tokens: {r['combined']:.1f} GB/s combined "
               f"({r['combined_pipe']:.1f} pipelined; memcpy both ways {limit['bidir']:.1f})")
