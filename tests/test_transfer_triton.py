@@ -8,8 +8,8 @@ of a few slots much smaller than the batch, one kernel per piece). Each comparis
 whole memory of the cache (padding, unused and absent blocks) and of the buffer (the gaps
 between segments, the slot padding a store must not write).
 
-The CUDA build of the same source is compiled here for sm_90 (no GPU needed) and its PTX
-checked for 128-bit loads; the ``gpu`` tests run it on a CUDA device and skip without one.
+The GPU builds of the same source are compiled here for an H100 (sm_90) and an MI300 (gfx942),
+no GPU needed, and their assembly checked for 128-bit loads; the ``gpu`` tests run it on a CUDA device and skip without one.
 Skips cleanly when triton is not installed (the core CI run).
 """
 
@@ -302,12 +302,21 @@ def _compiled_kernels():
     return module
 
 
-def test_the_cuda_build_compiles_with_128_bit_loads():
-    """The same source through Triton's CUDA compiler (sm_90, no GPU needed): it compiles, and
-    16-byte units become one 128-bit load and store per lane."""
+TARGETS = {  # target -> (Triton target, assembly, 128-bit load and store, byte load and store)
+    "cuda-sm90": (("cuda", 90, 32), "ptx", ("ld.global.v4.b32", "st.global.v4.b32"), ("ld.global.b8", "st.global.b8")),
+    "hip-gfx942": (("hip", "gfx942", 64), "amdgcn", ("global_load_dwordx4", "global_store_dwordx4"),
+                   ("global_load_ubyte", "global_store_byte")),
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_the_gpu_builds_compile_with_128_bit_units(target):
+    """The same source through Triton's GPU compilers (no GPU needed): it compiles for an H100 and an
+    MI300, 16-byte units become one 128-bit load and store per lane, odd rows byte loads."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    (backend, arch, warp), asm, wide, narrow = TARGETS[target]
     k = _compiled_kernels()
     i64 = "*i64"
     cases = [
@@ -320,14 +329,14 @@ def test_the_cuda_build_compiles_with_128_bit_loads():
         for to_buffer in (True, False):
             src = ASTSource(kernel, signature, constexprs={"TO_BUFFER": to_buffer, "BLOCK_BYTES": 4096})
             try:
-                ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+                code = triton.compile(src, target=GPUTarget(backend, arch, warp)).asm[asm]
             except RuntimeError as exc:
-                if "ptxas" not in str(exc):
+                if "ptxas" not in str(exc) and "lld" not in str(exc):
                     raise
-                pytest.skip(f"Triton's CUDA toolchain is not usable here: {exc}")
-            ops = set(re.findall(r"(?:ld|st)\.global\.\w+(?:\.\w+)?", ptx))
-            assert {"ld.global.v4.b32", "st.global.v4.b32"} <= ops, sorted(ops)
-            assert {"ld.global.b8", "st.global.b8"} <= ops  # and byte units for odd rows
+                pytest.skip(f"Triton's {backend} toolchain is not usable here: {exc}")
+            ops = set(re.findall(r"(?:ld|st)\.global\.\w+(?:\.\w+)?|global_(?:load|store)_\w+", code))
+            assert set(wide) <= ops, sorted(ops)
+            assert set(narrow) <= ops, sorted(ops)
 
 
 # ---------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ units of ``2**unit_log2`` bytes (the widest power of two, up to 16, dividing eve
 and stride of the segment), so a 1-byte row and a 40 KB row run the same code: lane ``i`` of a
 block of units finds its row (``i // row_units``), loads that row's slot, and copies one unit.
 16-byte units are four uint32 per lane with their alignment stated to the compiler (one
-128-bit load and store per lane in the CUDA build: checked in its PTX by the tests).
+128-bit load and store per lane in the CUDA and ROCm builds: tests/test_transfer_triton.py
+compiles both for sm_90 and gfx942 and checks their assembly).
 
 ``ops_kernel`` moves the staged route's ops (csrc/staged_plan.h, through the CPU module):
 ``ops`` [O, 4] int64: paged address, offset in the ring slot, bytes, unit_log2; each op is
