@@ -189,6 +189,116 @@ def test_staged_ring_is_bounded_by_the_pieces_not_the_batch(rng):
     assert ring.numel() <= STAGED.staging_slots * STAGED.max_piece_bytes < nbytes // 4
 
 
+class _Log:
+    """A stand-in device module (torch.cuda's Stream/Event API) that runs everything at once and
+    logs what the staged executor queues where: no stream exists on CPU, the protocol is checked."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self.active = "compute"
+        outer = self
+
+        class Stream:
+            def __init__(self, device=None, name="side"):
+                self.name = name
+
+            def wait_event(self, event):
+                outer.log.append(("wait", self.name, event.name, event.at))
+
+            def synchronize(self):
+                pass
+
+        class Event:
+            count = 0
+
+            def __init__(self):
+                Event.count += 1
+                self.name, self.at = f"e{Event.count}", None
+
+            def record(self, stream):
+                self.at = len(outer.log)
+                outer.log.append(("record", stream.name, self.name, self.at))
+
+        self.Stream, self.Event, self._compute = Stream, Event, Stream(name="compute")
+
+    def current_stream(self, device=None):
+        return self._compute
+
+    def stream(self, s):
+        outer = self
+
+        class Ctx:
+            def __enter__(self):
+                outer.active = s.name
+
+            def __exit__(self, *exc):
+                outer.active = "compute"
+
+        return Ctx()
+
+
+@cpu_only
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
+    """The stream/event protocol of the staged executor (what runs on a GPU or an NPU), on CPU
+    through a logging stand-in: each piece's kernel runs on the compute stream, its copies on the
+    side stream after the slot is filled; a slot is refilled only after its previous contents were
+    drained; the caller's stream waits for the last copy. Bytes are checked against the oracle too."""
+    case = _case("dsv4-flash")
+    layout = case.layout()
+    tables, nbytes = planned_tables(case, layout, rng)
+    fake = _Log()
+    kernels = triton_route._kernels()
+
+    class Launch:
+        def __getitem__(self, grid):
+            def launch(ops, n, ring_addr, **kw):
+                fake.log.append(("kernel", fake.active))
+                kernels.ops_kernel[grid](ops, n, ring_addr, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_route, "_kernels", lambda: type("K", (), {"ops_kernel": Launch()})())
+    monkeypatch.setattr(triton_route, "_copy_streams", {})
+    copies = []
+    real_copy = torch.Tensor.copy_
+    to_buffer = direction == "gather"
+    plan = triton_route.staged_plan(layout, tables, nbytes, to_buffer, STAGED)
+    slot_bytes = int(-(-int(plan["piece_bytes"].max()) // 256) * 256)
+    ring = torch.zeros(STAGED.staging_slots * slot_bytes, dtype=torch.uint8)
+    buffer = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
+    kept, want = buffer.clone(), buffer.clone()
+    scattered = case.clone()
+
+    def logged_copy(self, src, non_blocking=False):
+        copies.append(fake.active)
+        fake.log.append(("copy", fake.active))
+        return real_copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    target_layout = layout if to_buffer else scattered.layout()
+    plan = triton_route.staged_plan(target_layout, tables, nbytes, to_buffer, STAGED)
+    triton_route._execute(plan, ring, slot_bytes, buffer, to_buffer, STAGED, layout.device, fake)
+    monkeypatch.undo()
+    assert copies and set(copies) == {"side"}
+    kernels_at = [i for i, e in enumerate(fake.log) if e[0] == "kernel"]
+    assert kernels_at and all(fake.log[i][1] == "compute" for i in kernels_at)
+    # every wait names an event already recorded (a wait on an unrecorded event would not order anything)
+    assert all(e[3] is not None and e[3] < i for i, e in enumerate(fake.log) if e[0] == "wait")
+    num_pieces, K = len(plan["piece_bytes"]), STAGED.staging_slots
+    waits = [e for e in fake.log if e[0] == "wait"]
+    reuse_waits = [e for e in waits if e[1] == ("compute" if to_buffer else "side")]
+    assert len(reuse_waits) >= num_pieces - K  # a drained-wait before every reuse of a slot
+    assert fake.log[-1][:2] == ("wait", "compute")  # the caller's stream waits for the last copy
+    if to_buffer:
+        transfer.gather(layout, tables, want, backend="torch")
+        assert torch.equal(buffer, want)
+    else:
+        expected = case.clone()
+        transfer.scatter(expected.layout(), tables, buffer, backend="torch")
+        assert scattered.first_difference(expected) is None
+        assert torch.equal(buffer, kept)
+
+
 @cpu_only
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
 def test_bad_tables_are_refused_before_launch(direction):
