@@ -30,7 +30,6 @@ Which device runs which: docs/gpu.md ("Triton route").
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -113,8 +112,8 @@ def available(device_type: str) -> bool:
     """Whether the Triton route can serve planes on this device type."""
     if not _triton_importable():
         return False
-    if device_type == "cpu":
-        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or interpreted()
+    if device_type == "cpu":  # only Triton's interpreter runs on the CPU
+        return interpreted()
     if device_type == "cuda":
         return torch.cuda.is_available()
     if device_type == "npu":  # triton-ascend registers its backend under one of these names
@@ -215,9 +214,7 @@ def _check(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor) -> No
     if (table[used, 5] > _INT32_MAX).any() or (table[used, 3] > _INT32_MAX).any():
         raise TransferError("the Triton route needs planes of < 2**31 slots and rows of < 2**31 bytes")
     device = layout.device
-    if buffer.device.type != "cpu" and buffer.device != device and not (
-        buffer.device.type == device.type and (buffer.device.index or 0) == (device.index or 0)
-    ):
+    if buffer.device.type != "cpu" and (buffer.device.type, buffer.device.index or 0) != (device.type, device.index or 0):
         raise TransferError(f"buffer is on {buffer.device}, the planes on {device}")
     if device.type == "cpu" and not interpreted():
         raise TransferError("Triton on cpu planes runs in its interpreter: set TRITON_INTERPRET=1 before "
