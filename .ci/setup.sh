@@ -8,5 +8,6 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check "pybind11>=2.11" numpy msgpack pyzmq blake3 xxhash pyyaml \
-    "pytest>=7" "hypothesis>=6" redis
+    "pytest>=7" "hypothesis>=6" redis \
+    "prometheus_client>=0.17" "tqdm>=4.60"
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[test,redis]"
