@@ -523,18 +523,22 @@ class VllmPromMetrics:
                     child.observe(bound)
 
 
-class Throttle:
-    """True at most once per ``interval_s`` (building figures per engine step would cost)."""
+class ReportGate:
+    """Whether to report now: the figures' cheap ``signature`` changed since the last report,
+    or ``interval_s`` passed (gauges move without it). Building figures every engine step
+    would cost a pool scan; reporting only on time could strand the last change of an idle
+    engine (vLLM asks only while it steps)."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self._next = 0.0
+        self._last: Any = None
 
-    def ready(self) -> bool:
+    def ready(self, signature: Any = None) -> bool:
         now = time.monotonic()
-        if now < self._next:
+        if signature == self._last and now < self._next:
             return False
-        self._next = now + self.interval_s
+        self._last, self._next = signature, now + self.interval_s
         return True
 
 
