@@ -366,7 +366,9 @@ def register_engine(engine: "KVCacheEngine", instance: Optional[str] = None, reg
         e = ref()
         return engine_figures(e) if e is not None else None
 
-    return c.add(source, instance)
+    name = c.add(source, instance)
+    weakref.finalize(engine, c.remove, name)  # an engine dropped without close() leaves no entry
+    return name
 
 
 def unregister(instance: Optional[str], registry: Any = None) -> None:
@@ -487,9 +489,15 @@ class PayloadDeltas:
         return dict(incs), dict(gauges), hists
 
 
+VLLM_PREFIX = "vllm:"
+
+
 class VllmPromMetrics:
     """The metrics objects behind vLLM's Prometheus hook, made with vLLM's metric classes
-    (which handle its multiprocess mode), one child per engine index."""
+    (which handle its multiprocess mode), one child per engine index. Named ``vllm:`` +
+    the catalogue name, as vLLM names its connectors' metrics: vLLM unregisters ``vllm:``
+    collectors when it rebuilds its loggers, and the names never collide with a standalone
+    collector's in the same process."""
 
     def __init__(self, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict[int, list]) -> None:
         from prometheus_client import Counter, Gauge, Histogram
@@ -497,20 +505,24 @@ class VllmPromMetrics:
         self._per_engine = per_engine_labelvalues
         self._metrics: dict[str, Any] = {}
         for m in CATALOGUE.values():
-            names = list(labelnames) + list(m.labels)
+            if m.name.startswith("kvconnect_server_"):
+                continue  # the node server has its own exporter
+            names, full = list(labelnames) + list(m.labels), VLLM_PREFIX + m.name
             if m.kind == COUNTER:
-                self._metrics[m.name] = metric_types[Counter](name=m.name, documentation=m.help, labelnames=names)
+                self._metrics[m.name] = metric_types[Counter](name=full, documentation=m.help, labelnames=names)
             elif m.kind == GAUGE:
-                self._metrics[m.name] = metric_types[Gauge](name=m.name, documentation=m.help, labelnames=names,
+                self._metrics[m.name] = metric_types[Gauge](name=full, documentation=m.help, labelnames=names,
                                                             multiprocess_mode="livesum")
             else:
-                self._metrics[m.name] = metric_types[Histogram](name=m.name, documentation=m.help, labelnames=names,
+                self._metrics[m.name] = metric_types[Histogram](name=full, documentation=m.help, labelnames=names,
                                                                 buckets=list(LATENCY_BUCKETS_S))
         self._deltas: dict[int, PayloadDeltas] = collections.defaultdict(PayloadDeltas)
 
     def observe(self, payload: dict, engine_idx: int = 0) -> None:
         incs, gauges, hists = self._deltas[engine_idx].update(payload)
         base = list(self._per_engine.get(engine_idx, []))
+        incs = {k: v for k, v in incs.items() if k[0] in self._metrics}
+        gauges = {k: v for k, v in gauges.items() if k[0] in self._metrics}
         for (name, labels), delta in incs.items():
             self._metrics[name].labels(*base, *labels).inc(delta)
         for (name, labels), value in gauges.items():

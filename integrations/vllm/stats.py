@@ -15,12 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import logging
+
 from kvconnect import metrics
 
+logger = logging.getLogger(__name__)
+
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:  # pragma: no cover - a vLLM without the stats interface: no stats, still a connector
-    KVConnectorStats = KVConnectorPromMetrics = None
+    KVConnectorStats = None
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+except ImportError:  # pragma: no cover - stats are logged, not exported
+    KVConnectorPromMetrics = None
 
 INTERVAL_S = 5.0  # besides every change of the counters (metrics.ReportGate)
 
@@ -57,6 +65,9 @@ if KVConnectorStats is not None:
         def is_empty(self) -> bool:
             return not self.data.get("ranks")
 
+
+if KVConnectorPromMetrics is not None:
+
     class KVConnectPromMetrics(KVConnectorPromMetrics):
         def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list, per_engine_labelvalues: dict) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -75,7 +86,11 @@ def build(data: Optional[dict]) -> Any:
 def build_prom(vllm_config: Any, metric_types: dict, labelnames: list, per_engine_labelvalues: dict) -> Any:
     if KVConnectorPromMetrics is None:
         return None
-    return KVConnectPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    try:
+        return KVConnectPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    except TypeError:  # another vLLM's hook signature: its /metrics lacks kvconnect's figures, nothing else
+        logger.warning("kvconnect: this vLLM's Prometheus hook differs; kvconnect metrics are not exported", exc_info=True)
+        return None
 
 
 def worker_stats(worker: Any, rank: str, gate: metrics.ReportGate) -> Any:

@@ -86,16 +86,16 @@ def test_vllm_serve_metrics_carry_kvconnect_hits(tiny_models, tmp_path):
         deadline, text = time.monotonic() + 20, ""
         while time.monotonic() < deadline:
             text = _get(base + "/metrics")
-            if _value(text, "kvconnect_lookup_hit_tokens_total") > 0 and _value(text, "kvconnect_retrieved_chunks_total") > 0:
+            if _value(text, "vllm:kvconnect_lookup_hit_tokens_total") > 0 and _value(text, "vllm:kvconnect_retrieved_chunks_total") > 0:
                 break
             time.sleep(0.5)
-        assert _value(text, "kvconnect_lookup_hit_tokens_total") == 256, text[-3000:]
-        assert _value(text, "kvconnect_lookup_requested_tokens_total") >= 600
-        assert _value(text, "kvconnect_retrieved_chunks_total") == 4
-        assert _value(text, "kvconnect_stored_chunks_total") == 4
-        assert _value(text, "kvconnect_pool_used_bytes") > 0
-        assert _value(text, "kvconnect_store_seconds_count") >= 1
-        assert re.search(r'^kvconnect_lookup_hit_tokens_total\{[^}]*model_name="', text, re.M)  # vLLM's labels
+        assert _value(text, "vllm:kvconnect_lookup_hit_tokens_total") == 256, text[-3000:]
+        assert _value(text, "vllm:kvconnect_lookup_requested_tokens_total") >= 600
+        assert _value(text, "vllm:kvconnect_retrieved_chunks_total") == 4
+        assert _value(text, "vllm:kvconnect_stored_chunks_total") == 4
+        assert _value(text, "vllm:kvconnect_pool_used_bytes") > 0
+        assert _value(text, "vllm:kvconnect_store_seconds_count") >= 1
+        assert re.search(r'^vllm:kvconnect_lookup_hit_tokens_total\{[^}]*model_name="', text, re.M)  # vLLM's labels
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -104,3 +104,36 @@ def test_vllm_serve_metrics_carry_kvconnect_hits(tiny_models, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def test_stats_classes_with_vllms_own_types():
+    """KVConnectStats merges workers and intervals by rank; the Prometheus hook, built twice in
+    one process as vLLM does when it rebuilds its loggers, never registers a name twice."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from kvconnect import metrics
+    from kvconnect.integrations.vllm import KVConnectConnector
+
+    def payload(rank, hits, depth):
+        f = metrics.Figures()
+        f.set("kvconnect_lookup_hit_tokens_total", hits)
+        f.set("kvconnect_write_queue_depth", depth, "disk")
+        return metrics.vllm_payload(rank, f)
+
+    a = KVConnectConnector.build_kv_connector_stats(payload("0", 64, 1))
+    b = KVConnectConnector.build_kv_connector_stats(payload("1", 128, 2))
+    merged = a.aggregate(b)
+    assert not merged.is_empty() and merged.reduce() == {"lookup_hit_tokens_total": 192, "write_queue_depth[disk]": 3}
+    assert KVConnectConnector.build_kv_connector_stats().is_empty()
+    types = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}
+    vllm_config = type("VllmConfig", (), {"kv_transfer_config": None})()  # all the base class reads
+    for _ in range(2):
+        unregister_vllm_metrics()
+        prom = KVConnectConnector.build_prom_metrics(vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]})
+        prom.observe(merged.to_dict(), 0)
+        prom.observe(KVConnectConnector.build_kv_connector_stats(payload("0", 96, 0)).to_dict(), 0)  # rank 0 grew by 32
+    value = REGISTRY.get_sample_value("vllm:kvconnect_lookup_hit_tokens_total", {"model_name": "m", "engine": "0"})
+    assert value == 192 + 32
+    assert REGISTRY.get_sample_value("vllm:kvconnect_write_queue_depth", {"model_name": "m", "engine": "0", "tier": "disk"}) == 0
+    unregister_vllm_metrics()
