@@ -512,7 +512,7 @@ class VllmPromMetrics:
                 self._metrics[m.name] = metric_types[Counter](name=full, documentation=m.help, labelnames=names)
             elif m.kind == GAUGE:
                 self._metrics[m.name] = metric_types[Gauge](name=full, documentation=m.help, labelnames=names,
-                                                            multiprocess_mode="livesum")
+                                                            multiprocess_mode="mostrecent")  # as vLLM's own gauges
             else:
                 self._metrics[m.name] = metric_types[Histogram](name=full, documentation=m.help, labelnames=names,
                                                                 buckets=list(LATENCY_BUCKETS_S))
