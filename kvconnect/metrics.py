@@ -122,6 +122,7 @@ class TierMeter:
         self._lock = threading.Lock()
         self._hits: collections.Counter = collections.Counter()
         self._misses: collections.Counter = collections.Counter()
+        self._raised: collections.Counter = collections.Counter()  # a tier raised (a bug): counted as its error
         self._latency: dict[tuple[str, str], LatencyHistogram] = {}
 
     def found(self, tier: str, hits: int, misses: int) -> None:
@@ -129,15 +130,20 @@ class TierMeter:
             self._hits[tier] += hits
             self._misses[tier] += misses
 
+    def raised(self, tier: str) -> None:
+        with self._lock:
+            self._raised[tier] += 1
+
     def timed(self, tier: str, op: str, seconds: float) -> None:
         h = self._latency.get((tier, op))
         if h is None:
             h = self._latency.setdefault((tier, op), LatencyHistogram())
         h.observe(seconds)
 
-    def snapshot(self) -> tuple[dict, dict, dict]:
+    def snapshot(self) -> tuple[dict, dict, dict, dict]:
         with self._lock:
-            return dict(self._hits), dict(self._misses), {k: v.snapshot() for k, v in list(self._latency.items())}
+            return (dict(self._hits), dict(self._misses), dict(self._raised),
+                    {k: v.snapshot() for k, v in list(self._latency.items())})
 
 
 @dataclass
@@ -209,16 +215,15 @@ def storage_figures(storage: "StorageManager", out: Optional[Figures] = None) ->
     f.set("kvconnect_pool_evictions_total", pool.evictions)
     f.set("kvconnect_pool_reserve_shortfalls_total", pool.reserve_shortfalls)
     f.set("kvconnect_corrupt_chunks_dropped_total", storage.corrupt_chunks)
-    hits, misses, latency = storage.meter.snapshot()
+    hits, misses, raised, latency = storage.meter.snapshot()
     for tier in sorted(set(hits) | set(misses)):
         f.set("kvconnect_tier_hits_total", hits.get(tier, 0), tier)
         f.set("kvconnect_tier_misses_total", misses.get(tier, 0), tier)
     for (tier, op), hist in sorted(latency.items()):
         f.set("kvconnect_tier_seconds", hist, tier, op)
-    f.set("kvconnect_tier_errors_total", storage.tier_failures, "cpu")
     for tier, writer in zip(storage.tiers, storage.writers):
         ts, ws = tier.stats(), writer.stats()
-        f.set("kvconnect_tier_errors_total", ts.errors, tier.name)
+        f.set("kvconnect_tier_errors_total", ts.errors + raised.get(tier.name, 0), tier.name)
         f.set("kvconnect_tier_used_bytes", ts.used_bytes, tier.name)
         f.set("kvconnect_tier_evictions_total", ts.evictions, tier.name)
         f.set("kvconnect_write_queue_depth", ws.pending, tier.name)

@@ -188,3 +188,35 @@ def test_histogram_buckets():
     counts, total = h.snapshot()
     assert counts[0] == 1 and counts[-1] == 1 and sum(counts) == 3 and total == pytest.approx(100.00305)
     assert np.argmax(counts[1:-1]) + 1 == metrics.LATENCY_BUCKETS_S.index(0.005)
+
+
+def test_a_raising_tier_is_counted_as_its_error():
+    from kvconnect.spec import ChunkKey, Fingerprint
+    from kvconnect.storage import ChunkPool, StorageManager
+    from kvconnect.storage.tier import LowerTier
+
+    class Broken(LowerTier):
+        name = "broken"
+
+        def masks(self, keys):
+            raise RuntimeError("a bug in the tier")
+
+        def get(self, keys):
+            raise RuntimeError("a bug in the tier")
+
+        def put(self, items):
+            return [False] * len(items)
+
+        def delete(self, keys):
+            return [False] * len(keys)
+
+    fp = Fingerprint(bytes(16))
+    manager = StorageManager(ChunkPool(1 << 16, 1024), fp, [Broken(fp)])
+    try:
+        assert manager.masks([ChunkKey(bytes(16)), ChunkKey(bytes(range(16)))]) == [None, None]
+        f = metrics.storage_figures(manager)
+        assert f.get("kvconnect_tier_errors_total", "broken") == 1
+        assert f.get("kvconnect_tier_misses_total", "cpu") == 2
+        assert f.get("kvconnect_tier_hits_total", "broken") == 0  # it never answered
+    finally:
+        manager.close()

@@ -183,6 +183,7 @@ class StorageManager:
             self.meter.timed(tier.name, "read_into", time.perf_counter() - start)
         except Exception:
             logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
+            self.meter.raised(tier.name)
             with self._counter_lock:
                 self.tier_failures += 1
             header = None
@@ -208,6 +209,7 @@ class StorageManager:
             result = method(keys)
         except Exception:
             logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
+            self.meter.raised(tier.name)
             with self._counter_lock:
                 self.tier_failures += 1
             return None
