@@ -220,3 +220,38 @@ def test_a_raising_tier_is_counted_as_its_error():
         assert f.get("kvconnect_tier_hits_total", "broken") == 0  # it never answered
     finally:
         manager.close()
+
+
+def test_lookup_channel_figures(tmp_path):
+    """The scheduler's lookup figures: requested and hit tokens (minimum over workers), timeouts."""
+    import time as _time
+
+    from kvconnect.integrations.vllm.lookup_channel import LookupClient, LookupServer, rank_address
+
+    class Hits:
+        def __init__(self, hit, delay_s=0.0):
+            self.hit, self.delay_s = hit, delay_s
+
+        def lookup(self, tokens, namespace=b""):
+            _time.sleep(self.delay_s)
+            return self.hit
+
+        def stats(self):
+            return {}
+
+        def clear(self):
+            pass
+
+    base = f"ipc://{tmp_path}/kvc"
+    handlers = [Hits(256), Hits(128)]
+    servers = [LookupServer(rank_address(base, i), h) for i, h in enumerate(handlers)]
+    client = LookupClient([rank_address(base, i) for i in range(2)], timeout_s=0.3)
+    try:
+        assert client.lookup(np.arange(300)) == 128
+        handlers[1].delay_s = 0.6
+        assert client.lookup(np.arange(400)) == 0  # a silent worker: a miss, counted
+        assert (client.num_lookups, client.requested_tokens, client.hit_tokens, client.num_timeouts) == (2, 700, 128, 1)
+    finally:
+        client.close()
+        for s in servers:
+            s.close()

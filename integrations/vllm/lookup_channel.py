@@ -232,16 +232,14 @@ class LookupClient:
         msg = {"op": "lookup", "tokens": np.ascontiguousarray(tokens, dtype="<i8").tobytes()}
         if namespace:
             msg["ns"] = bytes(namespace)
+        self.num_lookups += 1  # figures for kvconnect.metrics (the scheduler calls from one thread)
+        self.requested_tokens += len(tokens)
         hits = []
         for reply in self._ask(msg):
             hit = reply.get("hit") if reply else None
             if not isinstance(hit, int) or hit < 0:
-                self.num_lookups += 1
-                self.requested_tokens += len(tokens)
                 return 0
             hits.append(hit)
-        self.num_lookups += 1
-        self.requested_tokens += len(tokens)
         self.hit_tokens += min(hits)
         return min(hits)
 
