@@ -8,7 +8,8 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check "pybind11>=2.11" numpy msgpack pyzmq blake3 xxhash pyyaml \
-    "pytest>=7" "hypothesis>=6" redis
+    "pytest>=7" "hypothesis>=6" redis \
+    "prometheus_client>=0.17" "tqdm>=4.60"
 # Triton runs the Triton transfer route's kernels in its interpreter on CPU (TRITON_INTERPRET=1,
 # tests/test_transfer_triton.py) and compiles them for sm_90 without a GPU; the suite skips those
 # tests where it is absent. The version vLLM 0.23 and SGLang pin.

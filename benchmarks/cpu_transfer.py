@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from layouts import LAYOUTS, full_block_tables
 
@@ -103,10 +104,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} kernel threads, chunk {args.chunk_size} tokens; best of {args.repeats}")
     print(f"{'layout':<12}{'planes':>7}{'segments':>9}{'MB st':>8}{'MB ld':>8}{'memcpy':>8}{'store':>8}{'load':>8}"
           f"{'st/mc':>7}{'ld/mc':>7}{'torch st':>9}{'torch ld':>9}{'st/torch':>9}{'ld/torch':>9}   (GB/s)")
-    for name in args.layouts.split(","):
+    for name in tqdm(args.layouts.split(","), desc="layouts", unit="layout", leave=False):
         tokens = args.dsv4_tokens if name == "dsv4_flash" else args.tokens
         r = bench_layout(name, tokens, args.threads, args.repeats, args.chunk_size)
-        print(f"{name:<12}{r['planes']:>7}{r['segments']:>9}{r['MB']:>8.1f}{r['load_MB']:>8.1f}{r['memcpy']:>8.2f}{r['store']:>8.2f}{r['load']:>8.2f}"
+        tqdm.write(f"{name:<12}{r['planes']:>7}{r['segments']:>9}{r['MB']:>8.1f}{r['load_MB']:>8.1f}{r['memcpy']:>8.2f}{r['store']:>8.2f}{r['load']:>8.2f}"
               f"{r['store'] / r['memcpy']:>7.2f}{r['load'] / r['memcpy']:>7.2f}{r['torch_store']:>9.2f}{r['torch_load']:>9.2f}"
               f"{r['store'] / r['torch_store']:>9.1f}{r['load'] / r['torch_load']:>9.1f}")
     lk = bench_lookup(131072, args.chunk_size, args.repeats)

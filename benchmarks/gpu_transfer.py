@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -526,19 +527,18 @@ def main() -> None:
               f"{c['gather_gpu']:.2f}), load {c['scatter']:.2f} ({c['scatter'] / limit['h2d']:.3f}; device time {c['scatter_gpu']:.2f})", flush=True)
     if args.sweep:
         results["sweep"] = sweep(buf, limit, args.repeats)
-    for name in names:
-        for tokens in sizes:
-            for i, route in enumerate(routes):  # torch baselines once per case
-                r = bench_case(name, tokens, buf, limit, args.repeats, i == 0 and not args.no_baselines, Route(route))
-                r["route"] = route
-                results["cases"].append(r)
-                print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    for name in names:
-        for route in (r for r in routes if Route(r).queue is not None):
-            r = bench_bidirectional(name, 8192, buf, args.repeats, Route(route))
-            r["route"] = route
-            results["bidir"].append(r)
-            print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    cases = [(name, tokens, i, route) for name in names for tokens in sizes for i, route in enumerate(routes)]
+    for name, tokens, i, route in tqdm(cases, desc="cases", unit="case", leave=False):  # torch baselines once per case
+        r = bench_case(name, tokens, buf, limit, args.repeats, i == 0 and not args.no_baselines, Route(route))
+        r["route"] = route
+        results["cases"].append(r)
+        tqdm.write("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
+    bidir = [(n, r) for n in names for r in routes if Route(r).queue is not None]
+    for name, route in tqdm(bidir, desc="both directions", unit="case", leave=False):
+        r = bench_bidirectional(name, 8192, buf, args.repeats, Route(route))
+        r["route"] = route
+        results["bidir"].append(r)
+        tqdm.write("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
     again = memcpy_limit(1 << 30, args.repeats)
     print(f"pinned memcpy limit again: D2H {again['d2h']:.2f}, H2D {again['h2d']:.2f}, both {again['bidir']:.2f} GB/s; ratios use the higher", flush=True)
     limit = {k: max(limit[k], again[k]) for k in limit}

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from layouts import full_block_tables, mla_prompt_setup
 
@@ -116,7 +117,7 @@ def main() -> None:
     server = start_server(url, base.max_local_cpu_size, workdir)
     rows = []
     try:
-        for name in ("pool", "server"):
+        for name in tqdm(("pool", "server"), desc="pools", unit="pool", leave=False):
             cfg = base if name == "pool" else Config(**{**vars(base), "server_url": url, "remote_timeout_s": 30.0})
             engine = KVCacheEngine(layout, cfg)
             if name == "server":  # like the private pool's zero_() below: time copies, not first-touch faults

@@ -33,6 +33,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from layouts import full_block_tables, mla_prompt_setup
 
@@ -152,7 +153,7 @@ def main() -> None:
     redis: Optional[RedisForBench] = None
     rows = []
     rng = np.random.default_rng(0)
-    for name in args.tiers.split(","):
+    for name in tqdm(args.tiers.split(","), desc="tiers", unit="tier", leave=False):
         cfg = None
         if name == "pool":
             cfg = base

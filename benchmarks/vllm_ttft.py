@@ -26,6 +26,8 @@ import statistics
 import tempfile
 import time
 
+from tqdm import tqdm
+
 
 def build_model(out_dir: str, *, hidden: int, layers: int, vocab: int) -> str:
     import torch
@@ -93,7 +95,7 @@ def main() -> None:
                                      lambda: worker_stats(workdir)["loaded_tokens"])))
         return
     cold, hit = [], []
-    for _ in range(args.reps):
+    for _ in tqdm(range(args.reps), desc="cold / hit", unit="rep", leave=False):
         prompt = [rng.randrange(3, 4096) for _ in range(args.tokens)]
         cold.append(ttft(prompt))
         flush_and_reset()
@@ -124,7 +126,7 @@ def second_turn(args, llm, sampling_params, tokens_prompt, ttft, flush_and_reset
     draw = lambda n: [rng.randrange(3, 4096) for _ in range(n)]  # noqa: E731
     times: dict[str, list[float]] = {"decode_cache_hit_s": [], "prompt_only_hit_s": [], "recompute_s": []}
     loaded: dict[str, list[int]] = {name: [] for name in times}
-    for _ in range(args.reps):
+    for _ in tqdm(range(args.reps), desc="second turns", unit="rep", leave=False):
         prompt = draw(args.tokens)
         (out,) = llm.generate([tokens_prompt(prompt_token_ids=prompt)], answer_params, use_tqdm=False)
         answer = list(out.outputs[0].token_ids)

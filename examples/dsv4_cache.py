@@ -12,33 +12,15 @@ import torch
 
 from kvconnect import GroupSpec
 
-ROW_BYTES = 584  # fp8_ds_mla: 448 fp8 NoPE + 16 B scales + 120 B bf16 RoPE, as vLLM packs it
+from kvconnect.presets import DSV4_GROUPS as GROUPS  # group name -> (spec, row bytes, dtype, page alignment)
+from kvconnect.presets import DSV4_ROW_BYTES as ROW_BYTES  # fp8_ds_mla: 448 fp8 NoPE + 16 B scales + 120 B bf16 RoPE
+from kvconnect.presets import dsv4_layer_caches as layer_caches  # layers 0-1 and MTP (43) SWA, C4 even, C128 odd
+
+GROUP_NAMES = list(GROUPS)
 
 
 def _align(n: int, to: int) -> int:
     return -(-n // to) * to
-
-
-# group index -> (spec, row bytes, dtype, page alignment)
-GROUPS = {
-    "swa": (GroupSpec(block_size=64, sliding_window=128), ROW_BYTES, torch.uint8, 576),
-    "c4": (GroupSpec(block_size=256, compress_ratio=4), ROW_BYTES, torch.uint8, 576),
-    "c128": (GroupSpec(block_size=256, compress_ratio=128), ROW_BYTES, torch.uint8, 576),
-    "c4_indexer": (GroupSpec(block_size=256, compress_ratio=4), 132, torch.uint8, 576),
-    "c4_state": (GroupSpec(block_size=4, sliding_window=8), 8192, torch.float32, 512),
-    "c4_indexer_state": (GroupSpec(block_size=4, sliding_window=8), 2048, torch.float32, 512),
-    "c128_state": (GroupSpec(block_size=8, sliding_window=128), 4096, torch.float32, 512),
-}
-GROUP_NAMES = list(GROUPS)
-
-
-def layer_caches(layer: int) -> list[str]:
-    """Caches of one layer: layers 0-1 and the MTP layer (43) pure SWA, C4 on even, C128 on odd layers."""
-    if layer < 2 or layer >= 43:
-        return ["swa"]
-    if layer % 2 == 0:
-        return ["swa", "c4", "c4_indexer", "c4_state", "c4_indexer_state"]
-    return ["swa", "c128", "c128_state"]
 
 
 def _padded_plane(num_blocks: int, spec: GroupSpec, row_bytes: int, dtype: torch.dtype, align: int) -> torch.Tensor:

@@ -23,6 +23,9 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
 | KVCONNECT_CUDA_TRANSFER        | cuda_transfer        | str   | kernel  | CUDA route: ``kernel`` (zero-copy) or ``staged`` (device ring + copy engines; docs/gpu.md) |
 | KVCONNECT_TRANSFER_ROUTE       | transfer_route       | str   | auto    | transfer backend for any device: ``auto`` (per device, docs/gpu.md), ``compiled`` (the CPU/CUDA kernel; CUDA's variant from KVCONNECT_CUDA_TRANSFER), ``triton``, ``torch`` |
+| KVCONNECT_METRICS_PORT         | metrics_port         | int   | 0       | Prometheus exporter port of an engine's process (0: off; docs/operations.md) |
+| KVCONNECT_METRICS_HOST         | metrics_host         | str   | 127.0.0.1 | exporter address (loopback; another address exposes the figures to the network) |
+| KVCONNECT_SERVER_METRICS_PORT  | server_metrics_port  | int   | 0       | Prometheus exporter port of ``kvconnect server`` (0: off) |
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class Config:
     server_token: Optional[str] = None
     cuda_transfer: str = "kernel"
     transfer_route: str = "auto"
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    server_metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -78,6 +84,11 @@ class Config:
             raise ConfigError(f"num_threads (KVCONNECT_NUM_THREADS) must be > 0, got {self.num_threads}")
         if self.remote_timeout_s <= 0:
             raise ConfigError(f"remote_timeout_s (KVCONNECT_REMOTE_TIMEOUT_S) must be > 0, got {self.remote_timeout_s}")
+        for name in ("metrics_port", "server_metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name} (KVCONNECT_{name.upper()}) must be a port in 0..65535, got {getattr(self, name)}")
+        if not self.metrics_host:
+            raise ConfigError("metrics_host (KVCONNECT_METRICS_HOST) must not be empty")
         if self.cuda_transfer not in CUDA_TRANSFERS:
             raise ConfigError(f"cuda_transfer (KVCONNECT_CUDA_TRANSFER) must be one of {', '.join(CUDA_TRANSFERS)}, got {self.cuda_transfer!r}")
         if self.transfer_route not in TRANSFER_ROUTES:

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-from . import transfer
+from . import metrics, transfer
 from .chunk_format import ChunkHeader
 from .config import Config
 from .errors import CorruptChunkError, TokenError
@@ -67,6 +68,7 @@ class EngineStats:
     retrieved_bytes: int = 0
     retrieved_tokens: int = 0
     lookups: int = 0
+    lookup_requested_tokens: int = 0
     lookup_hit_tokens: int = 0
     corrupt_chunks: int = 0
 
@@ -88,6 +90,9 @@ class KVCacheEngine:
         self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config)
         self.stats = EngineStats()
         self._stats_lock = threading.Lock()
+        self.ops = metrics.OpLog()  # store/retrieve latency and per-operation sizes
+        self.metrics_instance = metrics.register_engine(self)  # Prometheus: kvconnect.metrics
+        metrics.start_exporter(self.config)  # opt-in (KVCONNECT_METRICS_PORT), once per process
 
     @property
     def pool(self) -> ChunkPool:
@@ -122,6 +127,7 @@ class KVCacheEngine:
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
         """
+        start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok))
         tables = BlockTables.of(self.layout, block_ids)
@@ -159,6 +165,7 @@ class KVCacheEngine:
             self.stats.stored_chunks += len(writes)
             self.stats.stored_bytes += sum(p.payload_bytes for p in writes)
             self.stats.skipped_chunks += len(plans) - len(writes)
+        self.ops.stored(len(writes), sum(p.payload_bytes for p in writes), time.perf_counter() - start_s)
         return done_tokens + sum(p.chunk.end - p.chunk.start for p in writes)
 
     # -- lookup ----------------------------------------------------------------------
@@ -169,12 +176,14 @@ class KVCacheEngine:
         between an engine's lookup and its retrieve evict other chunks first (a hit is still
         not a promise: ``retrieve`` returns what it loaded).
         """
-        chunks = self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace)
+        tok = tokens_as_int64(tokens)
+        chunks = self._chunks(tok, include_partial=True, namespace=namespace)
         hit = restorable_boundary(self.layout, chunks, self.storage.masks([c.key for c in chunks]))
         if hit:
             self.pool.release(self.pool.acquire([c.key for c in chunks if c.end <= hit]))  # acquire touches
         with self._stats_lock:
             self.stats.lookups += 1
+            self.stats.lookup_requested_tokens += len(tok)
             self.stats.lookup_hit_tokens += hit
         return hit
 
@@ -185,6 +194,7 @@ class KVCacheEngine:
         Returns P minus the masked prefix (0 on a miss). Raises BlockTableError, before
         anything is written, when a needed row has no valid block.
         """
+        start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
@@ -217,16 +227,19 @@ class KVCacheEngine:
             tables_built = builder.build()
             transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads,
                              cuda_tuning=self._cuda_tuning)
+            nbytes = tables_built.payload_bytes(self.layout)
             with self._stats_lock:
                 self.stats.retrieved_chunks += sum(e is not None for e in used)
-                self.stats.retrieved_bytes += tables_built.payload_bytes(self.layout)
+                self.stats.retrieved_bytes += nbytes
                 self.stats.retrieved_tokens += boundary - skip
+            self.ops.retrieved(sum(e is not None for e in used), nbytes, time.perf_counter() - start_s)
             return boundary - skip
         finally:
             self.storage.release(entries)
 
     def close(self) -> None:
         """Flush queued lower-tier writes, stop their threads, close the tiers, empty the pool."""
+        metrics.unregister(self.metrics_instance)
         self.storage.close()
         close_pool(self.pool)
 

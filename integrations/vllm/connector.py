@@ -35,7 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvconnect.config import Config
 from kvconnect.errors import LayoutError
 
-from . import translate
+from kvconnect.metrics import ReportGate
+
+from . import stats, translate
 from .lookup_channel import LookupClient, rank_address
 from .metadata import StepPlan
 from .scheduler import KVConnectScheduler
@@ -78,6 +80,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: Optional[KVConnectScheduler] = None
         self._worker: Optional[KVConnectWorker] = None
         self._requests: dict[str, Any] = {}
+        self._stats_gate = ReportGate(stats.INTERVAL_S)
         if role == KVConnectorRole.SCHEDULER:
             ranks = translate.parallel_ranks(vllm_config, in_worker=False)
             client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
@@ -190,6 +193,26 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.request_finished(request, [])
+
+    # ==================================================================================
+    # stats (vLLM's KV-connector stats interface; see stats.py)
+
+    def get_kv_connector_stats(self) -> Any:
+        try:
+            if self._worker is not None:
+                return stats.worker_stats(self._worker, str(self._ranks.worker_index), self._stats_gate)
+            return stats.scheduler_stats(self._scheduler.hits, self._stats_gate) if self._scheduler is not None else None
+        except Exception:  # figures must never break a step
+            logger.debug("kvconnect: stats failed", exc_info=True)
+            return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Any:
+        return stats.build(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list, per_engine_labelvalues: dict) -> Any:
+        return stats.build_prom(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> Optional[bool]:
         return self._scheduler.reset_cache() if self._scheduler is not None else None

@@ -170,6 +170,9 @@ class LookupClient:
         self.timeout_s = timeout_s
         self.num_timeouts = 0
         self.num_errors = 0
+        self.num_lookups = 0
+        self.requested_tokens = 0
+        self.hit_tokens = 0  # the minimum over workers, as the scheduler sees it
         self._ctx = zmq.Context()
         self._socks = []
         for address in self.addresses:
@@ -229,12 +232,15 @@ class LookupClient:
         msg = {"op": "lookup", "tokens": np.ascontiguousarray(tokens, dtype="<i8").tobytes()}
         if namespace:
             msg["ns"] = bytes(namespace)
+        self.num_lookups += 1  # figures for kvconnect.metrics (the scheduler calls from one thread)
+        self.requested_tokens += len(tokens)
         hits = []
         for reply in self._ask(msg):
             hit = reply.get("hit") if reply else None
             if not isinstance(hit, int) or hit < 0:
                 return 0
             hits.append(hit)
+        self.hit_tokens += min(hits)
         return min(hits)
 
     def stats(self) -> list[Optional[dict]]:

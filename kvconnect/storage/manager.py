@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 from .. import chunk_format
+from ..metrics import TierMeter
 from ..errors import CorruptChunkError
 from ..spec import ChunkKey, Fingerprint
 from .pool import ChunkPool, PoolEntry
@@ -81,6 +83,7 @@ class StorageManager:
         self.promotion_failures = 0  # found below but no pool slot to promote into
         self.tier_failures = 0  # a tier raised (it should not); counted, treated as a miss
         self._counter_lock = threading.Lock()
+        self.meter = TierMeter()  # per-tier hits, misses and call latency (kvconnect.metrics)
         self.tiers = list(tiers)
         if max_pending_write_bytes is None:
             pool_bytes = pool.num_slots * pool.slot_bytes or 4 * MAX_PENDING_WRITE_BYTES  # 0: size not known yet
@@ -99,6 +102,7 @@ class StorageManager:
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
         out = self.pool.masks(keys)
         missing = [i for i, m in enumerate(out) if m is None]
+        self.meter.found("cpu", len(keys) - len(missing), len(missing))
         for tier in self.tiers:
             if not missing:
                 break
@@ -112,6 +116,8 @@ class StorageManager:
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[Optional[PoolEntry]]:
         entries = self.pool.acquire(keys)
+        found = sum(e is not None for e in entries)
+        self.meter.found("cpu", found, len(keys) - found)
         try:
             self._promote_missing(keys, entries)
         except Exception:  # a bug below the pool must not leak pins or reach the engine
@@ -171,10 +177,13 @@ class StorageManager:
                 self.promotion_failures += 1
             return None
         out = memoryview(self.pool.slot_view(slots[0]).numpy())
+        start = time.perf_counter()
         try:
             header = tier.read_into(key, out)
+            self.meter.timed(tier.name, "read_into", time.perf_counter() - start)
         except Exception:
             logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
+            self.meter.raised(tier.name)
             with self._counter_lock:
                 self.tier_failures += 1
             header = None
@@ -195,13 +204,20 @@ class StorageManager:
 
     def _call(self, tier: LowerTier, method: Callable[[Sequence[ChunkKey]], _T], keys: Sequence[ChunkKey]) -> Optional[_T]:
         """A tier call that cannot raise into the engine (tiers promise not to; this makes sure)."""
+        start = time.perf_counter()
         try:
-            return method(keys)
+            result = method(keys)
         except Exception:
             logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
+            self.meter.raised(tier.name)
             with self._counter_lock:
                 self.tier_failures += 1
             return None
+        self.meter.timed(tier.name, method.__name__, time.perf_counter() - start)
+        if method.__name__ in ("masks", "get"):
+            found = sum(r is not None for r in result)
+            self.meter.found(tier.name, found, len(keys) - found)
+        return result
 
     def release(self, entries: Sequence[Optional[PoolEntry]]) -> None:
         self.pool.release(entries)

@@ -248,9 +248,12 @@ def test_cli_policy_second_server_and_info(capsys):
     with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock") as server:
         with pytest.raises(ConfigError, match="already serves"):
             CacheServer(server.url, 1 << 20)
-        assert cli_main(["info", "--url", server.url]) == 0
+        assert cli_main(["info", "--url", server.url, "--json"]) == 0
         info = json.loads(capsys.readouterr().out)
         assert info["num_pages"] == server.index.allocator.num_pages and info["page_bytes"] == PAGE
+        assert cli_main(["info", "--url", server.url]) == 0  # human-readable by default
+        text = capsys.readouterr().out
+        assert f"{info['num_pages']} pages of {PAGE // 1024} KiB" in text and "evictions" in text
     assert cli_main(["info", "--url", f"ipc://{d}/kvc.sock", "--timeout-s", "0.2"]) == 1
 
 

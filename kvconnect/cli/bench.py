@@ -1,0 +1,141 @@
+"""``kvconnect bench``: the transfer benchmark on one model's layout, on this machine's device.
+
+Builds the model's caches (random bytes) with blocks for ``--tokens`` tokens, then times
+through the engine API, side by side in one run: ``store`` (gather: paged cache -> CPU pool)
+and ``retrieve`` (scatter: pool -> paged cache, the rows a restore at the prompt's end needs),
+plus a plain copy of the same bytes on the same device (the memory's limit). Use ``--layers``
+to cut a large model; figures scale with layers. Results: a table (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from .. import sizing
+from ..config import GB, Config
+from ..errors import ConfigError
+from .model_args import add_model_args, human_bytes, model_of, parse_tokens
+
+
+def add_parser(sub, config: Config) -> None:
+    p = sub.add_parser("bench", help="benchmark store / retrieve on a model's layout on this machine")
+    add_model_args(p, config)
+    p.add_argument("--layers", type=int, default=None, help="build only the first N layers (default: all)")
+    p.add_argument("--tokens", default="4096", help="prompt length stored and restored (default 4096)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per operation (default 5; the best is reported)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=config.num_threads, help="CPU kernel threads (default KVCONNECT_NUM_THREADS)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _progress(total: int, desc: str, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", leave=False, disable=disable)
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    from ..engine import KVCacheEngine
+
+    if args.repeats < 1 or args.threads < 1 or (args.layers is not None and args.layers < 1):
+        raise ConfigError("--repeats, --threads and --layers must be >= 1")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError(f"--device must be cpu or an available cuda, got {device!r}")
+    num_tokens = parse_tokens(args.tokens)
+    model = model_of(args, layers=args.layers)
+    if model.state_layers:
+        raise ConfigError(f"{model.name}: kvconnect does not store recurrent state yet (see `kvconnect inspect`); nothing to benchmark")
+    if num_tokens < args.chunk_size:
+        raise ConfigError(f"--tokens ({num_tokens}) must hold at least one chunk of {args.chunk_size}")
+    num_tokens -= num_tokens % args.chunk_size
+    quiet = args.no_progress or args.json
+    layout = model.layout(num_tokens, device=device, fill=True)
+    s = sizing.of(layout, args.chunk_size)
+    pool_gb = (s.pool_bytes(num_tokens) + s.slot_bytes) / GB
+    engine = KVCacheEngine(layout, Config(chunk_size=args.chunk_size, max_local_cpu_size=pool_gb, num_threads=args.threads))
+    try:
+        tokens = np.arange(num_tokens, dtype=np.int64)
+        tables = [list(range(n - 1)) for n in model.blocks_for(num_tokens)]  # blocks_for keeps one spare block
+        stored = retrieved = 0
+        store_s, retrieve_s, copy_s = [], [], []
+        nbytes = s.stored_bytes(num_tokens)
+        src = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        with _progress(3 * (args.repeats + 1), f"{model.name} x{num_tokens}", quiet) as bar:
+            for i in range(args.repeats + 1):  # the first run of each warms up (page faults, threads)
+                engine.pool.clear()
+                t0 = time.perf_counter()
+                stored = engine.store(tokens, tables)
+                _sync(device)
+                store_s.append(time.perf_counter() - t0) if i else None
+                bar.update()
+            for i in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                retrieved = engine.retrieve(tokens, tables)
+                _sync(device)
+                retrieve_s.append(time.perf_counter() - t0) if i else None
+                bar.update()
+            for i in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                _sync(device)
+                copy_s.append(time.perf_counter() - t0) if i else None
+                bar.update()
+        if stored != num_tokens or retrieved != num_tokens:
+            raise RuntimeError(f"benchmark run stored {stored} and restored {retrieved} of {num_tokens} tokens")
+        restore = s.restore_bytes(num_tokens)
+        result = {
+            "model": model.name, "engine": model.engine, "device": device, "machine": _machine(device),
+            "threads": args.threads, "tokens": num_tokens, "chunk_tokens": args.chunk_size, "layers": len({c.layer.split(".")[1] for c in model.caches}),
+            "planes": len(layout.planes), "groups": layout.num_groups, "repeats": args.repeats,
+            "ops": [
+                _op("store (gather)", nbytes, s.num_chunks(num_tokens), store_s),
+                _op("retrieve (scatter)", restore, s.num_chunks(num_tokens), retrieve_s),
+                _op("plain copy, same bytes", nbytes, 0, copy_s),
+            ],
+        }
+    finally:
+        engine.close()
+    print(json.dumps(result, indent=2) if args.json else human(result))
+    return 0
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    import os
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+
+
+def _op(name: str, nbytes: int, chunks: int, times: list) -> dict:
+    best = min(times)
+    return {"op": name, "bytes": nbytes, "chunks": chunks, "best_s": best, "median_s": statistics.median(times),
+            "gb_per_s": nbytes / best / 1e9 if best > 0 else 0.0}
+
+
+def human(r: dict) -> str:
+    lines = [f"{r['model']} ({r['layers']} layers, {r['planes']} planes, {r['groups']} groups) on {r['engine']}'s layout; "
+             f"{r['tokens']:,} tokens, chunk {r['chunk_tokens']}; {r['device']} ({r['machine']}), {r['threads']} threads, "
+             f"best of {r['repeats']}"]
+    head = ("operation", "bytes", "chunks", "best ms", "median ms", "GB/s")
+    rows = [(o["op"], human_bytes(o["bytes"]), str(o["chunks"] or "-"), f"{o['best_s'] * 1e3:.2f}", f"{o['median_s'] * 1e3:.2f}",
+             f"{o['gb_per_s']:.2f}") for o in r["ops"]]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    for row in (head, *rows):
+        lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""``kvconnect inspect``: a model's KV layout as kvconnect sees it, and what it costs to keep.
+
+Builds the real ``KVLayout`` over the engine's tensors (a couple of blocks each) and reads
+every figure from ``kvconnect.sizing``: groups and planes, bytes per chunk and per token,
+what a restore at P loads, and the pool, disk and remote bytes for N tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .. import sizing
+from ..config import Config
+from .model_args import add_model_args, human_bytes, model_of, parse_tokens
+
+
+def add_parser(sub, config: Config) -> None:
+    p = sub.add_parser("inspect", help="describe a model's KV layout and size kvconnect's storage for it")
+    add_model_args(p, config)
+    p.add_argument("--tokens", default="1M", help="tokens to size the pool for (e.g. 1M, 32k; default 1M)")
+    p.add_argument("--restore-at", default=None, help="prefix length P of a restore (default: --tokens, capped at 128k)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def report(args: argparse.Namespace) -> dict:
+    model = model_of(args)
+    tokens = parse_tokens(args.tokens)
+    asked = parse_tokens(args.restore_at) if args.restore_at else min(tokens, 131072)
+    restore_at = asked - asked % args.chunk_size  # a hit ends on a chunk boundary (whole chunks are stored)
+    layout = model.layout(0)
+    s = sizing.of(layout, args.chunk_size)
+    supported = not model.state_layers
+    per_group_restore = [s._group_bytes(g, geo.needed_rows(restore_at)) for g, geo in enumerate(layout.geometries)]
+    return {
+        "model": model.name, "engine": model.engine, "tp": model.tp_size, "dcp": model.dcp.size,
+        "chunk_tokens": args.chunk_size, "num_planes": len(layout.planes), "fingerprint": bytes(layout.fingerprint).hex(),
+        "supported": supported, "notes": list(model.notes),
+        "state_layers": len(model.state_layers), "state_bytes_per_layer": model.state_bytes_per_layer,
+        "groups": [
+            {"group": g.index, "name": model.group_names[g.index], "kind": g.kind, "block_size": g.block_size,
+             "compress_ratio": g.compress_ratio, "window_tokens": g.window_tokens, "num_planes": g.num_planes,
+             "row_bytes": g.row_bytes, "rows_per_chunk": g.rows_per_chunk, "bytes_per_chunk": g.bytes_per_chunk,
+             "restore_bytes": per_group_restore[g.index]}
+            for g in s.groups
+        ],
+        "bytes_per_chunk": s.bytes_per_chunk,
+        "bytes_per_token": s.bytes_per_chunk / args.chunk_size,
+        "pool_slot_bytes": s.slot_bytes,
+        "tokens": tokens,
+        "chunks": s.num_chunks(tokens),
+        "stored_bytes": s.stored_bytes(tokens) if supported else 0,
+        "pool_bytes": s.pool_bytes(tokens) if supported else 0,
+        "tier_bytes": s.encoded_bytes(tokens) if supported else 0,
+        "restore_asked": asked,
+        "restore_at": restore_at,
+        "restore_bytes": s.restore_bytes(restore_at) if supported else 0,
+        "restore_chunks": s.num_chunks(restore_at),
+    }
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    r = report(args)
+    print(json.dumps(r, indent=2) if args.json else human(r))
+    return 0
+
+
+def human(r: dict) -> str:
+    lines = [f"{r['model']} on {r['engine']}  TP {r['tp']}  DCP {r['dcp']}  chunk {r['chunk_tokens']} tokens  "
+             f"{r['num_planes']} planes in {len(r['groups'])} groups  fingerprint {r['fingerprint'][:12]}"]
+    head = ("group", "name", "block", "ratio", "window", "planes", "row bytes", "rows/chunk", "bytes/chunk", f"restore@{r['restore_at']}")
+    rows = [(str(g["group"]), g["name"], str(g["block_size"]), str(g["compress_ratio"]), str(g["window_tokens"] or "-"),
+             str(g["num_planes"]), str(g["row_bytes"]), str(g["rows_per_chunk"]), human_bytes(g["bytes_per_chunk"]),
+             human_bytes(g["restore_bytes"])) for g in r["groups"]]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    for row in (head, *rows):
+        lines.append("  ".join(x.rjust(w) if i >= 2 else x.ljust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    lines.append(f"per chunk   {human_bytes(r['bytes_per_chunk'])} ({human_bytes(r['bytes_per_token'])} per token); "
+                 f"one CPU pool slot {human_bytes(r['pool_slot_bytes'])}")
+    if r["state_layers"]:
+        lines.append(f"state       {r['state_layers']} recurrent-state layers, {human_bytes(r['state_bytes_per_layer'])} "
+                     f"per layer per request snapshot (not stored)")
+    for note in r["notes"]:
+        lines.append(f"note        {note}")
+    if not r["supported"]:
+        lines.append(f"stored      nothing: for {r['tokens']:,} tokens kvconnect keeps 0 bytes and every lookup hits 0")
+        return "\n".join(lines)
+    lines.append(f"{r['tokens']:,} tokens  {r['chunks']:,} chunks: payload {human_bytes(r['stored_bytes'])}; "
+                 f"CPU pool {human_bytes(r['pool_bytes'])} (LMCACHE_MAX_LOCAL_CPU_SIZE={r['pool_bytes'] / (1 << 30):.2f}); "
+                 f"disk / remote {human_bytes(r['tier_bytes'])}")
+    aligned = "" if r["restore_asked"] == r["restore_at"] else f" (asked {r['restore_asked']:,}; a hit covers whole chunks)"
+    lines.append(f"restore at P={r['restore_at']:,}{aligned}: loads {human_bytes(r['restore_bytes'])} from {r['restore_chunks']:,} chunks")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""``kvconnect server`` (the node's cache server) and ``kvconnect info`` (its counters)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Optional
+
+from .. import metrics
+from ..config import GB, Config
+
+DEFAULT_URL = "ipc:///tmp/kvconnect.sock"
+
+
+def add_parsers(sub, config: Config) -> None:
+    for name, helptext in (("server", "run the node-level cache server"), ("info", "print a running server's counters")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--url", default=config.server_url or DEFAULT_URL, help="ipc:///path or tcp://127.0.0.1:PORT")
+        p.add_argument("--token", default=None, help="shared secret (prefer KVCONNECT_SERVER_TOKEN or --token-file)")
+        p.add_argument("--token-file", default=None, help="read the shared secret from this file")
+        p.add_argument("-v", "--verbose", action="store_true")
+    serve = sub.choices["server"]
+    serve.add_argument("--size-gb", type=float, default=config.max_local_cpu_size, help="shared pool size, GB (default LMCACHE_MAX_LOCAL_CPU_SIZE)")
+    serve.add_argument("--page-kb", type=int, default=64, help="allocation page, KiB (multiple of 4)")
+    serve.add_argument("--lease-s", type=float, default=10.0, help="a silent client's pins are released after this")
+    serve.add_argument("--allow-remote", action="store_true", help="allow a non-loopback tcp:// address (needs a token)")
+    serve.add_argument("--metrics-port", type=int, default=config.server_metrics_port,
+                       help="Prometheus exporter port (default KVCONNECT_SERVER_METRICS_PORT; 0: off), on KVCONNECT_METRICS_HOST")
+    info = sub.choices["info"]
+    info.add_argument("--timeout-s", type=float, default=2.0)
+    info.add_argument("--json", action="store_true", help="machine-readable counters")
+
+
+def _token(args: argparse.Namespace, config: Config) -> Optional[str]:
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as f:
+            return f.read().strip() or None
+    return args.token or config.server_token
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    return _serve(args, config) if args.command == "server" else _info(args, config)
+
+
+def _serve(args: argparse.Namespace, config: Config) -> int:
+    import dataclasses
+
+    from ..server.server import CacheServer
+
+    server = CacheServer(
+        args.url, int(args.size_gb * GB), page_bytes=args.page_kb * 1024, token=_token(args, config),
+        allow_remote=args.allow_remote, lease_s=args.lease_s,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    info = server.segment.info
+    logging.getLogger("kvconnect").info(
+        "kvconnect server on %s: %d pages of %d KiB (%.2f GB) in /dev/shm/%s, lease %.1f s%s",
+        server.url, info.num_pages, info.page_bytes // 1024, info.num_pages * info.page_bytes / GB, info.name,
+        server.lease_s, ", token required" if server.token else "",
+    )
+    if args.metrics_port:
+        metrics.collector().add(lambda: _server_figures(server), "server")
+        metrics.start_exporter(dataclasses.replace(config, metrics_port=args.metrics_port))
+    print(f"kvconnect server ready on {server.url}", flush=True)
+    try:
+        server.serve(stop)
+    finally:
+        server.close()
+    return 0
+
+
+def _server_figures(server) -> Optional[metrics.Figures]:
+    from ..server.index import STATS_FIELDS
+
+    for _ in range(3):  # read from the exporter's thread while the server loop runs: retry a torn read
+        try:
+            return metrics.server_figures(dict(zip(STATS_FIELDS, server.index.stats(None))))
+        except RuntimeError:
+            continue
+    return None
+
+
+def _info(args: argparse.Namespace, config: Config) -> int:
+    from ..server.client import SharedPoolClient
+
+    client = SharedPoolClient(args.url, 1, token=_token(args, config), timeout_s=args.timeout_s)
+    try:
+        stats = client.server_stats()
+    finally:
+        client.close()
+    if stats is None:
+        print(f"no cache server answers on {args.url}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2) if args.json else human_info(args.url, stats))
+    return 0
+
+
+def human_info(url: str, s: dict) -> str:
+    size, used = s["num_pages"] * s["page_bytes"], s["used_pages"] * s["page_bytes"]
+    pct = 100.0 * used / size if size else 0.0
+    rows = [
+        ("server", url),
+        ("pool", f"{used / GB:.2f} of {size / GB:.2f} GB used ({pct:.1f}%), {s['num_pages']} pages of {s['page_bytes'] // 1024} KiB"),
+        ("chunks", f"{s['num_entries']} stored, {s['pinned_entries']} pinned by readers, {s['reserved_runs']} writes in progress"),
+        ("clients", f"{s['num_clients']} connected, {s['expired_clients']} expired (lease ran out)"),
+        ("evictions", f"{s['evictions']} chunks (LRU), {s['reserve_shortfalls']} writes found no unpinned room"),
+        ("commits", str(s["commits"])),
+        ("refused", f"{s['refused_requests']} malformed or unauthenticated requests"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,83 @@
+"""Sizing: what kvconnect stores and loads for a layout, computed from the layout's own row
+rules (``rows.GroupGeometry``) and plane bytes, the same the engine's planner uses.
+
+    s = sizing.of(layout, chunk_tokens)
+    s.groups               per group: kind, rows and bytes one chunk stores
+    s.stored_bytes(n)      payload bytes of the chunks of an n-token prompt (what ``store`` writes)
+    s.restore_bytes(p)     bytes ``retrieve`` loads to resume at token p (windowed groups: only their window)
+    s.pool_bytes(n)        CPU pool bytes n tokens occupy (fixed slots of the largest chunk)
+    s.encoded_bytes(n)     bytes in the disk / remote tiers (payload + chunk header)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .chunk_format import FIXED_HEADER_BYTES
+from .layout import KVLayout
+from .plan import check_chunk_size, max_chunk_payload_bytes
+from .rows import chunk_bounds
+
+
+@dataclass(frozen=True)
+class GroupSizing:
+    index: int
+    kind: str
+    block_size: int
+    compress_ratio: int
+    window_tokens: object
+    num_planes: int
+    row_bytes: int  # all planes of the group, one row each
+    rows_per_chunk: int  # a full chunk past the window
+    bytes_per_chunk: int
+
+
+@dataclass(frozen=True)
+class Sizing:
+    layout: KVLayout
+    chunk_tokens: int
+    groups: tuple[GroupSizing, ...]
+    slot_bytes: int  # the largest chunk: one CPU pool slot
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        """A full chunk in steady state (windowed groups store their window's rows)."""
+        return sum(g.bytes_per_chunk for g in self.groups)
+
+    def _group_bytes(self, g: int, rows: tuple[int, int]) -> int:
+        return max(0, rows[1] - rows[0]) * self.groups[g].row_bytes
+
+    def stored_bytes(self, num_tokens: int, *, partial: bool = False) -> int:
+        total = 0
+        for s, e in chunk_bounds(num_tokens, self.chunk_tokens, partial):
+            total += sum(self._group_bytes(g, geo.stored_rows(s, e)) for g, geo in enumerate(self.layout.geometries))
+        return total
+
+    def num_chunks(self, num_tokens: int, *, partial: bool = False) -> int:
+        return len(chunk_bounds(num_tokens, self.chunk_tokens, partial))
+
+    def restore_bytes(self, boundary: int) -> int:
+        return sum(self._group_bytes(g, geo.needed_rows(boundary)) for g, geo in enumerate(self.layout.geometries))
+
+    def pool_bytes(self, num_tokens: int) -> int:
+        return self.num_chunks(num_tokens) * self.slot_bytes
+
+    def encoded_bytes(self, num_tokens: int) -> int:
+        return self.stored_bytes(num_tokens) + self.num_chunks(num_tokens) * header_bytes(self.layout)
+
+
+def header_bytes(layout: KVLayout) -> int:
+    """Bytes of one chunk's header in the lower tiers (fixed part + a row range per plane)."""
+    return FIXED_HEADER_BYTES + 8 * len(layout.planes)
+
+
+def of(layout: KVLayout, chunk_tokens: int) -> Sizing:
+    """Raises LayoutError when ``chunk_tokens`` does not suit the layout (as the engine would)."""
+    check_chunk_size(layout, chunk_tokens)
+    groups = []
+    for g, (spec, geo, row) in enumerate(zip(layout.groups, layout.geometries, layout.describe())):
+        s = max(chunk_tokens, (geo.window_tokens or 0) // chunk_tokens * chunk_tokens + chunk_tokens)
+        lo, hi = geo.stored_rows(s, s + chunk_tokens)
+        groups.append(GroupSizing(g, row["kind"], spec.block_size, spec.compress_ratio, geo.window_tokens, row["num_planes"],
+                                  row["row_bytes_per_row"], hi - lo, (hi - lo) * row["row_bytes_per_row"]))
+    return Sizing(layout, chunk_tokens, tuple(groups), max_chunk_payload_bytes(layout, chunk_tokens))

@@ -1,0 +1,149 @@
+"""``kvconnect inspect`` / ``bench`` and kvconnect.sizing: figures equal what a real engine
+stores and loads for the same layout; bad input is a typed error and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvconnect import KVCacheEngine, presets, sizing
+from kvconnect.cli import main
+from kvconnect.config import GB, Config
+from kvconnect.errors import ConfigError, LayoutError
+
+# (preset, layers, engine, chunk, tokens, restore at, extra preset arguments)
+CASES = [
+    ("llama-3.1-8b", 2, "vllm", 64, 320, 192, {}),
+    ("llama-3.1-8b", 2, "vllm", 64, 320, 192, {"tp": 4}),
+    ("deepseek-v3", 2, "vllm-ascend", 64, 256, 192, {}),
+    ("deepseek-v3", 2, "vllm", 128, 512, 384, {"dcp": (2, 8)}),
+    ("deepseek-v3.2", 2, "vllm", 64, 256, 128, {}),
+    ("deepseek-v4-flash", 4, "vllm", 256, 1024, 768, {}),
+    ("gemma-3-27b", 6, "vllm", 64, 512, 448, {"block_size": 16}),
+]
+
+
+def _model(name, layers, engine, extra):
+    kw = dict(extra)
+    if "dcp" in kw:
+        from kvconnect.spec import DCPSpec
+
+        size, interleave = kw.pop("dcp")
+        kw["dcp"] = DCPSpec(rank=0, size=size, interleave_tokens=interleave)
+    return presets.preset(name, layers=layers, engine=engine, **kw)
+
+
+@pytest.mark.parametrize("name, layers, engine, chunk, tokens, restore_at, extra", CASES)
+def test_sizing_equals_a_real_store_and_restore(name, layers, engine, chunk, tokens, restore_at, extra):
+    model = _model(name, layers, engine, extra)
+    layout = model.layout(tokens, fill=True)
+    s = sizing.of(layout, chunk)
+    pool_gb = (s.pool_bytes(tokens) + s.slot_bytes) / GB
+    tables = [list(range(n - 1)) for n in model.blocks_for(tokens)]
+    src = KVCacheEngine(layout, Config(chunk_size=chunk, max_local_cpu_size=pool_gb, num_threads=2))
+    dst = KVCacheEngine(model.layout(tokens), Config(chunk_size=chunk, max_local_cpu_size=pool_gb, num_threads=2))
+    try:
+        ids = np.arange(tokens, dtype=np.int64) + 11
+        assert src.store(ids, tables) == tokens
+        assert src.stats.stored_bytes == s.stored_bytes(tokens)
+        assert src.stats.stored_chunks == s.num_chunks(tokens)
+        assert src.pool.stats().used_slots * src.pool.slot_bytes == s.pool_bytes(tokens)
+        assert src.pool.slot_bytes == s.slot_bytes
+        exported = [src.storage.export_chunk(c.key) for c in src.chunks(ids, include_partial=False)]
+        assert sum(len(b) for b in exported) == s.encoded_bytes(tokens)  # what disk / remote hold
+        for c, blob in zip(src.chunks(ids, include_partial=False), exported):
+            assert dst.storage.import_chunk(blob, c.key)
+        assert dst.retrieve(ids[:restore_at], tables) == restore_at
+        assert dst.stats.retrieved_bytes == s.restore_bytes(restore_at)
+        if s.groups and all(g.window_tokens is None for g in s.groups):
+            assert s.bytes_per_chunk == s.stored_bytes(chunk)
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_inspect_json_matches_sizing(capsys):
+    assert main(["inspect", "--preset", "deepseek-v4-flash", "--tokens", "1M", "--restore-at", "100000", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    s = sizing.of(presets.preset("deepseek-v4-flash").layout(0), 256)
+    assert r["bytes_per_chunk"] == s.bytes_per_chunk == sum(g["bytes_per_chunk"] for g in r["groups"])
+    assert r["stored_bytes"] == s.stored_bytes(1_000_000) and r["pool_bytes"] == s.pool_bytes(1_000_000)
+    assert r["restore_at"] == 99_840 and r["restore_bytes"] == s.restore_bytes(99_840) == sum(g["restore_bytes"] for g in r["groups"])
+    assert [g["name"] for g in r["groups"]] == list(presets.DSV4_GROUPS)
+    assert 16.4e6 < r["bytes_per_chunk"] < 16.6e6  # 16.5 MB per 256-token chunk, as measured in the layout notes
+
+
+def test_inspect_human_and_state_models(capsys):
+    assert main(["inspect", "--preset", "llama", "--tokens", "32k"]) == 0
+    out = capsys.readouterr().out
+    assert "32,000 tokens" in out and "CPU pool" in out and "restore at P=" in out
+    assert main(["inspect", "--preset", "qwen3-next", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["supported"] is False and r["stored_bytes"] == 0 and r["restore_bytes"] == 0 and r["state_layers"] == 36
+    assert any("state at exactly P" in n for n in r["notes"])
+
+
+def test_inspect_from_hf_config(tmp_path, capsys):
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "hidden_size": 4096, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", "--config", str(tmp_path), "--json"]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    assert main(["inspect", "--preset", "llama-3.1-8b", "--json"]) == 0
+    from_preset = json.loads(capsys.readouterr().out)
+    assert from_config["bytes_per_chunk"] == from_preset["bytes_per_chunk"] == 32 * 2 * 8 * 128 * 2 * 256
+    gemma = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 12,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 2560,
+             "sliding_window": 1024, "sliding_window_pattern": 6}, "torch_dtype": "bfloat16"}
+    m = presets.from_hf_config(gemma)
+    assert [g.window_tokens for g in m.groups] == [None, 1024] and sum(c.group == 0 for c in m.caches) == 2
+    dsv32 = {"model_type": "deepseek_v32", "num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+             "num_attention_heads": 128, "index_topk": 2048, "torch_dtype": "bfloat16"}
+    assert sizing.of(presets.from_hf_config(dsv32).layout(0), 256).bytes_per_chunk == 61 * (1152 + 132) * 256
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "--preset", "no-such-model"], "unknown preset"),
+    (["inspect", "--preset", "llama", "--tokens", "lots"], "not a token count"),
+    (["inspect", "--preset", "llama", "--tokens", "0"], "positive"),
+    (["inspect", "--preset", "llama", "--chunk-size", "0"], "--chunk-size"),
+    (["inspect", "--preset", "deepseek-v4-flash", "--chunk-size", "100"], "chunk"),
+    (["inspect", "--preset", "llama", "--dcp", "2"], "decode context parallel"),
+    (["inspect", "--preset", "deepseek-v4-flash", "--engine", "sglang"], "vLLM"),
+    (["inspect", "--config", "/nonexistent/config.json"], "cannot read"),
+    (["bench", "--preset", "qwen3-next", "--layers", "4"], "recurrent state"),
+    (["bench", "--preset", "llama", "--layers", "1", "--tokens", "16"], "at least one chunk"),
+    (["bench", "--preset", "llama", "--device", "tpu"], "--device"),
+])
+def test_bad_input_exits_2_with_a_typed_message(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith(f"kvconnect {argv[0]}:")
+
+
+def test_bad_config_json_is_a_typed_error(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["inspect", "--config", str(tmp_path)]) == 2
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        presets.from_hf_config({"model_type": "llama", "num_attention_heads": 8, "hidden_size": 64})
+    with pytest.raises(ConfigError):
+        presets.from_hf_config(["not", "a", "mapping"])
+    with pytest.raises(LayoutError):
+        sizing.of(presets.preset("deepseek-v4-flash", layers=4).layout(0), 100)
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect"])  # neither --preset nor --config
+    assert exc.value.code == 2
+
+
+def test_bench_runs_and_reports(capsys):
+    assert main(["bench", "--preset", "llama", "--layers", "1", "--tokens", "512", "--repeats", "1", "--threads", "1",
+                 "--device", "cpu", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    ops = {o["op"]: o for o in r["ops"]}
+    assert ops["store (gather)"]["bytes"] == 512 * 2 * 8 * 128 * 2 and ops["store (gather)"]["chunks"] == 2
+    assert all(o["best_s"] > 0 for o in r["ops"])
