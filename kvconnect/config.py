@@ -22,6 +22,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
 | KVCONNECT_CUDA_TRANSFER        | cuda_transfer        | str   | kernel  | CUDA route: ``kernel`` (zero-copy) or ``staged`` (device ring + copy engines; docs/gpu.md) |
+| KVCONNECT_EVICTION             | eviction             | str   | s3fifo  | CPU pool eviction policy: ``s3fifo``, ``2q`` or ``lru`` (kvconnect/storage/eviction.py) |
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ GB = 1 << 30
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
+EVICTION_POLICIES = ("s3fifo", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
 
 
 def _default_threads() -> int:
@@ -63,6 +65,7 @@ class Config:
     server_url: Optional[str] = None
     server_token: Optional[str] = None
     cuda_transfer: str = "kernel"
+    eviction: str = "s3fifo"
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -77,6 +80,8 @@ class Config:
             raise ConfigError(f"remote_timeout_s (KVCONNECT_REMOTE_TIMEOUT_S) must be > 0, got {self.remote_timeout_s}")
         if self.cuda_transfer not in CUDA_TRANSFERS:
             raise ConfigError(f"cuda_transfer (KVCONNECT_CUDA_TRANSFER) must be one of {', '.join(CUDA_TRANSFERS)}, got {self.cuda_transfer!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.local_disk is not None and self.local_disk.startswith("file://"):
             object.__setattr__(self, "local_disk", self.local_disk[len("file://") :])
 

@@ -130,9 +130,9 @@ class KVCacheEngine:
         # with fewer groups (window blocks already freed) must not shrink a good entry
         todo = [p for p, m in zip(plans, existing) if m is None or (m != p.group_mask and (m & p.group_mask) == m)]
         done_tokens = sum(p.chunk.end - p.chunk.start for p, m in zip(plans, existing) if m is not None and (m | p.group_mask) == m)
-        # pin the chunks of this prompt already in the pool while making room: LRU eviction
-        # must not drop the prompt's own prefix to store its suffix
-        held = self.pool.acquire([p.chunk.key for p, m in zip(plans, existing) if m is not None]) if todo else []
+        # pin the chunks of this prompt already in the pool while making room: eviction must
+        # not drop the prompt's own prefix to store its suffix (a pin, not a use)
+        held = self.pool.acquire([p.chunk.key for p, m in zip(plans, existing) if m is not None], touch=False) if todo else []
         try:
             slots = self.storage.reserve(len(todo))
         finally:
