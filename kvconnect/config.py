@@ -23,6 +23,8 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
 | KVCONNECT_CUDA_TRANSFER        | cuda_transfer        | str   | kernel  | CUDA route: ``kernel`` (zero-copy) or ``staged`` (device ring + copy engines; docs/gpu.md) |
 | KVCONNECT_EVICTION             | eviction             | str   | s3fifo  | CPU pool eviction policy: ``s3fifo``, ``2q`` or ``lru`` (kvconnect/storage/eviction.py) |
+| KVCONNECT_MIN_LOAD_TOKENS      | min_load_tokens      | int   | 256     | engine adapters do not report a hit that loads fewer tokens beyond the engine's own prefix cache (docs/vllm.md, "Small loads") |
+| KVCONNECT_LOG_INTERVAL_S       | log_interval_s       | float | 60.0    | engine adapters log a hit / save summary at most this often (0: never) |
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Config:
     server_token: Optional[str] = None
     cuda_transfer: str = "kernel"
     eviction: str = "s3fifo"
+    log_interval_s: float = 60.0
+    min_load_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -80,6 +84,10 @@ class Config:
             raise ConfigError(f"remote_timeout_s (KVCONNECT_REMOTE_TIMEOUT_S) must be > 0, got {self.remote_timeout_s}")
         if self.cuda_transfer not in CUDA_TRANSFERS:
             raise ConfigError(f"cuda_transfer (KVCONNECT_CUDA_TRANSFER) must be one of {', '.join(CUDA_TRANSFERS)}, got {self.cuda_transfer!r}")
+        if self.min_load_tokens < 0:
+            raise ConfigError(f"min_load_tokens (KVCONNECT_MIN_LOAD_TOKENS) must be >= 0, got {self.min_load_tokens}")
+        if self.log_interval_s < 0:
+            raise ConfigError(f"log_interval_s (KVCONNECT_LOG_INTERVAL_S) must be >= 0, got {self.log_interval_s}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.local_disk is not None and self.local_disk.startswith("file://"):

@@ -30,6 +30,7 @@ from kvconnect.config import Config
 from kvconnect.engine import KVCacheEngine
 
 from .lookup_channel import LookupServer
+from .logs import Periodic, off_reason, registration_line
 from .metadata import LoadJob, SaveJob, StepPlan
 from .translate import NULL_BLOCK_ID, Translation
 
@@ -52,6 +53,7 @@ class KVConnectWorker:
         self._failed_loads: set[str] = set()
         self._error_blocks: set[int] = set()
         self.server = LookupServer(channel_address, self) if channel_address else None
+        self.summary = Periodic(config.log_interval_s, self._log_summary)
 
     # -- setup -------------------------------------------------------------------------
     def register(self, translation: Translation) -> None:
@@ -60,10 +62,15 @@ class KVConnectWorker:
         Raises LayoutError when the engine cannot serve the layout (e.g. a chunk size that is
         not a multiple of a page group's block size); the worker then stays off (0 hits).
         """
-        self.translation = translation
-        self.engine = KVCacheEngine(translation.layout, self.config)
-        logger.info("kvconnect: registered %d planes in %d groups: %s", len(translation.layout.planes),
-                    translation.layout.num_groups, translation.layout.describe())
+        engine = KVCacheEngine(translation.layout, self.config)
+        reason = off_reason(engine, self.config)
+        if reason is not None:
+            engine.close()
+            logger.warning("kvconnect: off: %s", reason)
+            return
+        self.translation, self.engine = translation, engine
+        logger.info("%s", registration_line(translation.layout, self.config, engine.pool, engine.storage))
+        logger.debug("kvconnect: groups: %s", translation.layout.describe())
 
     # -- lookup channel handler (called from the server thread) --------------------------
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int:
@@ -91,6 +98,7 @@ class KVConnectWorker:
         pending, self._pending = self._pending, []
         for _, future in pending:
             future.result()  # _save_one never raises
+        self.summary.tick()  # at most once per log_interval_s, after the saves it counts landed
 
     def load(self, plan: StepPlan) -> None:
         for job in plan.loads:
@@ -131,6 +139,7 @@ class KVConnectWorker:
         self._error_blocks.update(b for b in ids[first:last] if b != NULL_BLOCK_ID)
 
     def save(self, plan: StepPlan) -> None:
+        self.summary.dirty |= bool(plan.saves or plan.loads)
         self._finished.update(plan.finished)
         for job in plan.saves:
             if self.engine is not None:
@@ -148,6 +157,15 @@ class KVConnectWorker:
         except Exception:
             logger.warning("kvconnect: save of %s failed; it will be a miss", job.req_id, exc_info=True)
             self._count("save_failures")
+
+    def _log_summary(self) -> None:
+        if self.engine is None:
+            return
+        c, e, pool = self.stats(), self.engine.stats, self.engine.pool.stats()
+        logger.info("kvconnect: since start: %d loads (%d tokens, %d failed), %d saves (%d chunks stored, %d skipped, "
+                    "%d failed); CPU pool %d/%d chunks, %d evictions", c["loads"], c["loaded_tokens"], c["load_failures"],
+                    c["saves"], e.stored_chunks, e.skipped_chunks, c["save_failures"], pool.used_slots, pool.num_slots,
+                    pool.evictions)
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished saving, finished loading, failed loading) since the last call.
