@@ -86,6 +86,10 @@ class KVCacheEngine:
         self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config)
         self.stats = EngineStats()
         self._stats_lock = threading.Lock()
+        # CPU kernel threads per direction; an adapter may set them from where the engine computes
+        # (kvconnect.transfer.placement): a store runs beside the engine, a load blocks its step
+        self.store_threads = self.config.num_threads
+        self.load_threads = self.config.num_threads
 
     @property
     def pool(self) -> ChunkPool:
@@ -141,7 +145,7 @@ class KVCacheEngine:
         if writes:
             builder = store_segments(self.layout, writes, [self.pool.slot_offset(s) for s in slots])
             try:
-                transfer.gather(self.layout, builder.build(), self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads,
+                transfer.gather(self.layout, builder.build(), self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
                                 cuda_tuning=self._cuda_tuning)
             except BaseException:
                 self.storage.abort(slots)
@@ -213,7 +217,7 @@ class KVCacheEngine:
                     self.stats.corrupt_chunks += 1
                 return 0
             tables_built = builder.build()
-            transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads,
+            transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.load_threads,
                              cuda_tuning=self._cuda_tuning)
             with self._stats_lock:
                 self.stats.retrieved_chunks += sum(e is not None for e in used)

@@ -121,7 +121,7 @@ def test_registration_logs_one_info_line_with_the_layout_and_the_pool(caplog):
         msg = line.getMessage()
         assert line.levelno == logging.INFO and line.name == WORKER_LOG
         for part in ("registered", "2 group(s) [attention block 32 window 63, attention block 32]", "2 planes", "per 64-token chunk", "tiers cpu", "CPU pool 10.2 MiB",
-                     "s3fifo eviction", "copy thread"):
+                     "s3fifo eviction", "copy threads: "):
             assert part in msg, (part, msg)
         # per-step work logs nothing at INFO
         tokens = np.arange(128, dtype=np.int64) + 5

@@ -27,6 +27,7 @@ conversation back hits it. Token ids are read (``tokens_of``) only when a chunk 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol
 
@@ -57,7 +58,8 @@ class KVConnectScheduler:
         self.hits = hits
         self.min_load_tokens = min_load_tokens
         # lookups: requests asked about; hits: loads offered; small_hits: hits below min_load_tokens
-        self.lookup_stats = dict.fromkeys(("lookups", "prompt_tokens", "hits", "hit_tokens", "small_hits", "small_hit_tokens"), 0)
+        self.lookup_stats = dict.fromkeys(("lookups", "prompt_tokens", "hits", "hit_tokens", "small_hits", "small_hit_tokens",
+                                           "lookup_us"), 0)
         self.summary = Periodic(log_interval_s, self._log_summary)
         self.chunk_tokens = chunk_tokens
         self.save_unfull_chunk = save_unfull_chunk
@@ -76,7 +78,9 @@ class KVConnectScheduler:
             return 0, False
         if num_computed >= len(prompt) - 1:
             return 0, False
+        start = time.perf_counter()
         boundary = self.hits.lookup(prompt, req.namespace)
+        self.lookup_stats["lookup_us"] += int((time.perf_counter() - start) * 1e6)
         # vLLM must compute at least one token itself to produce logits.
         end = min(boundary, req.num_tokens - 1, len(prompt))
         stats = self.lookup_stats
@@ -177,10 +181,10 @@ class KVConnectScheduler:
     def _log_summary(self) -> None:
         s = self.lookup_stats
         logger.info("kvconnect: since start: %d of %d prompts hit, %d of %d prompt tokens loaded from the cache "
-                    "(%.1f%%); %d hits under min_load_tokens=%d left to vLLM (%d tokens)",
+                    "(%.1f%%); %d hits under min_load_tokens=%d left to vLLM (%d tokens); lookups took %.1f ms in all",
                     s["hits"], s["lookups"], s["hit_tokens"], s["prompt_tokens"],
                     100.0 * s["hit_tokens"] / max(1, s["prompt_tokens"]), s["small_hits"], self.min_load_tokens,
-                    s["small_hit_tokens"])
+                    s["small_hit_tokens"], s["lookup_us"] / 1e3)
 
     # -- finished ----------------------------------------------------------------------
     def request_finished(self, req_id: str) -> bool:
