@@ -91,7 +91,7 @@ def registration_line(layout, config, pool, storage) -> str:
     return (f"kvconnect: registered: {layout.num_groups} group(s) [{kinds}], {len(layout.planes)} planes, "
             f"{human_bytes(chunk_bytes)} per {config.chunk_size}-token chunk, tiers {'+'.join(tiers)}, "
             f"CPU pool {human_bytes(pool_bytes)} ({getattr(pool, 'num_slots', 0)} chunks, {getattr(pool, 'eviction', 'shared')} "
-            f"eviction), {config.num_threads} copy thread(s)")
+            f"eviction)")
 
 
 def off_reason(engine: object, config) -> Optional[str]:

@@ -83,8 +83,21 @@ def engine_compute_cores(environ: Optional[Mapping[str, str]] = None) -> Optiona
 
 
 def allowed_cores() -> frozenset:
+    """The cores this process may use. Not the calling thread's mask: an OpenMP runtime with
+    ``OMP_PROC_BIND`` has already bound the engine's main thread to its first place. The
+    cgroup's cpuset, else the parent's mask with ours, else every core."""
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective", encoding="ascii") as f:
+            cores = _parse_ids(f.read())
+        if cores:
+            return frozenset(cores)
+    except (OSError, ValueError):
+        pass
     if hasattr(os, "sched_getaffinity"):
-        return frozenset(os.sched_getaffinity(0))
+        try:
+            return frozenset(os.sched_getaffinity(os.getppid()) | os.sched_getaffinity(0))
+        except OSError:
+            return frozenset(os.sched_getaffinity(0))
     return frozenset(range(os.cpu_count() or 1))
 
 
