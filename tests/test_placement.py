@@ -37,7 +37,8 @@ def test_stores_go_to_the_cores_the_engine_reserved():
 
 
 def test_no_binding_or_a_gpu_engine_keeps_the_configured_threads():
-    assert plan_copy_threads(4, environ={}).store_threads == 4
+    p = plan_copy_threads(4, environ={})  # a CPU engine that binds nothing may compute everywhere
+    assert (p.store_threads, p.load_threads, p.store_cores) == (1, 4, None)
     p = plan_copy_threads(4, device_type="cuda", environ={"OMP_PLACES": "{0}"})
     assert (p.store_threads, p.load_threads, p.store_cores) == (4, 4, None)
 
