@@ -23,7 +23,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
 | KVCONNECT_CUDA_TRANSFER        | cuda_transfer        | str   | kernel  | CUDA route: ``kernel`` (zero-copy) or ``staged`` (device ring + copy engines; docs/gpu.md) |
 | KVCONNECT_EVICTION             | eviction             | str   | s3fifo  | CPU pool eviction policy: ``s3fifo``, ``2q`` or ``lru`` (kvconnect/storage/eviction.py) |
-| KVCONNECT_MIN_LOAD_TOKENS      | min_load_tokens      | int   | 256     | engine adapters do not report a hit that loads fewer tokens beyond the engine's own prefix cache (docs/vllm.md, "Small loads") |
+| KVCONNECT_MIN_LOAD_TOKENS      | min_load_tokens      | int   | 0       | engine adapters do not report a hit that loads fewer tokens beyond the engine's own prefix cache; 0: one chunk (chunk_size); 1: every hit (docs/vllm.md, "Small loads") |
 | KVCONNECT_LOG_INTERVAL_S       | log_interval_s       | float | 60.0    | engine adapters log a hit / save summary at most this often (0: never) |
 """
 
@@ -69,7 +69,7 @@ class Config:
     cuda_transfer: str = "kernel"
     eviction: str = "s3fifo"
     log_interval_s: float = 60.0
-    min_load_tokens: int = 256
+    min_load_tokens: int = 0  # 0: chunk_size (effective_min_load_tokens)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -92,6 +92,10 @@ class Config:
             raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.local_disk is not None and self.local_disk.startswith("file://"):
             object.__setattr__(self, "local_disk", self.local_disk[len("file://") :])
+
+    @property
+    def effective_min_load_tokens(self) -> int:
+        return self.min_load_tokens or self.chunk_size
 
     @property
     def max_local_cpu_bytes(self) -> int:

@@ -68,11 +68,12 @@ def test_a_load_smaller_than_min_load_tokens_is_left_to_vllm():
     assert sched.num_new_matched_tokens(_view(512), 464) == (0, False)  # 511 - 464 = 47 < 64
 
 
-def test_min_load_tokens_zero_keeps_every_hit_and_is_configurable():
-    sched = KVConnectScheduler(FixedHits(512), chunk_tokens=CHUNK, min_load_tokens=0)
+def test_min_load_tokens_one_keeps_every_hit_and_the_default_is_one_chunk():
+    sched = KVConnectScheduler(FixedHits(512), chunk_tokens=CHUNK, min_load_tokens=1)
     assert sched.num_new_matched_tokens(_view(537), 480) == (32, True)
-    assert Config().min_load_tokens == 256
-    assert Config.from_env({"KVCONNECT_MIN_LOAD_TOKENS": "0"}).min_load_tokens == 0
+    assert Config().effective_min_load_tokens == 256 == Config().chunk_size
+    assert Config(chunk_size=64).effective_min_load_tokens == 64
+    assert Config.from_env({"KVCONNECT_MIN_LOAD_TOKENS": "1"}).effective_min_load_tokens == 1
 
 
 # --- periodic summaries ----------------------------------------------------------------------

@@ -86,7 +86,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KVConnectScheduler(client, chunk_tokens=config.chunk_size,
                                                  save_unfull_chunk=config.save_unfull_chunk,
                                                  save_decode_cache=config.save_decode_cache,
-                                                 min_load_tokens=config.min_load_tokens,
+                                                 min_load_tokens=config.effective_min_load_tokens,
                                                  log_interval_s=config.log_interval_s)
         else:
             self._ranks = translate.parallel_ranks(vllm_config, in_worker=True)

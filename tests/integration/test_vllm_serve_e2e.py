@@ -4,8 +4,8 @@ log (vLLM's format, nothing per request at INFO), and the small-load rule.
 The issue's case: a 512-token prompt (8 chunks of 64) is stored, then sent again with vLLM's
 prefix cache kept: vLLM holds 15 of its 16 blocks (480 tokens; it never matches the whole
 prompt), kvconnect could restore up to 511. Loading those 31 tokens would cost the request a
-whole extra engine step: with ``min_load_tokens`` (the default, one chunk here) it is not
-offered; with 0 it is (the old behaviour: the worker restores the last chunk, 32 tokens), and both give the plain engine's output.
+whole extra engine step: with ``min_load_tokens`` at its default (one chunk) it is not
+offered; with 1 it is (the old behaviour: the worker restores the last chunk, 32 tokens), and both give the plain engine's output.
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ pytestmark = [
 CHUNK = 64
 
 
-@pytest.mark.parametrize("min_load_tokens, loaded", [(CHUNK, 0), (0, 32)])
+@pytest.mark.parametrize("min_load_tokens, loaded", [(None, 0), (1, 32)])
 def test_small_loads_and_vllms_log(min_load_tokens, loaded, tiny_models, run_vllm, tmp_path):
     rng = random.Random(1)
     a = [rng.randrange(3, 1000) for _ in range(8 * CHUNK)]
     opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=4, max_num_batched_tokens=128, reset_between_phases="false")
     model = tiny_models("llama")
-    cached = run_vllm(model, [[a], [a]], connector=f"ipc://{tmp_path}/kvc", min_load_tokens=min_load_tokens, **opts)
+    if min_load_tokens is not None:
+        opts["min_load_tokens"] = min_load_tokens
+    cached = run_vllm(model, [[a], [a]], connector=f"ipc://{tmp_path}/kvc", **opts)
     assert cached["outputs"][0] == cached["outputs"][1]  # same prompt, greedy: same output
     assert [s["loaded_tokens"] for (s,) in cached["stats"]] == [0, loaded]
     log = cached["log"]

@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--save-decode-cache", type=lambda s: s.lower() in ("1", "true"), default=False)
     parser.add_argument("--reset-between-phases", type=lambda s: s.lower() in ("1", "true"), default=True)
-    parser.add_argument("--min-load-tokens", type=int, default=0)
+    parser.add_argument("--min-load-tokens", type=int, default=None, help="omitted: kvconnect's default")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -55,7 +55,7 @@ def main() -> None:
             kv_connector_extra_config={"lookup_url": args.connector, "chunk_size": args.chunk_size,
                                        "max_local_cpu_size": 0.25, "lookup_timeout_s": 10.0,
                                        "save_decode_cache": args.save_decode_cache,
-                                       "min_load_tokens": args.min_load_tokens},
+                                       **({} if args.min_load_tokens is None else {"min_load_tokens": args.min_load_tokens})},
         )
     llm = LLM(
         model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
