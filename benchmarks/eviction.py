@@ -76,6 +76,20 @@ def zipf_trace(name: str, rng, num_prefixes: int, requests: int, alpha: float, s
     return Trace(name, prompts, int(lengths.sum()) // CHUNK)
 
 
+def two_turn_trace(name: str, rng, conversations: int, turn_tokens: int, pool_prompts: int) -> Trace:
+    """Each conversation's first turn, then its second turn (first turn + a reply) after a
+    random number of other requests, up to 0.8x what the pool holds: every reuse distance a
+    pool of this size can serve with LRU, which keeps everything until it is full."""
+    firsts = [_tokens(rng, turn_tokens) for _ in range(conversations)]
+    events = []  # (time, order, prompt)
+    for i, first in enumerate(firsts):
+        t = float(i)
+        events.append((t, 0, first))
+        events.append((t + rng.uniform(1, 0.8 * pool_prompts), 1, np.concatenate([first, _tokens(rng, 256)])))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return Trace(name, [p for _, _, p in events], conversations * (turn_tokens // CHUNK))
+
+
 def tiny_layout(max_tokens: int) -> KVLayout:
     nb = max_tokens // BLOCK + 1
     kv = {"layers.0": torch.zeros(2, nb, BLOCK, 1, 8, dtype=torch.bfloat16)}
@@ -126,6 +140,7 @@ def main() -> None:
         prefix_trace("shuffled", rng, 10, 2560, args.suffix_tokens, 8, shuffle=True),
         zipf_trace("zipf", rng, 200, 4000, args.zipf_alpha, args.suffix_tokens),
         zipf_trace("zipf+scan", rng, 200, 4000, args.zipf_alpha, args.suffix_tokens, scan_every=8),
+        two_turn_trace("two-turn", rng, 400, 2048, pool_prompts=int(400 * args.pool_fraction)),
     ]
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, {platform.platform()}; chunk {CHUNK} tokens; "
           f"pool = {args.pool_fraction:.2f} x the distinct prefix chunks")

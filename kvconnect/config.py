@@ -22,7 +22,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
 | KVCONNECT_CUDA_TRANSFER        | cuda_transfer        | str   | kernel  | CUDA route: ``kernel`` (zero-copy) or ``staged`` (device ring + copy engines; docs/gpu.md) |
-| KVCONNECT_EVICTION             | eviction             | str   | s3fifo  | CPU pool eviction policy: ``s3fifo``, ``2q`` or ``lru`` (kvconnect/storage/eviction.py) |
+| KVCONNECT_EVICTION             | eviction             | str   | s3fifo  | CPU pool eviction policy: ``s3fifo``, ``arc``, ``2q`` or ``lru`` (kvconnect/storage/eviction.py) |
 | KVCONNECT_MIN_LOAD_TOKENS      | min_load_tokens      | int   | 0       | engine adapters do not report a hit that loads fewer tokens beyond the engine's own prefix cache; 0: one chunk (chunk_size); 1: every hit (docs/vllm.md, "Small loads") |
 | KVCONNECT_LOG_INTERVAL_S       | log_interval_s       | float | 60.0    | engine adapters log a hit / save summary at most this often (0: never) |
 """
@@ -43,7 +43,7 @@ GB = 1 << 30
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
-EVICTION_POLICIES = ("s3fifo", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
+EVICTION_POLICIES = ("s3fifo", "arc", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
 
 
 def _default_threads() -> int:

@@ -20,10 +20,17 @@ access that set it. Policies (``KVCONNECT_EVICTION``):
 - ``2q`` (Johnson & Shasha, VLDB'94): new keys enter a FIFO (a quarter of the pool); keys
   evicted from it are remembered in a ghost list (half the pool's keys); a key stored again
   while remembered enters the main LRU. Scan resistant, not frequency aware within the main part.
+- ``arc`` (Megiddo & Modha, FAST'03): a recency list (keys used once) and a frequency list
+  (keys used again), each with a ghost list; a key stored again while in a ghost list moves
+  the target split towards the list that lost it. Scan resistant and self-tuning: it grows
+  the recency part back to LRU when reuses come from there (a conversation's next turn).
 - ``s3fifo`` (Yang et al., SOSP'23): a small FIFO (a tenth of the pool) filters one-hit wonders
   (unique prompt suffixes); a key accessed while there, or stored again while in the ghost
   list, moves to the main FIFO, where each access buys one more pass (2-bit counter). Scan
-  resistant and frequency aware; the default (benchmarks/eviction.py, docs/performance.md).
+  resistant and frequency aware; the default (benchmarks/eviction.py, docs/performance.md):
+  the only one that keeps part of a cycle longer than the pool, best or tied on skewed and
+  scan traces. Weak on a first reuse farther away than its small FIFO (a conversation's next
+  turn after many other requests): ``2q`` or ``lru`` serve that pattern better.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Hashable, Optional, Protocol
 
-POLICIES = ("s3fifo", "2q", "lru")
+POLICIES = ("s3fifo", "arc", "2q", "lru")
 DEFAULT_POLICY = "s3fifo"
 
 IsPinned = Callable[[Hashable], bool]
@@ -56,6 +63,8 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         return TwoQ(capacity)
     if name == "s3fifo":
         return S3FIFO(capacity)
+    if name == "arc":
+        return ARC(capacity)
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
@@ -242,3 +251,76 @@ class S3FIFO:
 
     def __len__(self) -> int:
         return len(self._freq)
+
+
+def _first_unpinned(queue: "OrderedDict[Hashable, None]", is_pinned: IsPinned) -> Optional[Hashable]:
+    for key in queue:
+        if not is_pinned(key):
+            return key
+    return None
+
+
+class ARC:
+    """Adaptive Replacement Cache: T1 (used once), T2 (used again), ghosts B1 / B2, target p."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.p = 0.0  # target size of T1
+        self._t1: "OrderedDict[Hashable, None]" = OrderedDict()
+        self._t2: "OrderedDict[Hashable, None]" = OrderedDict()
+        self._b1: "OrderedDict[Hashable, None]" = OrderedDict()
+        self._b2: "OrderedDict[Hashable, None]" = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        if key in self._t1 or key in self._t2:
+            return
+        if key in self._b1:  # lost from the recency side too early: give it more room
+            self.p = min(float(self.capacity), self.p + max(len(self._b2) / len(self._b1), 1.0))
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:  # lost from the frequency side: give that side more room
+            self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0))
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+        self._trim_ghosts()
+
+    def access(self, key: Hashable) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._t1.pop(key, None)
+        self._t2.pop(key, None)
+
+    def victim(self, is_pinned: IsPinned) -> Optional[Hashable]:
+        prefer_t1 = self._t1 and (len(self._t1) > self.p or not self._t2)
+        order = ((self._t1, self._b1), (self._t2, self._b2))
+        for live, ghost in (order if prefer_t1 else order[::-1]):
+            key = _first_unpinned(live, is_pinned)
+            if key is not None:
+                del live[key]
+                ghost[key] = None
+                self._trim_ghosts()
+                return key
+        return None
+
+    def _trim_ghosts(self) -> None:
+        while self._b1 and len(self._t1) + len(self._b1) > self.capacity:
+            self._b1.popitem(last=False)
+        while self._b2 and len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * self.capacity:
+            self._b2.popitem(last=False)
+
+    def clear(self) -> None:
+        for q in (self._t1, self._t2, self._b1, self._b2):
+            q.clear()
+        self.p = 0.0
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
