@@ -15,8 +15,10 @@ Each is driven by ``vllm bench serve`` on the same prompts: ``random`` (0% reuse
 ``--input-len`` tokens) and ``prefix_repetition`` (``--num-prefixes`` prefixes of
 ``--prefix-len`` tokens + ``--suffix-len`` unique tokens), at each ``--concurrency``. The order
 of the servers alternates every repetition (A B C, C B A, ...); every repetition draws new
-prompts (seed), so nothing is reused across repetitions. ``--vllm-kv-cache-bytes`` shrinks
-vLLM's own prefix cache (default: the one ``VLLM_CPU_KVCACHE_SPACE`` gives).
+prompts (seed), so nothing is reused across repetitions. vLLM's own prefix cache holds what
+``VLLM_CPU_KVCACHE_SPACE`` (GiB, ``--vllm-kvcache-space-gb``) gives, which for the small
+default model is every prefix: prefix gains from kvconnect then need a bigger model, or
+``--no-vllm-prefix-caching`` (vLLM CPU ignores ``--kv-cache-memory-bytes``).
 
 Prints, per workload and concurrency, the median over repetitions of TTFT mean / median /
 p99, TPOT median and output throughput, as ratios to ``none`` (and to ``noop``), the
@@ -90,6 +92,8 @@ class Server:
                "--max-num-seqs", str(max(args.concurrency))]
         if args.vllm_kv_cache_bytes:
             cmd += ["--kv-cache-memory-bytes", str(args.vllm_kv_cache_bytes)]
+        if args.no_vllm_prefix_caching:
+            cmd += ["--no-enable-prefix-caching"]
         if name == "kvconnect":
             extra = {"chunk_size": args.chunk_size, "max_local_cpu_size": args.pool_gb, "lookup_url": self.lookup_url,
                      "lookup_timeout_s": 5.0}
@@ -185,6 +189,8 @@ def main() -> None:
     ap.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server")
     ap.add_argument("--vllm-kvcache-space-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for every server")
     ap.add_argument("--vllm-kv-cache-bytes", type=int, default=0, help="--kv-cache-memory-bytes (0: not passed)")
+    ap.add_argument("--no-vllm-prefix-caching", action="store_true",
+                    help="turn vLLM's own prefix cache off: every reused prefix must come from kvconnect")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--run-timeout-s", type=float, default=900)
     ap.add_argument("--out", default=None)
