@@ -26,6 +26,9 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_METRICS_PORT         | metrics_port         | int   | 0       | Prometheus exporter port of an engine's process (0: off; docs/operations.md) |
 | KVCONNECT_METRICS_HOST         | metrics_host         | str   | 127.0.0.1 | exporter address (loopback; another address exposes the figures to the network) |
 | KVCONNECT_SERVER_METRICS_PORT  | server_metrics_port  | int   | 0       | Prometheus exporter port of ``kvconnect server`` (0: off) |
+| KVCONNECT_EVICTION             | eviction             | str   | s3fifo  | CPU pool eviction policy: ``s3fifo``, ``arc``, ``2q`` or ``lru`` (kvconnect/storage/eviction.py) |
+| KVCONNECT_MIN_LOAD_TOKENS      | min_load_tokens      | int   | 0       | engine adapters do not report a hit that loads fewer tokens beyond the engine's own prefix cache; 0: one chunk (chunk_size); 1: every hit (docs/vllm.md, "Small loads") |
+| KVCONNECT_LOG_INTERVAL_S       | log_interval_s       | float | 60.0    | engine adapters log a hit / save summary at most this often (0: never) |
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
 TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.route_backend
+EVICTION_POLICIES = ("s3fifo", "arc", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
 
 
 def _default_threads() -> int:
@@ -72,6 +76,9 @@ class Config:
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     server_metrics_port: int = 0
+    eviction: str = "s3fifo"
+    log_interval_s: float = 60.0
+    min_load_tokens: int = 0  # 0: chunk_size (effective_min_load_tokens)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -93,8 +100,18 @@ class Config:
             raise ConfigError(f"cuda_transfer (KVCONNECT_CUDA_TRANSFER) must be one of {', '.join(CUDA_TRANSFERS)}, got {self.cuda_transfer!r}")
         if self.transfer_route not in TRANSFER_ROUTES:
             raise ConfigError(f"transfer_route (KVCONNECT_TRANSFER_ROUTE) must be one of {', '.join(TRANSFER_ROUTES)}, got {self.transfer_route!r}")
+        if self.min_load_tokens < 0:
+            raise ConfigError(f"min_load_tokens (KVCONNECT_MIN_LOAD_TOKENS) must be >= 0, got {self.min_load_tokens}")
+        if self.log_interval_s < 0:
+            raise ConfigError(f"log_interval_s (KVCONNECT_LOG_INTERVAL_S) must be >= 0, got {self.log_interval_s}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.local_disk is not None and self.local_disk.startswith("file://"):
             object.__setattr__(self, "local_disk", self.local_disk[len("file://") :])
+
+    @property
+    def effective_min_load_tokens(self) -> int:
+        return self.min_load_tokens or self.chunk_size
 
     @property
     def max_local_cpu_bytes(self) -> int:

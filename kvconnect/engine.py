@@ -93,6 +93,10 @@ class KVCacheEngine:
         self.ops = metrics.OpLog()  # store/retrieve latency and per-operation sizes
         self.metrics_instance = metrics.register_engine(self)  # Prometheus: kvconnect.metrics
         metrics.start_exporter(self.config)  # opt-in (KVCONNECT_METRICS_PORT), once per process
+        # CPU kernel threads per direction; an adapter may set them from where the engine computes
+        # (kvconnect.transfer.placement): a store runs beside the engine, a load blocks its step
+        self.store_threads = self.config.num_threads
+        self.load_threads = self.config.num_threads
 
     @property
     def pool(self) -> ChunkPool:
@@ -138,9 +142,9 @@ class KVCacheEngine:
         # with fewer groups (window blocks already freed) must not shrink a good entry
         todo = [p for p, m in zip(plans, existing) if m is None or (m != p.group_mask and (m & p.group_mask) == m)]
         done_tokens = sum(p.chunk.end - p.chunk.start for p, m in zip(plans, existing) if m is not None and (m | p.group_mask) == m)
-        # pin the chunks of this prompt already in the pool while making room: LRU eviction
-        # must not drop the prompt's own prefix to store its suffix
-        held = self.pool.acquire([p.chunk.key for p, m in zip(plans, existing) if m is not None]) if todo else []
+        # pin the chunks of this prompt already in the pool while making room: eviction must
+        # not drop the prompt's own prefix to store its suffix (a pin, not a use)
+        held = self.pool.acquire([p.chunk.key for p, m in zip(plans, existing) if m is not None], touch=False) if todo else []
         try:
             slots = self.storage.reserve(len(todo))
         finally:
@@ -149,7 +153,7 @@ class KVCacheEngine:
         if writes:
             builder = store_segments(self.layout, writes, [self.pool.slot_offset(s) for s in slots])
             try:
-                transfer.gather(self.layout, builder.build(), self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads,
+                transfer.gather(self.layout, builder.build(), self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
                                 cuda_tuning=self._cuda_tuning)
             except BaseException:
                 self.storage.abort(slots)
@@ -225,7 +229,7 @@ class KVCacheEngine:
                     self.stats.corrupt_chunks += 1
                 return 0
             tables_built = builder.build()
-            transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.config.num_threads,
+            transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.load_threads,
                              cuda_tuning=self._cuda_tuning)
             nbytes = tables_built.payload_bytes(self.layout)
             with self._stats_lock:

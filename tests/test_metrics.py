@@ -37,6 +37,7 @@ def test_scripted_sequence(tmp_path, rng):
     config = zoo.small_config(
         CHUNK, max_local_cpu_size=4 * chunk_bytes / (1 << 30), local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01,
         remote_url="redis://127.0.0.1:1", remote_timeout_s=0.2,
+        eviction="lru",  # the script below evicts prompt 0 first: LRU order, not S3-FIFO's (which keeps a reused chunk)
     )
     engine = KVCacheEngine(layout, config)
     try:

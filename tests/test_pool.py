@@ -49,7 +49,7 @@ def _free_slots_are_distinct(pool: ChunkPool) -> None:
 
 
 def test_lru_eviction_order():
-    pool = ChunkPool(4 * SLOT, SLOT)
+    pool = ChunkPool(4 * SLOT, SLOT, eviction="lru")
     for i in range(4):
         assert _put(pool, _key(i), i)
     pool.release(pool.acquire([_key(0), _key(7)]))  # touch 0 (7 is a miss): 1 is now least recent

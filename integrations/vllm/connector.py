@@ -37,7 +37,7 @@ from kvconnect.errors import LayoutError
 
 from kvconnect.metrics import ReportGate
 
-from . import stats, translate
+from . import logs, stats, translate
 from .lookup_channel import LookupClient, rank_address
 from .metadata import StepPlan
 from .scheduler import KVConnectScheduler
@@ -70,6 +70,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        logs.route_to_vllm()  # kvconnect's log records follow vLLM's logging configuration
         extra = translate.extra_config(vllm_config)
         adapter = {key: extra.pop(key) for key in _ADAPTER_KEYS if key in extra}
         config = Config.from_dict(extra, source="kv_connector_extra_config", base=Config.from_env())
@@ -87,7 +88,9 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                                   timeout_s=float(adapter.get("lookup_timeout_s", 1.0)))
             self._scheduler = KVConnectScheduler(client, chunk_tokens=config.chunk_size,
                                                  save_unfull_chunk=config.save_unfull_chunk,
-                                                 save_decode_cache=config.save_decode_cache)
+                                                 save_decode_cache=config.save_decode_cache,
+                                                 min_load_tokens=config.effective_min_load_tokens,
+                                                 log_interval_s=config.log_interval_s)
         else:
             self._ranks = translate.parallel_ranks(vllm_config, in_worker=True)
             self._worker = KVConnectWorker(config, rank_address(channel, self._ranks.worker_index))

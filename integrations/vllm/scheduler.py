@@ -10,7 +10,9 @@ passes ``RequestView`` values and block ids). Called, per request, in vLLM's ord
 
 Hits come from the workers through the lookup channel (restore-gated, minimum over ranks).
 A hit never covers the whole prompt (vLLM must compute one token to sample) and counts only
-tokens beyond vLLM's own prefix cache. Loads are asynchronous in vLLM's sense: the request
+tokens beyond vLLM's own prefix cache; a hit of fewer than ``min_load_tokens`` such tokens is
+not reported (the load would cost the request a whole engine step to save less prefill
+than that step: docs/vllm.md, "Small loads"). Loads are asynchronous in vLLM's sense: the request
 waits one step while the workers scatter the chunks and report it through get_finished.
 
 Saves: each step, the chunks a request completes in that step (chunk ends in
@@ -25,12 +27,14 @@ conversation back hits it. Token ids are read (``tokens_of``) only when a chunk 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol
 
 import numpy as np
 
 from .metadata import BlockIds, LoadJob, RequestView, SaveJob, StepPlan
+from .logs import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +54,13 @@ class _Tracked:
 
 class KVConnectScheduler:
     def __init__(self, hits: HitSource, *, chunk_tokens: int, save_unfull_chunk: bool = False,
-                 save_decode_cache: bool = False) -> None:
+                 save_decode_cache: bool = False, min_load_tokens: int = 0, log_interval_s: float = 0.0) -> None:
         self.hits = hits
+        self.min_load_tokens = min_load_tokens
+        # lookups: requests asked about; hits: loads offered; small_hits: hits below min_load_tokens
+        self.lookup_stats = dict.fromkeys(("lookups", "prompt_tokens", "hits", "hit_tokens", "small_hits", "small_hit_tokens",
+                                           "lookup_us"), 0)
+        self.summary = Periodic(log_interval_s, self._log_summary)
         self.chunk_tokens = chunk_tokens
         self.save_unfull_chunk = save_unfull_chunk
         self.save_decode_cache = save_decode_cache
@@ -69,11 +78,25 @@ class KVConnectScheduler:
             return 0, False
         if num_computed >= len(prompt) - 1:
             return 0, False
+        start = time.perf_counter()
         boundary = self.hits.lookup(prompt, req.namespace)
+        self.lookup_stats["lookup_us"] += int((time.perf_counter() - start) * 1e6)
         # vLLM must compute at least one token itself to produce logits.
         end = min(boundary, req.num_tokens - 1, len(prompt))
+        stats = self.lookup_stats
+        stats["lookups"] += 1
+        stats["prompt_tokens"] += len(prompt)
+        self.summary.dirty = True
         if end <= num_computed:
             return 0, False
+        if end - num_computed < self.min_load_tokens:
+            stats["small_hits"] += 1
+            stats["small_hit_tokens"] += end - num_computed
+            logger.debug("kvconnect: %s: not loading %d tokens beyond vLLM's %d (< min_load_tokens %d)",
+                         req.req_id, end - num_computed, num_computed, self.min_load_tokens)
+            return 0, False
+        stats["hits"] += 1
+        stats["hit_tokens"] += end - num_computed
         self._queries[req.req_id] = (num_computed, boundary)
         return end - num_computed, True
 
@@ -124,6 +147,7 @@ class KVConnectScheduler:
                 continue
             if job is not None:
                 saves.append(job)
+        self.summary.tick()
         plan = StepPlan(loads=tuple(self._loads), saves=tuple(saves), finished=tuple(self._finished))
         self._loads, self._finished = [], []
         self._last_saves = {job.req_id for job in saves}
@@ -153,6 +177,14 @@ class KVConnectScheduler:
         if computed == prompt_tokens and self.save_unfull_chunk:
             return computed
         return computed // self.chunk_tokens * self.chunk_tokens
+
+    def _log_summary(self) -> None:
+        s = self.lookup_stats
+        logger.info("kvconnect: since start: %d of %d prompts hit, %d of %d prompt tokens loaded from the cache "
+                    "(%.1f%%); %d hits under min_load_tokens=%d left to vLLM (%d tokens); lookups took %.1f ms in all",
+                    s["hits"], s["lookups"], s["hit_tokens"], s["prompt_tokens"],
+                    100.0 * s["hit_tokens"] / max(1, s["prompt_tokens"]), s["small_hits"], self.min_load_tokens,
+                    s["small_hit_tokens"], s["lookup_us"] / 1e3)
 
     # -- finished ----------------------------------------------------------------------
     def request_finished(self, req_id: str) -> bool:

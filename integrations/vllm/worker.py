@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
@@ -28,14 +29,17 @@ import numpy as np
 
 from kvconnect.config import Config
 from kvconnect.engine import KVCacheEngine
+from kvconnect.transfer.placement import pin_current_thread, plan_copy_threads
 
 from .lookup_channel import LookupServer
+from .logs import Periodic, off_reason, registration_line
 from .metadata import LoadJob, SaveJob, StepPlan
 from .translate import NULL_BLOCK_ID, Translation
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("loads", "load_failures", "loaded_tokens", "saves", "save_failures", "lookups")
+_COUNTERS = ("loads", "load_failures", "loaded_tokens", "saves", "save_failures", "lookups",
+             "load_us", "save_us", "save_wait_us")  # load: in the step; save: on the store thread; wait: step blocked on saves
 
 
 class KVConnectWorker:
@@ -52,6 +56,7 @@ class KVConnectWorker:
         self._failed_loads: set[str] = set()
         self._error_blocks: set[int] = set()
         self.server = LookupServer(channel_address, self) if channel_address else None
+        self.summary = Periodic(config.log_interval_s, self._log_summary)
 
     # -- setup -------------------------------------------------------------------------
     def register(self, translation: Translation) -> None:
@@ -60,10 +65,20 @@ class KVConnectWorker:
         Raises LayoutError when the engine cannot serve the layout (e.g. a chunk size that is
         not a multiple of a page group's block size); the worker then stays off (0 hits).
         """
-        self.translation = translation
-        self.engine = KVCacheEngine(translation.layout, self.config)
-        logger.info("kvconnect: registered %d planes in %d groups: %s", len(translation.layout.planes),
-                    translation.layout.num_groups, translation.layout.describe())
+        engine = KVCacheEngine(translation.layout, self.config)
+        reason = off_reason(engine, self.config)
+        if reason is not None:
+            engine.close()
+            logger.warning("kvconnect: off: %s", reason)
+            return
+        placement = plan_copy_threads(self.config.num_threads, device_type=translation.layout.device.type)
+        engine.store_threads, engine.load_threads = placement.store_threads, placement.load_threads
+        if placement.store_cores:
+            self._executor.submit(pin_current_thread, placement.store_cores).result()
+        self.translation, self.engine = translation, engine
+        logger.info("%s; copy threads: %d store, %d load (%s)", registration_line(translation.layout, self.config, engine.pool,
+                    engine.storage), placement.store_threads, placement.load_threads, placement.reason)
+        logger.debug("kvconnect: groups: %s", translation.layout.describe())
 
     # -- lookup channel handler (called from the server thread) --------------------------
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int:
@@ -89,10 +104,15 @@ class KVConnectWorker:
     def begin_step(self) -> None:
         """Wait for every save started in an earlier step (their source blocks may be reused next)."""
         pending, self._pending = self._pending, []
-        for _, future in pending:
-            future.result()  # _save_one never raises
+        if pending:
+            start = time.perf_counter()
+            for _, future in pending:
+                future.result()  # _save_one never raises
+            self._count("save_wait_us", int((time.perf_counter() - start) * 1e6))
+        self.summary.tick()  # at most once per log_interval_s, after the saves it counts landed
 
     def load(self, plan: StepPlan) -> None:
+        start = time.perf_counter()
         for job in plan.loads:
             ok = False
             try:
@@ -104,6 +124,8 @@ class KVConnectWorker:
             if not ok:
                 self._count("load_failures")
                 self._report_failed_load(job)
+        if plan.loads:
+            self._count("load_us", int((time.perf_counter() - start) * 1e6))
 
     def _load_one(self, job: LoadJob) -> bool:
         if self.engine is None or self.translation is None:
@@ -131,12 +153,14 @@ class KVConnectWorker:
         self._error_blocks.update(b for b in ids[first:last] if b != NULL_BLOCK_ID)
 
     def save(self, plan: StepPlan) -> None:
+        self.summary.dirty |= bool(plan.saves or plan.loads)
         self._finished.update(plan.finished)
         for job in plan.saves:
             if self.engine is not None:
                 self._pending.append((job.req_id, self._executor.submit(self._save_one, job)))
 
     def _save_one(self, job: SaveJob) -> None:
+        start = time.perf_counter()
         try:
             tables = self.translation.block_tables(job.block_ids)
             mask = None
@@ -148,6 +172,17 @@ class KVConnectWorker:
         except Exception:
             logger.warning("kvconnect: save of %s failed; it will be a miss", job.req_id, exc_info=True)
             self._count("save_failures")
+        finally:
+            self._count("save_us", int((time.perf_counter() - start) * 1e6))
+
+    def _log_summary(self) -> None:
+        if self.engine is None:
+            return
+        c, e, pool = self.stats(), self.engine.stats, self.engine.pool.stats()
+        logger.info("kvconnect: since start: %d loads (%d tokens, %d failed), %d saves (%d chunks stored, %d skipped, "
+                    "%d failed); CPU pool %d/%d chunks, %d evictions", c["loads"], c["loaded_tokens"], c["load_failures"],
+                    c["saves"], e.stored_chunks, e.skipped_chunks, c["save_failures"], pool.used_slots, pool.num_slots,
+                    pool.evictions)
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished saving, finished loading, failed loading) since the last call.

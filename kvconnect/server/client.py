@@ -126,8 +126,9 @@ class SharedPoolClient(SlotViews):
             out.extend(result[0])
         return out
 
-    def acquire(self, keys: Sequence[ChunkKey]) -> list[Optional[SharedEntry]]:
-        """Pin and touch each present entry; None where absent or unreachable."""
+    def acquire(self, keys: Sequence[ChunkKey], *, touch: bool = True) -> list[Optional[SharedEntry]]:
+        """Pin and touch each present entry; None where absent or unreachable (``touch`` is
+        ChunkPool's: the server's own LRU index counts every acquire)."""
         keys = list(keys)
         out: list[Optional[SharedEntry]] = []
         while len(out) < len(keys):

@@ -1,8 +1,8 @@
-"""The CPU pool (L1): fixed-size slots in one host buffer, LRU eviction, reference pins.
+"""The CPU pool (L1): fixed-size slots in one host buffer, an eviction policy, reference pins.
 
 Every chunk of a layout fits one slot (slot_bytes = the layout's largest chunk), so the
-allocator cannot fragment: a free slot always fits, and when none is free the least
-recently used *unpinned* entry is evicted. A pinned entry (being read or written) is never
+allocator cannot fragment: a free slot always fits, and when none is free the eviction
+policy (eviction.py: S3-FIFO by default, 2Q or LRU) names an *unpinned* entry to evict. A pinned entry (being read or written) is never
 evicted or reused; when every slot is pinned, ``reserve`` returns fewer slots than asked
 and the caller skips those chunks. Nothing ever spins or waits.
 
@@ -10,7 +10,8 @@ Use, in order:
     slots = pool.reserve(n)                      # writer owns these slots
     ... gather rows into pool.slot_view(slot) ...
     pool.commit(key, header, slot) / pool.abort([slot])
-    entries = pool.acquire(keys)                 # readers pin entries (None = miss)
+    entries = pool.acquire(keys)                 # readers pin entries (None = miss); touch=False
+                                                 # pins without counting a use (write-behind)
     ... scatter rows from pool.entry_view(e) ...
     pool.release(entries)
 
@@ -29,6 +30,7 @@ import torch
 
 from ..chunk_format import ChunkHeader
 from ..spec import ChunkKey
+from .eviction import DEFAULT_POLICY, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ class SlotViews:
 
 
 class ChunkPool(SlotViews):
-    def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False,
+                 eviction: str = DEFAULT_POLICY) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
         self.slot_bytes = slot_bytes
@@ -85,25 +88,28 @@ class ChunkPool(SlotViews):
         self.buffer = torch.empty(self.num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: "OrderedDict[ChunkKey, PoolEntry]" = OrderedDict()
+        self._policy = make_policy(eviction, self.num_slots)
+        self.eviction = self._policy.name
         self._lock = threading.Lock()
         self._stats = PoolStats(num_slots=self.num_slots, slot_bytes=slot_bytes)
         self.on_evict: list[Callable[[PoolEntry], None]] = []
 
     # -- readers ---------------------------------------------------------------------
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
-        """Group mask of each key's entry, None where absent (no LRU touch)."""
+        """Group mask of each key's entry, None where absent (not a use: no eviction touch)."""
         with self._lock:
             return [(e.header.group_mask if (e := self._entries.get(k)) is not None else None) for k in keys]
 
-    def acquire(self, keys: Sequence[ChunkKey]) -> list[Optional[PoolEntry]]:
-        """Pin and touch each present entry; None where absent."""
+    def acquire(self, keys: Sequence[ChunkKey], *, touch: bool = True) -> list[Optional[PoolEntry]]:
+        """Pin each present entry (and, with ``touch``, count a use); None where absent."""
         out: list[Optional[PoolEntry]] = []
         with self._lock:
             for k in keys:
                 e = self._entries.get(k)
                 if e is not None:
                     e.refs += 1
-                    self._entries.move_to_end(k)
+                    if touch:
+                        self._policy.access(k)
                 out.append(e)
         return out
 
@@ -120,7 +126,7 @@ class ChunkPool(SlotViews):
 
     # -- writers ---------------------------------------------------------------------
     def reserve(self, n: int) -> list[int]:
-        """Up to ``n`` slots owned by the caller, evicting unpinned LRU entries as needed."""
+        """Up to ``n`` slots owned by the caller, evicting unpinned entries as the policy says."""
         evicted: list[PoolEntry] = []
         with self._lock:
             slots: list[int] = []
@@ -128,11 +134,11 @@ class ChunkPool(SlotViews):
                 if self._free:
                     slots.append(self._free.pop())
                     continue
-                victim = next((e for e in self._entries.values() if e.refs == 0), None)
-                if victim is None:
+                key = self._policy.victim(self._is_pinned)
+                if key is None:
                     self._stats.reserve_shortfalls += 1
                     break
-                del self._entries[victim.key]
+                victim = self._entries.pop(key)
                 victim.live = False
                 self._stats.evictions += 1
                 evicted.append(victim)
@@ -151,6 +157,8 @@ class ChunkPool(SlotViews):
                 old.live = False
                 if old.refs == 0:
                     self._free.append(old.slot)
+            else:
+                self._policy.insert(key)  # a replaced key keeps its place and counts
             self._entries[key] = entry
             self._stats.commits += 1
         return entry
@@ -165,6 +173,7 @@ class ChunkPool(SlotViews):
             e = self._entries.pop(key, None)
             if e is None:
                 return False
+            self._policy.remove(key)
             e.live = False
             if e.refs == 0:
                 self._free.append(e.slot)
@@ -177,6 +186,10 @@ class ChunkPool(SlotViews):
                 if e.refs == 0:
                     self._free.append(e.slot)
             self._entries.clear()
+            self._policy.clear()
+
+    def _is_pinned(self, key: ChunkKey) -> bool:
+        return self._entries[key].refs > 0
 
     # -- views and stats -------------------------------------------------------------
     def slot_offset(self, slot: int) -> int:

@@ -77,7 +77,7 @@ class WriteBehind:
     # -- engine side -----------------------------------------------------------------
     def submit(self, key: ChunkKey) -> bool:
         """Queue the pool's current entry for ``key``; False when absent, closed or full."""
-        (entry,) = self.pool.acquire([key])
+        (entry,) = self.pool.acquire([key], touch=False)  # a pin to write it, not a use
         if entry is None:
             return False
         size = entry.header.payload_bytes
@@ -177,7 +177,7 @@ class WriteBehind:
                 self._stats.deletes += len(batch)
             return
         late = [op for op in batch if op.entry is None]
-        for op, entry in zip(late, self.pool.acquire([op.key for op in late])):
+        for op, entry in zip(late, self.pool.acquire([op.key for op in late], touch=False)):
             op.entry = entry  # pinned now; released with the batch
         ready = [op for op in batch if op.entry is not None]
         items = [

@@ -41,6 +41,7 @@ def run_vllm(tmp_path):
 
     ``phases``: list of phases, each a list of prompts (token-id lists); vLLM's prefix cache
     is reset between phases. ``connector``: the lookup-channel URL, or None for a plain run.
+    The result also holds ``log``: the run's stdout and stderr.
     """
     counter = iter(range(1000))
 
@@ -57,7 +58,9 @@ def run_vllm(tmp_path):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(tmp_path))
         if proc.returncode != 0 or not out.exists():
             pytest.fail(f"vLLM run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        result["log"] = proc.stdout + proc.stderr  # vLLM's log, kvconnect's lines included
+        return result
 
     return run
 

@@ -4,7 +4,7 @@
 
 Generates greedily, one phase at a time, from the prompts given as JSON lists of token
 ids (or ``{"tokens": [...], "cache_salt": "..."}`` for a salted request); before every phase but the first, vLLM's own prefix cache is reset, so a prefix can
-only come back through kvconnect. With ``--connector``, after each phase the workers'
+only come back through kvconnect (``--reset-between-phases false`` keeps it). With ``--connector``, after each phase the workers'
 counters are read over the connector's lookup channel (``lookup_url`` = URL). Writes
 ``{"outputs": [[ids...], ...], "stats": [[{...} per rank] per phase], "resets": [bool per reset],
 "seconds": {...}}``.
@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--save-decode-cache", type=lambda s: s.lower() in ("1", "true"), default=False)
+    parser.add_argument("--reset-between-phases", type=lambda s: s.lower() in ("1", "true"), default=True)
+    parser.add_argument("--min-load-tokens", type=int, default=None, help="omitted: kvconnect's default")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -52,7 +54,8 @@ def main() -> None:
             kv_connector_module_path="kvconnect.integrations.vllm", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"lookup_url": args.connector, "chunk_size": args.chunk_size,
                                        "max_local_cpu_size": 0.25, "lookup_timeout_s": 10.0,
-                                       "save_decode_cache": args.save_decode_cache},
+                                       "save_decode_cache": args.save_decode_cache,
+                                       **({} if args.min_load_tokens is None else {"min_load_tokens": args.min_load_tokens})},
         )
     llm = LLM(
         model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
@@ -71,7 +74,7 @@ def main() -> None:
 
         client = LookupClient([rank_address(args.connector, i) for i in range(tp)], timeout_s=10.0)
     for i, prompts in enumerate(phases):
-        if i:
+        if i and args.reset_between_phases:
             resets.append(bool(llm.reset_prefix_cache()))
         results = llm.generate([_prompt(TokensPrompt, p) for p in prompts], params, use_tqdm=False)
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
