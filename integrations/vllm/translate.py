@@ -456,11 +456,14 @@ def attention_backend_names(vllm_config: Any, layer_names: Sequence[str]) -> dic
     context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     for layer in layer_names:
         module = context.get(layer)
-        backend = getattr(module, "attn_backend", None)
-        if backend is None and hasattr(module, "get_attn_backend"):
-            backend = module.get_attn_backend()
-        if backend is not None and hasattr(backend, "get_name"):
-            names[layer] = str(backend.get_name())
+        try:  # a hint only: a layer that cannot name its backend is treated as row-addressable
+            backend = getattr(module, "attn_backend", None)
+            if backend is None and hasattr(module, "get_attn_backend"):
+                backend = module.get_attn_backend()
+            if backend is not None and hasattr(backend, "get_name"):
+                names[layer] = str(backend.get_name())
+        except Exception:
+            continue
     return names
 
 

@@ -11,3 +11,10 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # before torch: the
 
 if importlib.util.find_spec("vllm_ascend") is None or importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
+else:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import harness
+
+    harness.setup()  # stand-ins first: nothing may import the real torch_npu after this

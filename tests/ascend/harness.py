@@ -329,7 +329,8 @@ def deepseek_v4(*, device: str = "A3", block_size: int = 128, num_blocks: int = 
                                         block_size=sizes[1], cache_config=cache_cfg, prefix=f"{p}.swa_cache")
         if ratio <= 1:
             continue
-        ctx[p] = _module(DSAAttention, compress_ratio=ratio, kv_cache_dtype="auto", head_size=512, prefix=p)
+        ctx[p] = _module(DSAAttention, compress_ratio=ratio, kv_cache_dtype="auto", head_size=512, prefix=p,
+                         attn_backend=AscendDSABackend)
         state_block = sizes[2] if ratio == 4 else sizes[3]
         coff = 2 if ratio == 4 else 1
         ctx[f"{p}.compressor.state_cache"] = _module(
