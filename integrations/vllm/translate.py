@@ -48,6 +48,7 @@ import torch
 from kvconnect.errors import BlockTableError, LayoutError
 from kvconnect.keys import MAX_NAMESPACE_BYTES
 from kvconnect.layout import KVLayout
+from kvconnect.layout_detect import split_planes
 from kvconnect.spec import DCPSpec, GroupSpec
 
 from . import engine_tables
@@ -349,6 +350,8 @@ def translate_kv_caches(
                 gspec = group_spec_of(spec, release, split)
                 value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
                 _check_blocks(value, num_blocks * split, split)
+                for tensor in value if isinstance(value, tuple) else (value,):  # shape errors name the layer
+                    split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
             except LayoutError as exc:
                 raise type(exc)(f"layer {layer!r}: {exc}") from exc
             key = (vllm_group, gspec, is_page, split)
