@@ -115,6 +115,9 @@ def setup() -> None:
     import vllm_ascend.patch.platform.patch_kv_cache_utils  # noqa: F401
     from vllm_ascend.core.kv_cache_interface import register_ascend_kv_cache_specs
 
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    register_all_kvcache_specs(None)  # vLLM's own specs first, as the engine registers them
     register_ascend_kv_cache_specs()
     _READY = True
 
