@@ -273,7 +273,9 @@ def dsv4(*, packed=False, max_tokens=600, layer_kinds=("swa", "c4", "c128"), c4_
     """DeepSeek-V4-Flash, vLLM's seven caches (fewer layers than the model).
 
     packed=False: one tensor per (layer, cache), pages padded to 576 (uint8) / 512 (fp32).
-    packed=True: every page of one block id in one per-block allocation (pages 576-aligned),
+    packed=True (SYNTHETIC, from seed 002's facts; vLLM 0.23 predates it and its real V4 layout
+    is driven in tests/ascend/vllm_dsv4.py): every page of one block id in one per-block
+    allocation (pages 576-aligned),
     each layer's cache an ``as_strided`` view with a storage offset; all groups draw block
     ids from that one pool. Windowed groups get fewer blocks than a dense table needs:
     use ``window_keep`` / ``restore_keep`` tables (blocks no store or restore reads are -1).
