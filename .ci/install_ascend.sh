@@ -38,7 +38,7 @@ if ! "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm_
         llguidance lm-format-enforcer prometheus-fastapi-instrumentator \
         tiktoken sympy typing_extensions filelock six pybind11 \
         "decorator" "attrs" "psutil" "quart" "pandas" "numba" \
-        pytest hypothesis xxhash || true
+        pytest hypothesis xxhash
     # vLLM-Ascend's sdist: Python only (no custom kernels, no CANN). Its build
     # deps pin a triton-ascend that PyPI lacks, hence no build isolation.
     SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 \

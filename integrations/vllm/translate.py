@@ -22,11 +22,18 @@ Tensors (one value per layer).
 
 | registered value                                         | planes |
 |----------------------------------------------------------|--------|
-| tuple/list (vLLM-Ascend: MLA nope + rope, indexer K + scale) | one ``[NB, rows, ...]`` plane per element |
+| tuple/list (vLLM-Ascend: MLA nope + rope, indexer K + scale) | one ``[NB, rows, ...]`` plane per distinct element |
 | 4-D ``[B, H, N, C]`` view of a page-packing backend (vLLM CPU: K transposed in a page) | one opaque page per block |
 | 4-D ``[B, H, N, C]`` whose ``(H, C)`` is contiguous per token (vLLM >= 0.32, MLA ``[B, 1, N, 576]``) | one plane ``[B, N, H*C]`` |
 | 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
 | 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
+
+What a spec's ``block_size`` counts, and whether hybrid caches are re-split into kernel
+blocks, depends on the engine release: ``engine_tables`` holds that as data (vLLM-Ascend 0.23
+counts compressed blocks in rows and re-splits hybrid attention tensors into kernel blocks of
+128: a vLLM block id b becomes kernel ids b*k .. b*k+k-1 in ``block_tables``). Views of one
+layer that only re-read bytes its other views cover (vLLM-Ascend A5's third indexer view) are
+stored once; a partial overlap is refused. Every refusal names the layer.
 
 The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
 the window): it becomes -1. Layers of one group that share a tensor are stored once.
