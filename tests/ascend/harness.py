@@ -271,7 +271,8 @@ def gqa(*, block_size: int = 128, num_layers: int = 2, num_blocks: int = 12, win
 
 
 
-def deepseek_mla(*, variant: str = "v3", block_size: int = 128, num_blocks: int = 12, dcp: int = 1) -> RealCase:
+def deepseek_mla(*, variant: str = "v3", block_size: int = 128, num_blocks: int = 12, dcp: int = 1,
+                 device: str = "A3") -> RealCase:
     """DeepSeek V3 MLA (variant v3) or V3.2 (v32: bf16 indexer; v32-c8: LI C8), two layers;
     for V3.2 layer 1 reuses layer 0's top-k (no indexer cache), as in the model."""
     setup()
@@ -279,6 +280,7 @@ def deepseek_mla(*, variant: str = "v3", block_size: int = 128, num_blocks: int 
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+    set_device(device)  # LI C8 dtypes follow the device (A2/A3: int8 K + fp16 scale)
     sparse = variant != "v3"
     hf = _ns(model_type="deepseek_v32" if sparse else "deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64,
              index_head_dim=128, index_n_heads=64, index_topk=2048)
@@ -304,7 +306,8 @@ def deepseek_mla(*, variant: str = "v3", block_size: int = 128, num_blocks: int 
     runner.attn_groups = [_attn_groups(config, lambda g: backend)]
     runner.use_hybrid_blocks = False
     caches = _allocate(runner, config)
-    return RealCase(f"deepseek-{variant}" + (f"-dcp{dcp}" if dcp > 1 else ""), config, caches, specs, vc, block_size)
+    return RealCase(f"deepseek-{variant}" + (f"-dcp{dcp}" if dcp > 1 else ""), config, caches, specs, vc, block_size,
+                    device=device)
 
 
 DSV4_LAYERS = (0, 4, 128, 4)  # compress ratio per layer: a C1 (SWA only) / C4 / C128 / C4 four-layer model

@@ -31,6 +31,8 @@ CASES = {
     "deepseek-v32-li-c8": lambda: harness.deepseek_mla(variant="v32-c8", num_blocks=24),
     "deepseek-v4-a3": lambda: harness.deepseek_v4(device="A3", num_blocks=260),
     "deepseek-v4-a5": lambda: harness.deepseek_v4(device="A5", num_blocks=260),
+    # seed 001: the compressed block size is configurable (64: C4 blocks of 256 tokens, state blocks of 4)
+    "deepseek-v4-a3-bs64": lambda: harness.deepseek_v4(device="A3", block_size=64, num_blocks=520),
 }
 
 _BUILT: dict = {}
@@ -192,3 +194,41 @@ def test_lookup_stops_at_last_restorable_chunk_when_window_blocks_were_freed(nam
         assert engine.lookup(tokens) == 1024
     finally:
         engine.close()
+
+
+def test_deepseek_v4_chunks_do_not_depend_on_the_configured_block_size():
+    """Seed 001: vLLM-Ascend's compressed block size is configurable (32/64/128); a chunk a
+    deployment at block 128 stored must be found and restored by one at block 64."""
+    big, small = build("deepseek-v4-a3"), build("deepseek-v4-a3-bs64")
+    t_big = translate.translate_kv_caches(big.kv_cache_config, big.kv_caches, model_name="v4")
+    t_small = translate.translate_kv_caches(small.kv_cache_config, small.kv_caches, model_name="v4")
+    assert t_big.layout.fingerprint == t_small.layout.fingerprint
+    rng = np.random.default_rng(11)
+    gen = torch.Generator().manual_seed(11)
+    randomize(big, gen)
+    randomize(small, gen)
+    src = KVCacheEngine(t_big.layout, Config(chunk_size=CHUNK, max_local_cpu_size=0.2))
+    dst = KVCacheEngine(t_small.layout, Config(chunk_size=CHUNK, max_local_cpu_size=0.2))
+    try:
+        tokens = rng.integers(0, 32000, size=1300).astype(np.int64)
+        big_rules, small_rules = ref.group_rules(big), ref.group_rules(small)
+        req = prefill(big, src, t_big, big_rules, tokens, ref.BlockPool(big.num_blocks, rng), gen, 256)
+        boundary = 1280
+        expected = gather(big, needed_rows(big, big_rules, req.table(), boundary))
+        moved = zoo_transplant(src, dst, tokens)
+        assert moved > 0 and dst.lookup(tokens) == boundary
+        target = ref.RequestBlocks(small_rules, ref.BlockPool(small.num_blocks, rng))
+        target.advance(boundary, boundary)
+        assert dst.retrieve(tokens[:boundary], t_small.block_tables(target.table())) == boundary
+        got = gather(small, needed_rows(small, small_rules, target.table(), boundary))
+        for key, rows in expected.items():
+            assert all(torch.equal(a, b) for a, b in zip(rows, got[key])), key
+    finally:
+        src.close()
+        dst.close()
+
+
+def zoo_transplant(src, dst, tokens) -> int:
+    import zoo
+
+    return zoo.transplant(src, dst, tokens)
