@@ -18,6 +18,8 @@ Stand-ins (the product never sees them; documented, minimal):
 - ``vllm_ascend.utils._ascend_device_type`` set by hand (A2/A3/A5), and
   ``DSV4_BLOCK_SIZES`` recomputed by the engine's own ``get_dsv4_block_sizes()`` after that
   (the module computes it once at import, from the device type).
+- vLLM's built-in spec/manager registry is filled before ``register_ascend_kv_cache_specs``
+  (the registry only self-populates while empty; the engine fills both at start-up).
 - Layer modules (vLLM's ``Attention``/``MLAAttention``, vLLM-Ascend's DeepSeek V4 cache layers)
   are made with ``__new__`` and carry the attributes their ``get_kv_cache_spec`` reads;
   runner attributes a built model would set (use_sparse, use_compress, attention groups,
@@ -100,8 +102,6 @@ def setup() -> None:
     global _READY
     if _READY:
         return
-    if "torch" in sys.modules and not hasattr(sys.modules["torch"], "npu"):
-        pass  # torch already imported: fine as long as torch_npu was not autoloaded
     if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _StandInFinder())
     import torch
