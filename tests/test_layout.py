@@ -121,7 +121,7 @@ def test_fingerprint_covers_what_decides_the_bytes():
 
 
 def test_tuple_planes_assigned_per_group():
-    layout = zoo.dsv32_ascend(max_tokens=300).layout()
+    layout = zoo.tuple_split(max_tokens=300).layout()
     assert [p.group_index for p in layout.planes] == [0, 0, 1, 1] * 2
     assert [p.row_bytes for p in layout.planes[:4]] == [1024, 128, 128, 2]
     assert [p.dtype for p in layout.planes[:4]] == ["bfloat16", "bfloat16", "int8", "float16"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvconnect import BlockTableError, Config, GroupSpec, KVCacheEngine, LayoutError
-from kvconnect.integrations.vllm import translate
+from kvconnect.integrations.vllm import engine_tables, translate
 from kvconnect.integrations.vllm.translate import UnsupportedLayoutError, group_spec_of, translate_kv_caches
 
 
@@ -68,6 +68,7 @@ class UniformTypeKVCacheSpecs:
 @dataclass(frozen=True)
 class AscendMLAAttentionSpec(FullAttentionSpec):
     compress_ratio: int = 1
+    storage_block_size: Optional[int] = None  # main after PR 13242 (rows); absent on 0.23 (None here)
 
 
 @dataclass(frozen=True)
@@ -219,12 +220,98 @@ def test_ascend_mla_nope_rope_and_indexer_scale():
     _roundtrip(t, 64, src=[1, 2], dst=[6, 7], chunk=32)
 
 
-def test_ascend_compressed_mla():
-    spec = AscendMLAAttentionSpec(128, 1, 576, torch.bfloat16, compress_ratio=4)  # 32 rows per block
-    caches = {"c4": (_filled((NB, 32, 1, 512), torch.bfloat16, 11), _filled((NB, 32, 1, 64), torch.bfloat16, 12))}
-    t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["c4"], spec)]), caches)
-    assert t.layout.groups == (GroupSpec(block_size=128, compress_ratio=4),)
-    _roundtrip(t, 256, src=[2, 3], dst=[5, 6], chunk=128)
+@pytest.mark.parametrize("release, block_size, storage", [
+    (engine_tables.VLLM_ASCEND_0_23, 128, None),  # 0.23.0.post1: block_size = 128 rows (512 tokens)
+    (engine_tables.VLLM_ASCEND_MAIN, 512, 128),  # main after PR 13242: block_size tokens, storage rows
+])
+def test_ascend_compressed_mla_in_both_block_semantics(release, block_size, storage):
+    """DeepSeek V4 C4 on vLLM-Ascend: [NB, 128, 1, 512] per layer, 128 rows = 512 tokens per block."""
+    spec = AscendMLAAttentionSpec(block_size, 1, 512, torch.bfloat16, compress_ratio=4, storage_block_size=storage)
+    caches = {"c4": [_filled((NB, 128, 1, 512), torch.bfloat16, 11)]}
+    t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["c4"], spec)]), caches, release=release)
+    assert t.layout.groups == (GroupSpec(block_size=512, compress_ratio=4),)
+    assert t.tokens_per_block(0) == 512
+    _roundtrip(t, 1024, src=[2, 3], dst=[5, 6], chunk=256)
+
+
+def test_ascend_release_rows_read_from_the_spec_not_the_shape():
+    """Read with vLLM's token semantics, the 0.23 spec means 32 rows: the real tensor is refused."""
+    spec = AscendMLAAttentionSpec(128, 1, 512, torch.bfloat16, compress_ratio=4)
+    caches = {"c4": [_filled((NB, 128, 1, 512), torch.bfloat16, 11)]}
+    with pytest.raises(LayoutError, match="c4"):
+        translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["c4"], spec)]), caches,
+                            release=engine_tables.VLLM)
+
+
+def test_inconsistent_storage_block_size_is_refused():
+    spec = AscendMLAAttentionSpec(512, 1, 512, torch.bfloat16, compress_ratio=4, storage_block_size=64)
+    with pytest.raises(UnsupportedLayoutError, match="storage_block_size"):
+        translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["c4"], spec)]),
+                            {"c4": [_filled((NB, 128, 1, 512), torch.bfloat16, 1)]}, release=engine_tables.VLLM_ASCEND_MAIN)
+
+
+def test_engine_release_table_by_version():
+    assert engine_tables.ascend_release("0.23.0.post1") is engine_tables.VLLM_ASCEND_0_23
+    assert engine_tables.ascend_release("0.22.1rc1") is engine_tables.VLLM_ASCEND_0_23
+    assert engine_tables.ascend_release("0.24.0") is engine_tables.VLLM_ASCEND_MAIN
+    assert engine_tables.release_of([AscendMLAAttentionSpec(16, 1, 576, torch.bfloat16)]) is engine_tables.VLLM  # look-alike
+
+
+def test_kernel_block_split_of_a_hybrid_at_block_256():
+    """vLLM-Ascend re-splits hybrid attention tensors into kernel blocks of 128: [2*NB, 128, H, D];
+    vLLM block b is kernel blocks 2b and 2b+1, the null block stays null."""
+    full, swa = FullAttentionSpec(256, 2, 64, torch.bfloat16), SlidingWindowSpec(256, 2, 64, torch.bfloat16, sliding_window=256)
+    k, v = _filled((2 * NB, 128, 2, 64), torch.bfloat16, 20), _filled((2 * NB, 128, 2, 64), torch.bfloat16, 21)
+    config = LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)])
+    t = translate_kv_caches(config, {"swa": (k, v), "full": (k, v)}, release=engine_tables.VLLM_ASCEND_0_23)
+    assert t.kernel_splits == (2, 2) and t.layout.groups[1] == GroupSpec(block_size=128)
+    assert t.tokens_per_block(1) == 256
+    swa_table, full_table = t.block_tables(([0, 3], [5, 1]))
+    assert swa_table.tolist() == [-1, -1, 6, 7] and full_table.tolist() == [10, 11, 2, 3]
+    engine = KVCacheEngine(t.layout, Config(chunk_size=256, max_local_cpu_size=0.01))
+    tokens = np.arange(512, dtype=np.int64)
+    assert engine.store(tokens, t.block_tables(([1, 2], [3, 4]))) == 512
+    before = k.clone()
+    assert engine.retrieve(tokens, t.block_tables(([0, 6], [5, 7]))) == 512
+    # full group: vLLM blocks 3, 4 -> 5, 7 (kernel 6..9 -> 10, 11, 14, 15)
+    assert torch.equal(k[[10, 11, 14, 15]], before[[6, 7, 8, 9]])
+    # window group (W 256: tokens 257..511 needed at 512): vLLM block 2 -> 6 (kernel 4, 5 -> 12, 13)
+    assert torch.equal(k[12][1:], before[4][1:]) and torch.equal(k[13], before[5])
+    engine.close()
+
+
+def test_kernel_split_with_too_few_blocks_is_refused():
+    full, swa = FullAttentionSpec(256, 2, 64, torch.bfloat16), SlidingWindowSpec(256, 2, 64, torch.bfloat16, sliding_window=512)
+    k = _filled((NB, 256, 2, 64), torch.bfloat16, 22)  # not re-split: contradicts the release table
+    config = LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)])
+    with pytest.raises(LayoutError):
+        translate_kv_caches(config, {"swa": (k, k), "full": (k, k)}, release=engine_tables.VLLM_ASCEND_0_23)
+
+
+def test_overlapping_third_view_is_stored_once():
+    """A5's indexer: K fp8 [.,128] + scale fp32 [.,1] in one 16896-byte page, and a third
+    [.,132] view over the same page: two planes, the same bytes never stored twice."""
+    page = 128 * 132
+    # seeded; bytes below 0x7f so no fp32 scale is a NaN (torch.equal compares values)
+    raw = torch.randint(0, 0x7F, (NB * page,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    kview = torch.as_strided(raw, (NB, 128, 1, 128), (page, 128, 128, 1))
+    scale = torch.as_strided(raw.view(torch.float32), (NB, 128, 1, 1), (page // 4, 1, 1, 1), 128 * 128 // 4)
+    full = torch.as_strided(raw, (NB, 128, 1, 132), (page, 132, 132, 1))
+    spec = AscendMLAAttentionSpec(128, 1, 128, torch.uint8, compress_ratio=4)
+    t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["idx"], spec)]), {"idx": [kview, scale, full]},
+                            release=engine_tables.VLLM_ASCEND_0_23)
+    assert [p.row_bytes for p in t.layout.planes] == [128, 4]
+    _roundtrip(t, 1024, src=[1, 2], dst=[4, 6], chunk=256)
+
+
+def test_partially_overlapping_views_are_refused():
+    raw = torch.zeros(NB * 4096, dtype=torch.uint8)
+    a = torch.as_strided(raw, (NB, 16, 1, 128), (4096, 128, 128, 1))
+    b = torch.as_strided(raw, (NB, 16, 1, 128), (4096, 128, 128, 1), 64)  # half of each row of a
+    spec = AscendMLAAttentionSpec(16, 1, 128, torch.uint8)
+    with pytest.raises(UnsupportedLayoutError, match="overlaps"):
+        translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["x"], spec)]), {"x": [a, b]},
+                            release=engine_tables.VLLM_ASCEND_0_23)
 
 
 # --- hybrid allocator, sharing, block ids ---------------------------------------------------

@@ -203,7 +203,7 @@ def _mla_family(kind, *, max_tokens=600, block_size=64, num_layers=2, dtype=torc
                 model_name="dsv3-zoo", window=40) -> ZooCase:
     spec = GroupSpec(block_size=block_size)
     groups = [spec] + ([GroupSpec(block_size=block_size, sliding_window=window)] if kind == "swa" else [])
-    groups += [spec] if kind == "v32-ascend" else []
+    groups += [spec] if kind == "tuple-split" else []
     nb, b, bs = _blocks(spec, max_tokens, dcp), _Builder(), block_size
     for i in range(num_layers if kind != "swa" else 1):
         if kind in ("v3", "v32", "swa"):
@@ -212,14 +212,16 @@ def _mla_family(kind, *, max_tokens=600, block_size=64, num_layers=2, dtype=torc
             b.add(f"layers.{i}.indexer", b.tight(torch.uint8, (nb, bs, 132)))
         if kind == "swa":
             b.add("layers.1.swa", b.tight(dtype, (nb, bs, 576), group=1))
-        if kind in ("v3-ascend", "v32-ascend"):
+        if kind in ("v3-ascend", "v32-ascend", "tuple-split"):
             planes = [b.tight(dtype, (nb, bs, 1, 512)), b.tight(dtype, (nb, bs, 1, 64))]
-            if kind == "v32-ascend":  # C8 indexer: int8 values + fp16 scale, its own group, same ids
+            if kind == "v32-ascend" and i == 0:  # LI C8 indexer: int8 K + fp16 scale, same group
+                planes += [b.tight(torch.int8, (nb, bs, 1, 128)), b.tight(torch.float16, (nb, bs, 1, 1))]
+            if kind == "tuple-split":  # synthetic: indexer planes in a group of their own, same ids
                 planes += [b.tight(torch.int8, (nb, bs, 1, 128), group=1), b.tight(torch.float16, (nb, bs, 1, 1), group=1)]
             b.add(f"layers.{i}" + (".attn" if kind == "v3-ascend" else ""), *planes, as_tuple=True)
     suffix = "" if dcp.size == 1 else f"-dcp{dcp.rank}of{dcp.size}x{dcp.interleave_tokens}"
     return b.case(f"mla-{kind}{suffix}", groups, hints="blocks_first", num_blocks=[nb] * len(groups), dcp=dcp, seed=seed,
-                  model_name=model_name, tied_groups={1: 0} if kind == "v32-ascend" else {})
+                  model_name=model_name, tied_groups={1: 0} if kind == "tuple-split" else {})
 
 
 def mla(**kw) -> ZooCase:
@@ -238,9 +240,17 @@ def dsv32(**kw) -> ZooCase:
 
 
 def dsv32_ascend(**kw) -> ZooCase:
-    """V3.2 on Ascend: per layer a 4-tuple (nope, rope, indexer int8 [..,1,128], scale fp16
-    [..,1,1]); MLA planes are group 0, indexer planes group 1 with group 0's block ids."""
+    """V3.2 (LI C8) as vLLM-Ascend 0.23.0.post1 registers it (checked against its runner in
+    tests/ascend): one AscendMLAAttentionSpec group; layer 0 a 4-tuple (nope bf16 [..,1,512],
+    rope [..,1,64], indexer int8 [..,1,128], scale fp16 [..,1,1]); layer 1 reuses layer 0's
+    top-k and registers (nope, rope) only."""
     return _mla_family("v32-ascend", model_name="dsv32-zoo", **kw)
+
+
+def tuple_split(**kw) -> ZooCase:
+    """SYNTHETIC (no engine registers this): a layer's 4-tuple whose indexer planes belong to a
+    second group with the first group's block ids; exercises per-plane group assignment."""
+    return _mla_family("tuple-split", model_name="tuple-split-zoo", **kw)
 
 
 def mla_swa(*, block_size=16, **kw) -> ZooCase:
@@ -263,7 +273,9 @@ def dsv4(*, packed=False, max_tokens=600, layer_kinds=("swa", "c4", "c128"), c4_
     """DeepSeek-V4-Flash, vLLM's seven caches (fewer layers than the model).
 
     packed=False: one tensor per (layer, cache), pages padded to 576 (uint8) / 512 (fp32).
-    packed=True: every page of one block id in one per-block allocation (pages 576-aligned),
+    packed=True (SYNTHETIC, from seed 002's facts; vLLM 0.23 predates it and its real V4 layout
+    is driven in tests/ascend/vllm_dsv4.py): every page of one block id in one per-block
+    allocation (pages 576-aligned),
     each layer's cache an ``as_strided`` view with a storage offset; all groups draw block
     ids from that one pool. Windowed groups get fewer blocks than a dense table needs:
     use ``window_keep`` / ``restore_keep`` tables (blocks no store or restore reads are -1).

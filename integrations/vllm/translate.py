@@ -22,11 +22,18 @@ Tensors (one value per layer).
 
 | registered value                                         | planes |
 |----------------------------------------------------------|--------|
-| tuple/list (vLLM-Ascend: MLA nope + rope, indexer K + scale) | one ``[NB, rows, ...]`` plane per element |
+| tuple/list (vLLM-Ascend: MLA nope + rope, indexer K + scale) | one ``[NB, rows, ...]`` plane per distinct element |
 | 4-D ``[B, H, N, C]`` view of a page-packing backend (vLLM CPU: K transposed in a page) | one opaque page per block |
 | 4-D ``[B, H, N, C]`` whose ``(H, C)`` is contiguous per token (vLLM >= 0.32, MLA ``[B, 1, N, 576]``) | one plane ``[B, N, H*C]`` |
 | 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
 | 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
+
+What a spec's ``block_size`` counts, and whether hybrid caches are re-split into kernel
+blocks, depends on the engine release: ``engine_tables`` holds that as data (vLLM-Ascend 0.23
+counts compressed blocks in rows and re-splits hybrid attention tensors into kernel blocks of
+128: a vLLM block id b becomes kernel ids b*k .. b*k+k-1 in ``block_tables``). Views of one
+layer that only re-read bytes its other views cover (vLLM-Ascend A5's third indexer view) are
+stored once; a partial overlap is refused. Every refusal names the layer.
 
 The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
 the window): it becomes -1. Layers of one group that share a tensor are stored once.
@@ -48,8 +55,11 @@ import torch
 from kvconnect.errors import BlockTableError, LayoutError
 from kvconnect.keys import MAX_NAMESPACE_BYTES
 from kvconnect.layout import KVLayout
+from kvconnect.layout_detect import split_planes
 from kvconnect.spec import DCPSpec, GroupSpec
 
+from . import engine_tables
+from .engine_tables import EngineRelease
 from .metadata import BlockIds, RequestView, freeze_block_ids
 
 logger = logging.getLogger(__name__)
@@ -73,7 +83,7 @@ class UnsupportedLayoutError(LayoutError):
 
 
 def _compress_ratio(spec: Any) -> int:
-    ratio = getattr(spec, "compress_ratio", None)  # vLLM-Ascend
+    ratio = getattr(spec, "compress_ratio", None)  # vLLM-Ascend; vLLM 0.23 MLAAttentionSpec
     if ratio is None:
         per_state = getattr(spec, "tokens_per_state", 1)  # vLLM: tokens per stored state
         if isinstance(per_state, Fraction) and per_state.denominator != 1:
@@ -82,19 +92,45 @@ def _compress_ratio(spec: Any) -> int:
     return max(1, int(ratio))
 
 
-def group_spec_of(spec: Any) -> GroupSpec:
-    """The kvconnect GroupSpec of one vLLM per-layer spec (see the table in the module doc)."""
+def _block_tokens(spec: Any, ratio: int, release: EngineRelease) -> int:
+    """Tokens one engine block of a spec covers, by what the release's ``block_size`` counts."""
+    block_size = int(spec.block_size)
+    if ratio == 1:
+        return block_size
+    if release.compressed_block_unit == "rows":
+        return block_size * ratio  # vLLM-Ascend 0.23: block_size rows, each `ratio` tokens
+    rows = getattr(spec, "storage_block_size", None)
+    if rows is not None and int(rows) * ratio != block_size:
+        raise UnsupportedLayoutError(
+            f"{type(spec).__name__}: block_size {block_size} tokens with storage_block_size {rows} rows "
+            f"at compress ratio {ratio} ({release.name} counts block_size in tokens)")
+    return block_size
+
+
+def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel_split: int = 1) -> GroupSpec:
+    """The kvconnect GroupSpec of one vLLM per-layer spec (see the table in the module doc).
+
+    kernel_split: the registered tensor holds each vLLM block as this many kernel blocks;
+    the GroupSpec then describes one kernel block.
+    """
     name = type(spec).__name__
+    if getattr(spec, "sfa_dcp_replicated_indexer_size", 1) > 1:
+        raise UnsupportedLayoutError(
+            f"{name}: the indexer cache is replicated over {spec.sfa_dcp_replicated_indexer_size} decode-context "
+            f"ranks (num_blocks x {spec.sfa_dcp_replicated_indexer_size} blocks); which rank's tokens a block holds "
+            f"is not described by the spec")
+    ratio = _compress_ratio(spec)
+    tokens = _block_tokens(spec, ratio, release) // max(1, kernel_split)
     if name in _WINDOW_SPECS:
         window = int(spec.sliding_window)
         # vLLM frees blocks whose tokens are all before P - W + 1 (get_num_skipped_tokens),
         # so W - 1 trailing tokens is what it needs and what it keeps.
-        return GroupSpec(block_size=int(spec.block_size), compress_ratio=_compress_ratio(spec),
+        return GroupSpec(block_size=tokens, compress_ratio=ratio,
                          sliding_window=window, restore_window=max(1, window - 1))
     if name in _FULL_SPECS:
         # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
         # keeps blocks for every token, so it is restored as a full group.
-        return GroupSpec(block_size=int(spec.block_size), compress_ratio=_compress_ratio(spec))
+        return GroupSpec(block_size=tokens, compress_ratio=ratio)
     raise UnsupportedLayoutError(
         f"vLLM cache spec {name} is not supported (recurrent state, chunked local, cross attention and "
         f"unknown specs cannot be restored exactly); kvconnect stays off for this model"
@@ -126,10 +162,62 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(storage, first byte, end byte of block 0, block stride bytes) of a ``[blocks, ...]`` view."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    span = (sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:]) if n > 0) + 1) * size
+    return t.untyped_storage().data_ptr(), start, start + span, t.stride(0) * size
+
+
+def _distinct_views(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A layer's tensors without the views that only re-read bytes earlier tensors cover.
+
+    vLLM-Ascend on A5 registers the C4 indexer as (K, scale, K+scale as one 132-byte row) over
+    one page: storing the third would store the same bytes twice. A view that overlaps others
+    without being covered by them is refused (its rows cannot be moved independently).
+    """
+    kept: list[torch.Tensor] = []
+    extents: list[tuple[int, int, int, int, int]] = []
+    for t in tensors:
+        storage, start, end, stride = _extent(t)
+        whole_end = start + (t.shape[0] - 1) * stride + (end - start)
+        overlapping = [e for e in extents if e[0] == storage and _overlap(e, (storage, start, end, stride, whole_end))]
+        if not overlapping:
+            kept.append(t)
+            extents.append((storage, start, end, stride, whole_end))
+            continue
+        same_stride = all(e[3] == stride for e in overlapping)
+        if not (same_stride and _covers([(e[1], e[2]) for e in overlapping], start, end)):
+            raise UnsupportedLayoutError(
+                f"a {tuple(t.shape)} {t.dtype} view overlaps another tensor of the layer without being covered by it")
+    return tuple(kept)
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether two ``[blocks, ...]`` views of one storage share a byte (per block when strided alike)."""
+    if not (a[1] < b[4] and b[1] < a[4]):
+        return False
+    if a[3] != b[3] or a[3] <= 0:
+        return True
+    stride, shift = a[3], (b[1] - a[1]) % a[3]
+    length_a, length_b = a[2] - a[1], b[2] - b[1]
+    return shift < length_a or shift + length_b > stride
+
+
+def _covers(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    position = start
+    for a, b in sorted(spans):
+        if a > position:
+            break
+        position = max(position, b)
+    return position >= end
+
+
 def _planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], logical_views: bool):
     """(value for KVLayout, layout hint or None, is_page) of one layer."""
     if isinstance(value, (tuple, list)):
-        return tuple(value), None, False
+        return _distinct_views(value), None, False
     if not isinstance(value, torch.Tensor):
         raise LayoutError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
     if value.dim() != 4:
@@ -168,10 +256,15 @@ class Translation:
     source_groups: tuple[int, ...]  # per kvconnect group: the vLLM group whose block ids it reads
     num_vllm_groups: int
     layer_names: tuple[str, ...]
+    kernel_splits: tuple[int, ...] = ()  # per kvconnect group: kernel blocks per vLLM block (default 1)
+    release: str = engine_tables.VLLM.name
+
+    def split_of(self, group: int) -> int:
+        return self.kernel_splits[group] if self.kernel_splits else 1
 
     def tokens_per_block(self, group: int) -> int:
-        """Global tokens one block of kvconnect group ``group`` covers (all DCP shards)."""
-        return self.layout.groups[group].block_size * self.layout.dcp.size
+        """Global tokens one *vLLM* block of kvconnect group ``group`` covers (all DCP shards)."""
+        return self.layout.groups[group].block_size * self.split_of(group) * self.layout.dcp.size
 
     def vllm_ids(self, block_ids) -> BlockIds:
         ids = freeze_block_ids(block_ids)
@@ -183,9 +276,14 @@ class Translation:
         """Per kvconnect group, vLLM's block ids as int64 with the null block as -1."""
         ids = self.vllm_ids(block_ids)
         tables = []
-        for source in self.source_groups:
+        for g, source in enumerate(self.source_groups):
             arr = np.asarray(ids[source], dtype=np.int64)
-            tables.append(np.where(arr == NULL_BLOCK_ID, -1, arr))
+            split = self.split_of(g)
+            if split > 1:  # vLLM block b is kernel blocks b*k .. b*k + k - 1 of the registered tensor
+                kernel = (arr[:, None] * split + np.arange(split, dtype=np.int64)).reshape(-1)
+                tables.append(np.where(np.repeat(arr, split) == NULL_BLOCK_ID, -1, kernel))
+            else:
+                tables.append(np.where(arr == NULL_BLOCK_ID, -1, arr))
         return tables
 
 
@@ -201,6 +299,7 @@ def translate_kv_caches(
     pp_size: int = 1,
     dcp: DCPSpec = DCPSpec(),
     identity: Optional[Mapping[str, str]] = None,
+    release: Optional[EngineRelease] = None,
 ) -> Translation:
     """Build the kvconnect layout of vLLM's registered caches.
 
@@ -208,6 +307,8 @@ def translate_kv_caches(
         ``kv_cache_spec``; ``transfer_group_ids`` where the vLLM version has it).
     kv_caches: what vLLM passes to ``register_kv_caches``: layer name -> tensor or tuple.
     backend_names: layer name -> attention backend name (decides page-packed layouts).
+    release: the engine release whose block semantics apply (``engine_tables``); default:
+        detected from the spec classes and the platform.
 
     Raises UnsupportedLayoutError for caches that cannot be restored exactly, LayoutError
     for shapes that do not fit their spec; nothing is registered in either case.
@@ -216,10 +317,17 @@ def translate_kv_caches(
     vllm_groups = list(kv_cache_config.kv_cache_groups)
     transferable = set(getattr(kv_cache_config, "transfer_group_ids", range(len(vllm_groups))))
     logical_views = hasattr(kv_cache_config, "kv_cache_layout")  # vLLM >= 0.32 registers [B, H, N, C]
+    if release is None:
+        release = engine_tables.release_of(
+            [_layer_spec(g.kv_cache_spec, layer) for g in vllm_groups for layer in g.layer_names[:1]]
+            + [s for g in vllm_groups if type(g.kv_cache_spec).__name__ == "UniformTypeKVCacheSpecs"
+               for s in g.kv_cache_spec.kv_cache_specs.values()])
+    num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
 
     group_index: dict[tuple, int] = {}
     group_specs: list[GroupSpec] = []
     sources: list[int] = []
+    splits: list[int] = []
     values: dict[str, Any] = {}
     layer_groups: dict[str, Any] = {}
     hints: dict[str, Optional[str]] = {}
@@ -233,7 +341,6 @@ def translate_kv_caches(
             if layer not in kv_caches:  # runner-only layers have no registered cache
                 continue
             spec = _layer_spec(group.kv_cache_spec, layer)
-            gspec = group_spec_of(spec)
             # Within a group, one tensor under two names is KV sharing: store it once. Across
             # groups it is vLLM's hybrid allocator overlaying groups on one allocation.
             signature = (vllm_group, _signature(kv_caches[layer]))
@@ -242,14 +349,24 @@ def translate_kv_caches(
             seen.add(signature)
             backend = backend_names.get(layer)
             try:
+                split = release.kernel_split(type(spec).__name__, int(spec.block_size), len(vllm_groups))
+                if split == 0:
+                    raise UnsupportedLayoutError(
+                        f"block_size {spec.block_size} is not a multiple of {release.name}'s kernel block "
+                        f"{release.hybrid_kernel_block_tokens}")
+                gspec = group_spec_of(spec, release, split)
                 value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
+                _check_blocks(value, num_blocks * split, split)
+                for tensor in value if isinstance(value, tuple) else (value,):  # shape errors name the layer
+                    split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
             except LayoutError as exc:
                 raise type(exc)(f"layer {layer!r}: {exc}") from exc
-            key = (vllm_group, gspec, is_page)
+            key = (vllm_group, gspec, is_page, split)
             if key not in group_index:
                 group_index[key] = len(group_specs)
                 group_specs.append(gspec)
                 sources.append(vllm_group)
+                splits.append(split)
             g = group_index[key]
             values[layer] = value
             layer_groups[layer] = tuple([g] * len(value)) if isinstance(value, tuple) else g
@@ -272,7 +389,22 @@ def translate_kv_caches(
         values, groups=group_specs, layer_groups=layer_groups, layout_hints=hints, model_name=model_name,
         tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident,
     )
-    return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups), layer_names=layer_names)
+    return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
+                       layer_names=layer_names, kernel_splits=tuple(splits), release=release.name)
+
+
+def _check_blocks(value: Any, expected: int, split: int) -> None:
+    """Registered tensors must hold every block vLLM may hand out (x the kernel split)."""
+    if expected <= 0:
+        return
+    for t in value if isinstance(value, tuple) else (value,):
+        blocks = t.shape[1] if t.dim() == 5 and t.shape[0] == 2 else t.shape[0]
+        if t.dim() == 5 and t.shape[0] != 2:
+            continue  # FlashInfer [NB, 2, ...]: dim 0 is the block
+        if blocks < expected:
+            hint = f" ({split} kernel blocks per vLLM block)" if split > 1 else ""
+            raise UnsupportedLayoutError(
+                f"a {tuple(t.shape)} cache holds {blocks} blocks, fewer than the {expected} vLLM may use{hint}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,11 +466,14 @@ def attention_backend_names(vllm_config: Any, layer_names: Sequence[str]) -> dic
     context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     for layer in layer_names:
         module = context.get(layer)
-        backend = getattr(module, "attn_backend", None)
-        if backend is None and hasattr(module, "get_attn_backend"):
-            backend = module.get_attn_backend()
-        if backend is not None and hasattr(backend, "get_name"):
-            names[layer] = str(backend.get_name())
+        try:  # a hint only: a layer that cannot name its backend is treated as row-addressable
+            backend = getattr(module, "attn_backend", None)
+            if backend is None and hasattr(module, "get_attn_backend"):
+                backend = module.get_attn_backend()
+            if backend is not None and hasattr(backend, "get_name"):
+                names[layer] = str(backend.get_name())
+        except Exception:
+            continue
     return names
 
 

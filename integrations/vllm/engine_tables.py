@@ -1,0 +1,116 @@
+"""What each engine release means by its KV-cache specs: data, one row per release.
+
+vLLM and vLLM-Ascend describe a group by a spec class with ``block_size``; what that number
+counts, and how the registered tensors split a block, changed between releases. Rather than
+guessing from tensor shapes, ``translate`` looks the release up here and then checks the
+registered tensors against what the row says (a mismatch refuses the model clearly).
+
+| release | compressed block_size counts | registered tensors of multi-group (hybrid) caches |
+|---|---|---|
+| vLLM (CUDA / CPU, 0.23 - 0.32) | tokens; rows = ``storage_block_size`` (= tokens / ratio) | one vLLM block per tensor block |
+| vLLM-Ascend <= 0.23.x (0.23.0.post1) | rows (one block = rows x ratio tokens; ``CompressAttentionManager`` divides token counts by the ratio) | attention tensors re-split into kernel blocks of 128 tokens when block_size > 128 (vLLM block b = kernel blocks kb..kb+k-1) |
+| vLLM-Ascend main after its PR 13242 | tokens; rows = ``storage_block_size`` | as 0.23 |
+
+Release detection: the spec class's top-level package (``vllm_ascend`` or ``vllm``) and, for
+vLLM-Ascend, its installed version. A caller may name a release explicitly
+(``translate_kv_caches(..., release=...)``), e.g. for look-alike specs in unit tests.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class EngineRelease:
+    """How one engine release counts blocks.
+
+    compressed_block_unit: "rows" (block_size = stored rows; tokens = rows x ratio) or
+        "tokens" (block_size = tokens; rows = ``storage_block_size``).
+    hybrid_kernel_block_tokens: tokens per kernel block when the runner re-splits the tensors of
+        a cache with several KV-cache groups (None: never re-split).
+    kernel_split_specs: spec class names whose tensors take that re-split (the runner's
+        attention path; DeepSeek V4's compressed path allocates per vLLM block).
+    """
+
+    name: str
+    compressed_block_unit: str
+    hybrid_kernel_block_tokens: Optional[int] = None
+    kernel_split_specs: frozenset = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.compressed_block_unit not in ("rows", "tokens"):
+            raise ValueError(f"compressed_block_unit must be 'rows' or 'tokens', got {self.compressed_block_unit!r}")
+
+    def kernel_split(self, spec_name: str, block_size: int, num_groups: int) -> int:
+        """vLLM blocks are this many kernel blocks in the registered tensor (1 = no re-split)."""
+        kernel = self.hybrid_kernel_block_tokens
+        if kernel is None or num_groups <= 1 or spec_name not in self.kernel_split_specs or block_size <= kernel:
+            return 1
+        if block_size % kernel:
+            return 0  # the runner cannot split it either; translate refuses
+        return block_size // kernel
+
+
+_ASCEND_ATTENTION_SPECS = frozenset({
+    "FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec",
+})
+
+VLLM = EngineRelease("vllm", compressed_block_unit="tokens")
+VLLM_ASCEND_0_23 = EngineRelease("vllm-ascend-0.23", compressed_block_unit="rows", hybrid_kernel_block_tokens=128,
+                                 kernel_split_specs=_ASCEND_ATTENTION_SPECS)
+VLLM_ASCEND_MAIN = EngineRelease("vllm-ascend-main", compressed_block_unit="tokens", hybrid_kernel_block_tokens=128,
+                                 kernel_split_specs=_ASCEND_ATTENTION_SPECS)
+
+RELEASES = {r.name: r for r in (VLLM, VLLM_ASCEND_0_23, VLLM_ASCEND_MAIN)}
+
+# vLLM-Ascend versions up to and including this one count compressed blocks in rows.
+_ASCEND_ROWS_UNTIL = (0, 23)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = re.findall(r"\d+", version.split("+")[0])[:2]
+    return tuple(int(p) for p in parts)
+
+
+def ascend_release(version: Optional[str]) -> EngineRelease:
+    """The table row of an installed vLLM-Ascend version (unknown: the newest semantics)."""
+    if version and _version_tuple(version) <= _ASCEND_ROWS_UNTIL:
+        return VLLM_ASCEND_0_23
+    return VLLM_ASCEND_MAIN
+
+
+def _installed_version(dist: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _platform_is_ascend() -> bool:
+    """Whether this vLLM process runs on vLLM-Ascend's platform (only looks if vLLM is loaded)."""
+    import sys
+
+    platforms = sys.modules.get("vllm.platforms")
+    if platforms is None:
+        return False
+    try:
+        platform = platforms.current_platform
+    except Exception:  # pragma: no cover - platform resolution failed: not ours to decide
+        return False
+    return type(platform).__module__.split(".")[0] == "vllm_ascend"
+
+
+def release_of(specs: list[Any]) -> EngineRelease:
+    """The release that registered these specs: vLLM-Ascend's when any spec class is its own
+    or the process runs on its platform (dense models use vLLM's spec classes there too)."""
+    ascend = _platform_is_ascend() or any(
+        cls.__module__.split(".")[0] == "vllm_ascend" for spec in specs for cls in type(spec).__mro__
+    )
+    if ascend:
+        return ascend_release(_installed_version("vllm-ascend") or _installed_version("vllm_ascend"))
+    return VLLM
