@@ -146,12 +146,13 @@ class PageStore:
         keys = self.keys(group, page_keys)
         storage = self.engine.storage
         entries = storage.acquire(keys)
+        idx, bad = np.zeros(0, np.int64), []
         try:
             good = np.array([self._valid(group, e) for e in entries], bool)
-            for i, e in enumerate(entries):
-                if e is not None and not good[i]:
-                    logger.warning("kvconnect: a stored page does not match its pool's layout; dropping it (a miss)")
-                    storage.drop(e.key)
+            bad = [e for e, ok in zip(entries, good) if e is not None and not ok]
+            for e in bad:
+                logger.warning("kvconnect: a stored page does not match its pool's layout; dropping it (a miss)")
+                storage.drop(e.key)
             if leading_only and not good.all():
                 good[int(np.argmin(good)):] = False
             idx = np.flatnonzero(good)
@@ -166,7 +167,7 @@ class PageStore:
             self.counters.pages_loaded += len(idx)
             self.counters.pages_missed += len(page_keys) - len(idx)
             self.counters.bytes_loaded += len(idx) * self._page_bytes[group]
-            self.counters.pages_corrupt += sum(e is not None for e in entries) - int(np.count_nonzero([e is not None and self._valid(group, e) for e in entries]))
+            self.counters.pages_corrupt += len(bad)
         return good.tolist()
 
     def _valid(self, group: int, entry) -> bool:

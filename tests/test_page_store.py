@@ -196,3 +196,24 @@ def test_restorable_prefixes_match_sglang_rules(data):
     windows = [None] + [data.draw(st.one_of(st.none(), st.integers(1, 4))) for _ in range(pools)]
     present = [data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for _ in range(pools + 1)]
     assert restorable_prefixes(1, windows, present) == _sglang_rule(windows, present)
+
+
+def test_intact_chunk_with_other_rows_under_a_page_key_is_dropped_not_loaded():
+    """A well-formed chunk (valid checksum) whose rows are not this pool's page: a miss, dropped."""
+    from kvconnect import chunk_format
+    from kvconnect.chunk_format import ChunkHeader
+
+    layout, _ = page_layout()
+    store = make_store(layout)
+    (key,) = store.keys(0, [sglang_key(1, "odd")])
+    rows = tuple((0, 1) if p.group_index == 1 else (0, 0) for p in layout.planes)  # pool 1's rows
+    nbytes = sum(p.row_bytes for p in layout.planes if p.group_index == 1)
+    header = ChunkHeader(fingerprint=layout.fingerprint, key=key, token_start=0, token_end=PAGE, group_mask=1,
+                         plane_rows=rows, payload_bytes=nbytes)
+    assert store.engine.storage.import_chunk(chunk_format.encode(header, np.zeros(nbytes, np.uint8)), key)
+    before = [t.clone() for t in layout.tensors]
+    assert store.load(0, [sglang_key(1, "odd")], np.array([3])) == [False]
+    assert all(torch.equal(t, b) for t, b in zip(layout.tensors, before))
+    assert store.counters.pages_corrupt == 1
+    assert store.engine.storage.masks([key]) == [None]
+    store.engine.close()

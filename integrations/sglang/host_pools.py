@@ -76,18 +76,21 @@ def pool_planes(pool, name: str) -> PoolPlanes:
     if page_tokens <= 0 or size < page_tokens:
         raise LayoutError(f"SGLang host pool {name!r}: page_size {page_tokens} / size {size} are not usable")
     num_pages = int(getattr(pool, "page_num", 0) or size // page_tokens)
-    if getattr(pool, "kv_buffer", True) is None and not hasattr(pool, "get_page_buffer_meta"):
-        return PoolPlanes(name, page_tokens, num_pages, (), layout_name, dtype)
-    if not hasattr(pool, "get_page_buffer_meta"):
-        raise LayoutError(f"SGLang host pool {name!r} ({type(pool).__name__}) has no get_page_buffer_meta")
-    try:
-        first = _meta(pool, 0, page_tokens)
-    except (AttributeError, TypeError) as exc:  # a logical pool (no buffer) cannot describe pages
-        if getattr(pool, "kv_buffer", True) is None:
-            return PoolPlanes(name, page_tokens, num_pages, (), layout_name, dtype)
-        raise LayoutError(f"SGLang host pool {name!r}: get_page_buffer_meta failed: {exc}") from exc
-    if not first[0]:
-        return PoolPlanes(name, page_tokens, num_pages, (), layout_name, dtype)
+    logical = getattr(pool, "kv_buffer", 0) is None
+    meta = getattr(pool, "get_page_buffer_meta", None)
+    first = None
+    if meta is not None:
+        try:
+            idx = torch.arange(0, page_tokens, dtype=torch.int64)
+            got = meta(idx)
+            first = ([int(p) for p in got[0]], [int(s) for s in got[1]]) if got is not None else None
+        except Exception as exc:  # noqa: BLE001 - SGLang raises various errors for pools it cannot describe
+            if not logical:
+                raise LayoutError(f"SGLang host pool {name!r}: get_page_buffer_meta failed: {exc}") from exc
+    if first is None or not first[0]:
+        if not logical:  # data but no page description: refuse rather than guess
+            raise LayoutError(f"SGLang host pool {name!r} ({type(pool).__name__}) describes no pages")
+        return PoolPlanes(name, page_tokens, num_pages, (), layout_name, dtype)  # logical: nothing to store
     probes = {0: first}
     for page in {1, num_pages - 1} - {0}:
         if 0 < page < num_pages:

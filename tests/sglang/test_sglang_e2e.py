@@ -9,6 +9,8 @@ Engine runs (each a process, ~45-65 s to start, so several phases share one):
 | R2  | layer_first        | disk D1       | fresh process: serve (L3 hit from disk) |
 | R3  | page_first_direct  | disk D2       | serve, settle, flush_cache, serve (L3 hit) |
 | R4  | page_first_direct  | disk D2, corrupted before start | serve (miss, same outputs), settle, flush, serve (hit again) |
+| R5  | layer_first        | node server S | serve, settle (pages reach the server's shared pool) |
+| R6  | layer_first        | node server S | fresh process: serve (L3 hit from the shared pool) |
 
 Every served output must equal R0's token for token.
 """
@@ -16,13 +18,17 @@ Every served output must equal R0's token for token.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (.ci/install_sglang.sh)")
 transformers = pytest.importorskip("transformers")
 
-from conftest import run_engine  # noqa: E402
+from conftest import REPO, run_engine  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tests" / "server"))
+import server_rig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -40,10 +46,11 @@ def _gen():
     return {"op": "generate", "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
 
 
-def _spec(model, layout=None, disk=None, phases=()):
+def _spec(model, layout=None, disk=None, phases=(), **extra):
     spec = {"model": model, "page_size": PAGE, "phases": list(phases)}
     if layout:
-        spec.update(hicache=True, layout=layout, hicache_ratio=2, backend="dynamic", extra={**BACKEND, "local_disk": str(disk)})
+        tiers = {"local_disk": str(disk)} if disk else {}
+        spec.update(hicache=True, layout=layout, hicache_ratio=2, backend="dynamic", extra={**BACKEND, **tiers, **extra})
     return spec
 
 
@@ -82,6 +89,14 @@ def runs(tmp_path_factory):
     out["R3"] = run_engine(_spec(model, "page_first_direct", d2, [_gen(), *settle_flush, _gen()]), root / "r3")
     out["corrupted"] = _corrupt(d2)
     out["R4"] = run_engine(_spec(model, "page_first_direct", d2, [_gen(), *settle_flush, _gen()]), root / "r4")
+    url = f"ipc://{root}/kvc.sock"
+    server = server_rig.start_server_process(url, str(root / "server.log"), size_mb=64, lease_s=5.0)
+    try:
+        on_server = {"server_url": url}
+        out["R5"] = run_engine(_spec(model, "layer_first", None, [_gen(), {"op": "settle", "seconds": 3}], **on_server), root / "r5")
+        out["R6"] = run_engine(_spec(model, "layer_first", None, [_gen()], **on_server), root / "r6")
+    finally:
+        server_rig.stop_process(server)
     return out
 
 
@@ -124,3 +139,12 @@ def test_corrupted_tier_is_a_miss_and_outputs_are_unchanged(runs):
     # the damaged pages were dropped and stored again: the next request hits
     assert second["outputs"] == ref
     assert all(h >= PAGE for h in _storage_hits(second)), second["cached"]
+
+
+def test_fresh_process_hits_the_node_servers_shared_pool(runs):
+    ref = runs["R0"]["phases"][0]["outputs"]
+    first, _ = runs["R5"]["phases"]
+    assert first["outputs"] == ref
+    (fresh,) = runs["R6"]["phases"]
+    assert fresh["outputs"] == ref
+    assert all(h >= PAGE for h in _storage_hits(fresh)), fresh["cached"]
