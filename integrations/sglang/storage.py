@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from typing import Any, List, Optional
@@ -71,6 +70,7 @@ class KVConnectStorage(HiCacheStorage):
         self._store: Optional[PageStore] = None
         self._groups: dict[str, int] = {}
         self._logical: set[str] = set()
+        self._host_page: dict[str, int] = {}  # host slots per page, per pool
         self._flat: Optional[FlatPages] = None
         self._lock = threading.Lock()
 
@@ -105,12 +105,16 @@ class KVConnectStorage(HiCacheStorage):
             identity = {"engine": "sglang-hicache", "pp": f"{sc.pp_rank}/{sc.pp_size}",
                         "attn_cp": f"{sc.attn_cp_rank}/{sc.attn_cp_size}", "dcp": f"{sc.dcp_rank}/{sc.dcp_size}"}
             replicated = sc.is_mla_model  # MLA KV is the same on every TP rank; only writers store it
+            # every pool's page is one SGLang page key: one block per page in each group, and
+            # a chunk of one "page" whatever the pool's own slots per page (Mamba: 1)
+            page_tokens = next((pp.page_tokens for pp in described if pp.name == KV), described[0].page_tokens)
             for pp in described:
+                self._host_page[pp.name] = pp.page_tokens
                 if not pp.planes:
                     self._logical.add(pp.name)
                     continue
                 self._groups[pp.name] = len(groups)
-                groups.append(GroupSpec(block_size=pp.page_tokens))
+                groups.append(GroupSpec(block_size=page_tokens))
                 kv_caches[pp.name] = pp.planes
                 layer_groups[pp.name] = self._groups[pp.name]
                 identity[f"pool:{pp.name}"] = f"{pp.layout_name}/{pp.dtype}/{pp.page_tokens}/{pp.page_bytes}"
@@ -124,8 +128,7 @@ class KVConnectStorage(HiCacheStorage):
                 tp_rank=0 if replicated else sc.tp_rank, tp_size=1 if replicated else sc.tp_size,
                 identity=identity,
             )
-            chunk = math.lcm(*[g.block_size for g in groups])
-            config = dataclasses.replace(self.config, chunk_size=chunk)
+            config = dataclasses.replace(self.config, chunk_size=page_tokens)
             engine = KVCacheEngine(layout, config)
             self._store = PageStore(engine)
             if KV in self._groups:
@@ -178,7 +181,7 @@ class KVConnectStorage(HiCacheStorage):
         if group is None:
             return [False] * n
         try:
-            page_tokens = store.layout.groups[group].block_size
+            page_tokens = self._host_page[name]
             idx = host_indices.detach().cpu().numpy() if isinstance(host_indices, torch.Tensor) else np.asarray(host_indices)
             if idx.ndim != 1 or len(idx) != n * page_tokens:
                 logger.error("kvconnect: %s of %d %s pages got %d host indices", kind, n, name, len(idx))

@@ -132,3 +132,40 @@ def test_restorable_prefixes_agree_with_sglangs_file_backend(tmp_path):
         assert got.restorable_prefix_pages == sorted(want.restorable_prefix_pages), (stored, want, got)
         assert got.kv_hit_pages == want.kv_hit_pages
     ours.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mamba_hybrid_state_pages_and_gate(tmp_path, layout):
+    """A Mamba hybrid: SGLang's MHA host pool (KV anchor, 4 tokens per page) and its real
+    ``MambaPoolHost`` (one state slot per page, TRAILING_PAGES)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    from test_host_pools import mha_pool
+
+    kv = mha_pool("page_first_direct")
+    kv.kv_buffer.copy_(torch.randn(kv.kv_buffer.shape))
+    info = MambaStateBufferInfo(temporal=torch.zeros(3, 9, 4, 8), conv=(torch.zeros(3, 9, 2, 16, dtype=torch.bfloat16),))
+    mamba = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, layout=layout)
+    mamba.temporal_buffer.copy_(torch.randn(mamba.temporal_buffer.shape))
+    for buf in mamba.conv_buffer:
+        buf.copy_(torch.randn(buf.shape))
+    b = KVConnectStorage(storage_config(tmp_path), {})
+    b.register_mem_pool_host(kv)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    b.on_host_pools_registered()
+    ks = keys(5, "mamba" + layout)
+    assert b.batch_set_v1(ks, idx([0, 1, 2, 3, 4])) == [True] * 5
+    # SGLang backs up the state of the node's last page only (here: pages 2 and 4)
+    for page, slot in ((2, 3), (4, 7)):
+        t = PoolTransfer(name=PoolName.MAMBA, keys=[ks[page]], host_indices=torch.tensor([slot]), hit_policy=TRAIL)
+        assert b.batch_set_v2([t]) == {"mamba": [True]}
+    q = [PoolTransfer(name=PoolName.MAMBA, keys=ks[-1:], hit_policy=TRAIL)]
+    result = b.batch_exists_v2(ks, q)
+    assert result.restorable_prefix_pages == [3, 5] and result.kv_hit_pages == 5
+    want = mamba.get_data_page(7, flat=True).clone()
+    got = b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=[ks[4]], host_indices=torch.tensor([1]), hit_policy=TRAIL)])
+    assert got == {"mamba": [True]}
+    assert torch.equal(mamba.get_data_page(1, flat=True), want)
+    b.close()
