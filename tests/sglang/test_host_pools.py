@@ -12,6 +12,9 @@ ranks, and a v2 query with a logical pool.
 from __future__ import annotations
 
 import hashlib
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -175,3 +178,32 @@ def test_failures_are_misses_never_exceptions(tmp_path):
     assert b.batch_get_v1(ks, idx([0, 999])) == [False, False]  # page out of range
     result = b.batch_exists_v2(ks, [PoolTransfer(name="unknown", keys=ks[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
     assert result.kv_hit_pages == 0 and result.restorable_prefix_pages == []
+
+
+def test_redis_tier_shared_by_a_fresh_backend_and_a_killed_server_is_a_miss(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
+    from redis_server import RedisNode, redis_available
+
+    reason = redis_available()
+    if reason:
+        pytest.skip(reason)
+    pool = mha_pool("page_first_direct")
+    fill(pool)
+    ks = keys(3, "redis")
+    with RedisNode(tmp_path / "redis") as node:
+        cfg = dict(remote_url=node.url, remote_timeout_s=0.5, local_disk=None)
+        b = backend(pool, storage_config(tmp_path, **cfg))
+        assert b.batch_set_v1(ks, idx([0, 1, 2])) == [True] * 3
+        assert b.flush(10)
+        b.close()
+        other = mha_pool("page_first_direct")
+        fresh = backend(other, storage_config(tmp_path, **cfg))  # no disk: only Redis holds the pages
+        assert fresh.batch_exists(ks) == 3
+        assert fresh.batch_get_v1(ks, idx([4, 5, 6])) == [True] * 3
+        assert all(torch.equal(page(other, 4 + i), page(pool, i)) for i in range(3))
+        node.kill()
+        third = backend(mha_pool("page_first_direct"), storage_config(tmp_path, **cfg))
+        start = time.monotonic()
+        assert third.batch_exists(ks) == 0
+        assert third.batch_get_v1(ks, idx([4, 5, 6])) == [False] * 3
+        assert time.monotonic() - start < 5
