@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=.venv-sglang
+VENV=${SGLANG_VENV:-.venv-sglang}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
 TRITON_VERSION=${TRITON_VERSION:-3.8.0}
