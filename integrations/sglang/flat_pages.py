@@ -44,6 +44,10 @@ class FlatPages:
     def _bytes(t: torch.Tensor) -> torch.Tensor:
         return t.detach().contiguous().view(-1).view(torch.uint8)
 
+    def leading_hits(self, keys: Sequence[str]) -> int:
+        masks = self.engine.storage.masks(self._folder.fold(keys))
+        return next((i for i, m in enumerate(masks) if m is None), len(keys))
+
     def set(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[bool]:
         storage = self.engine.storage
         folded = self._folder.fold(keys)

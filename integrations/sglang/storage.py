@@ -64,6 +64,9 @@ class KVConnectStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.config = kvconnect_config(storage_config)
         self.is_writer = storage_config.is_storage_writer
+        # without "interface_v1" SGLang moves KV pages through the generic API (flat pages), and
+        # its batch_exists must answer for those objects
+        self.flat_mode = not bool((storage_config.extra_config or {}).get("interface_v1", 0))
         self.counters = StorageCounters()
         self._pools: dict[str, Any] = {}
         self._anchor = None
@@ -154,6 +157,8 @@ class KVConnectStorage(HiCacheStorage):
         if KV in self._logical:
             return len(keys)
         try:
+            if self.flat_mode and self._flat is not None:
+                return self._flat.leading_hits(keys)
             return store.leading_hits(self._groups[KV], keys)
         except Exception:
             logger.exception("kvconnect: batch_exists failed; reporting a miss")
@@ -284,8 +289,9 @@ class KVConnectStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Drops nothing from shared tiers (other processes may use them); the private pool is emptied."""
-        if self._store is not None:
-            self._store.engine.pool.clear() if hasattr(self._store.engine.pool, "clear") else None
+        pool = self._store.engine.pool if self._store is not None else None
+        if pool is not None and hasattr(pool, "clear"):
+            pool.clear()
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
         """Wait until the pages stored so far reached every lower tier (disk, remote)."""

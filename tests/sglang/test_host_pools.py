@@ -132,8 +132,11 @@ def test_generic_api_round_trip(tmp_path, layout):
     assert got[-1] is None
     for g, v in zip(got, values):
         assert torch.equal(g, v)
-    assert b.exists(ks[0]) is False  # generic pages are not v1 (plane-ordered) pages
+    assert b.batch_exists(ks + keys(1, "nope")) == 3  # SGLang's hit query in generic mode
     b.close()
+    v1 = backend(pool, storage_config(tmp_path))  # interface_v1: plane-ordered pages only
+    assert v1.batch_exists(ks) == 0
+    v1.close()
 
 
 def test_pages_persist_for_a_fresh_backend_and_stay_apart_across_layouts_and_ranks(tmp_path):

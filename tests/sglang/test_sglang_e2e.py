@@ -11,6 +11,7 @@ Engine runs (each a process, ~45-65 s to start, so several phases share one):
 | R4  | page_first_direct  | disk D2, corrupted before start | serve (miss, same outputs), settle, flush, serve (hit again) |
 | R5  | layer_first        | node server S | serve, settle (pages reach the server's shared pool) |
 | R6  | layer_first        | node server S | fresh process: serve (L3 hit from the shared pool) |
+| R7  | page_first_direct, SGLang's generic API (no ``interface_v1``) | disk D3 | serve, settle, flush, serve |
 
 Every served output must equal R0's token for token.
 """
@@ -97,6 +98,8 @@ def runs(tmp_path_factory):
         out["R6"] = run_engine(_spec(model, "layer_first", None, [_gen()], **on_server), root / "r6")
     finally:
         server_rig.stop_process(server)
+    out["R7"] = run_engine(_spec(model, "page_first_direct", root / "disk3", [_gen(), *settle_flush, _gen()], interface_v1=0),
+                           root / "r7")
     return out
 
 
@@ -148,3 +151,10 @@ def test_fresh_process_hits_the_node_servers_shared_pool(runs):
     (fresh,) = runs["R6"]["phases"]
     assert fresh["outputs"] == ref
     assert all(h >= PAGE for h in _storage_hits(fresh)), fresh["cached"]
+
+
+def test_generic_api_without_interface_v1_hits_after_flush(runs):
+    ref = runs["R0"]["phases"][0]["outputs"]
+    first, _, _, second = runs["R7"]["phases"]
+    assert first["outputs"] == ref and second["outputs"] == ref
+    assert all(h >= PAGE for h in _storage_hits(second)), second["cached"]
