@@ -9,9 +9,8 @@ Engine runs (each a process, ~45-65 s to start, so several phases share one):
 | R2  | layer_first        | disk D1       | fresh process: serve (L3 hit from disk) |
 | R3  | page_first_direct  | disk D2       | serve, settle, flush_cache, serve (L3 hit) |
 | R4  | page_first_direct  | disk D2, corrupted before start | serve (miss, same outputs), settle, flush, serve (hit again) |
-| R5  | layer_first        | node server S | serve, settle (pages reach the server's shared pool) |
-| R6  | layer_first        | node server S | fresh process: serve (L3 hit from the shared pool) |
-| R7  | page_first_direct, SGLang's generic API (no ``interface_v1``) | disk D3 | serve, settle, flush, serve |
+| R5  | layer_first, SGLang's generic API (no ``interface_v1``) | node server S | serve, settle (pages reach the server's shared pool) |
+| R6  | layer_first, generic API | node server S | fresh process: serve (L3 hit from the shared pool) |
 
 Every served output must equal R0's token for token.
 """
@@ -93,13 +92,11 @@ def runs(tmp_path_factory):
     url = f"ipc://{root}/kvc.sock"
     server = server_rig.start_server_process(url, str(root / "server.log"), size_mb=64, lease_s=5.0)
     try:
-        on_server = {"server_url": url}
+        on_server = {"server_url": url, "interface_v1": 0}
         out["R5"] = run_engine(_spec(model, "layer_first", None, [_gen(), {"op": "settle", "seconds": 3}], **on_server), root / "r5")
         out["R6"] = run_engine(_spec(model, "layer_first", None, [_gen()], **on_server), root / "r6")
     finally:
         server_rig.stop_process(server)
-    out["R7"] = run_engine(_spec(model, "page_first_direct", root / "disk3", [_gen(), *settle_flush, _gen()], interface_v1=0),
-                           root / "r7")
     return out
 
 
@@ -144,7 +141,7 @@ def test_corrupted_tier_is_a_miss_and_outputs_are_unchanged(runs):
     assert all(h >= PAGE for h in _storage_hits(second)), second["cached"]
 
 
-def test_fresh_process_hits_the_node_servers_shared_pool(runs):
+def test_fresh_process_hits_the_node_servers_shared_pool_through_the_generic_api(runs):
     ref = runs["R0"]["phases"][0]["outputs"]
     first, _ = runs["R5"]["phases"]
     assert first["outputs"] == ref
@@ -152,9 +149,3 @@ def test_fresh_process_hits_the_node_servers_shared_pool(runs):
     assert fresh["outputs"] == ref
     assert all(h >= PAGE for h in _storage_hits(fresh)), fresh["cached"]
 
-
-def test_generic_api_without_interface_v1_hits_after_flush(runs):
-    ref = runs["R0"]["phases"][0]["outputs"]
-    first, _, _, second = runs["R7"]["phases"]
-    assert first["outputs"] == ref and second["outputs"] == ref
-    assert all(h >= PAGE for h in _storage_hits(second)), second["cached"]
