@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is not installed (.ci/install_sglang.sh)")
+# "sglang.srt", not "sglang": tests/sglang itself is importable as a namespace package "sglang"
+pytest.importorskip("sglang.srt", reason="SGLang is not installed (.ci/install_sglang.sh)")
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo  # noqa: E402

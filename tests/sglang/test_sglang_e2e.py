@@ -22,7 +22,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is not installed (.ci/install_sglang.sh)")
+# "sglang.srt", not "sglang": tests/sglang itself is importable as a namespace package "sglang"
+pytest.importorskip("sglang.srt", reason="SGLang is not installed (.ci/install_sglang.sh)")
 transformers = pytest.importorskip("transformers")
 
 from conftest import REPO, run_engine  # noqa: E402

@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("sglang", reason="SGLang is not installed (.ci/install_sglang.sh)")
+# "sglang.srt", not "sglang": tests/sglang itself is importable as a namespace package "sglang"
+pytest.importorskip("sglang.srt", reason="SGLang is not installed (.ci/install_sglang.sh)")
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
