@@ -48,6 +48,7 @@ from .stats import StorageCounters
 logger = logging.getLogger(__name__)
 
 KV = "kv"
+MAMBA = "mamba"
 _CONFIG_KEYS = {f.name for f in dataclasses.fields(Config)}
 
 
@@ -74,6 +75,7 @@ class KVConnectStorage(HiCacheStorage):
         self._groups: dict[str, int] = {}
         self._logical: set[str] = set()
         self._host_page: dict[str, int] = {}  # host slots per page, per pool
+        self._replicated: set[str] = set()  # pools only storage-writer ranks write
         self._flat: Optional[FlatPages] = None
         self._lock = threading.Lock()
 
@@ -121,8 +123,12 @@ class KVConnectStorage(HiCacheStorage):
                 kv_caches[pp.name] = pp.planes
                 layer_groups[pp.name] = self._groups[pp.name]
                 identity[f"pool:{pp.name}"] = f"{pp.layout_name}/{pp.dtype}/{pp.page_tokens}/{pp.page_bytes}"
-                if replicated and pp.name != KV:  # sidecars of MLA models (e.g. Mamba) are TP-sharded
+                # as SGLang's own file backend: in an MLA model every pool is replicated over TP
+                # except Mamba state, which stays TP-sharded (each rank writes and reads its own)
+                if replicated and pp.name.startswith(MAMBA):
                     identity[f"pool:{pp.name}"] += f"/tp{sc.tp_rank}of{sc.tp_size}"
+                elif replicated:
+                    self._replicated.add(pp.name)
             if not groups:
                 raise LayoutError("kvconnect: no SGLang host pool with data was registered")
             layout = KVLayout.from_tensors(
@@ -180,7 +186,7 @@ class KVConnectStorage(HiCacheStorage):
             return [False] * n
         if name in self._logical:
             return [True] * n
-        if kind == "backup" and not self.is_writer:
+        if kind == "backup" and not self.is_writer and name in self._replicated:
             return [True] * n  # replicated MLA: the writer rank stores this page
         group = self._groups.get(name)
         if group is None:

@@ -170,3 +170,28 @@ def test_mamba_hybrid_state_pages_and_gate(tmp_path, layout):
     assert got == {"mamba": [True]}
     assert torch.equal(mamba.get_data_page(1, flat=True), want)
     b.close()
+
+
+def test_mla_hybrid_non_writer_rank_still_writes_its_tp_sharded_mamba_state(tmp_path):
+    """SGLang's rule (as its file backend): MLA KV is replicated (only writer ranks store it),
+    Mamba state stays TP-sharded (every rank stores and reads its own)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    from test_host_pools import mla_pool
+
+    kv = mla_pool("page_first_direct")
+    info = MambaStateBufferInfo(temporal=torch.zeros(3, 9, 4, 8), conv=(torch.zeros(3, 9, 2, 16, dtype=torch.bfloat16),))
+    mamba = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, layout="page_first")
+    b = KVConnectStorage(storage_config(tmp_path, mla=True, tp_rank=1, tp_size=2), {})
+    b.register_mem_pool_host(kv)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    b.on_host_pools_registered()
+    ks = keys(2, "mla-mamba")
+    assert b.batch_set_v1(ks, idx([0, 1])) == [True, True]
+    assert b.batch_exists(ks) == 0  # rank 1 is not the KV writer
+    t = PoolTransfer(name=PoolName.MAMBA, keys=ks[-1:], host_indices=torch.tensor([3]), hit_policy=TRAIL)
+    assert b.batch_set_v2([t]) == {"mamba": [True]}
+    assert b.batch_exists_v2(ks, [t]).extra_pool_hit_pages == {}  # no KV: nothing restorable here
+    assert b._store.present(b._groups["mamba"], ks[-1:]).tolist() == [True]
+    b.close()
