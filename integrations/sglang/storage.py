@@ -78,6 +78,7 @@ class KVConnectStorage(HiCacheStorage):
         self._replicated: set[str] = set()  # pools only storage-writer ranks write
         self._flat: Optional[FlatPages] = None
         self._lock = threading.Lock()
+        self._failed = False
 
     # -- registration ------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -147,12 +148,12 @@ class KVConnectStorage(HiCacheStorage):
                         [t.name for t in engine.storage.tiers] or "pool only")
 
     def _ready(self) -> Optional[PageStore]:
-        if self._store is None:
+        if self._store is None and not self._failed:
             try:
                 self._build()
             except Exception:
+                self._failed = True  # once: every later call is a miss without retrying
                 logger.exception("kvconnect: cannot describe SGLang's host pools; every page is a miss")
-                return None
         return self._store
 
     # -- v1: the KV anchor pool ------------------------------------------------------------
