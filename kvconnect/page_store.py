@@ -231,8 +231,3 @@ def restorable_prefixes(page_tokens: int, windows_pages: Sequence[Optional[int]]
         if ok:
             legal.append(end)
     return legal
-
-
-
-
-
