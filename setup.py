@@ -57,6 +57,7 @@ setup(
         "kvconnect.server",
         "kvconnect.integrations",
         "kvconnect.integrations.vllm",
+        "kvconnect.integrations.sglang",
     ],
     package_dir={"kvconnect.integrations": "integrations"},
     ext_modules=ext_modules,

@@ -192,3 +192,13 @@ def _parse(name: str, raw: Any, field: dataclasses.Field, where: str) -> Any:
         return (text or None) if "Optional" in kind else text
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+
+
+ENGINE_OPENMP_BINDING_VARS = ("OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def engine_openmp_binding() -> Mapping[str, str]:
+    """The OpenMP thread binding the serving engine's launcher set for this process (vLLM CPU
+    derives it from ``VLLM_CPU_OMP_THREADS_BIND``). Not kvconnect's configuration: a fact about
+    the engine that ``kvconnect.transfer.placement`` places copy threads around."""
+    return {name: os.environ[name] for name in ENGINE_OPENMP_BINDING_VARS if name in os.environ}

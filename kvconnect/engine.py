@@ -136,6 +136,17 @@ class KVCacheEngine:
         skip = self._masked_prefix(mask, len(tok))
         tables = BlockTables.of(self.layout, block_ids)
         chunks = [c for c in self._chunks(tok, self.config.save_unfull_chunk, namespace) if c.start >= skip]
+        return self._store_chunks(chunks, tables, start_s)
+
+    def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
+        """Store chunks whose keys the caller computed (e.g. ``kvconnect.page_keys``).
+
+        ``chunks`` tile a token range that ``block_ids`` (one list per group) covers from
+        token 0; returns the tokens of ``chunks`` stored after the call.
+        """
+        return self._store_chunks(list(chunks), BlockTables.of(self.layout, block_ids), time.perf_counter())
+
+    def _store_chunks(self, chunks: list[Chunk], tables: BlockTables, start_s: float) -> int:
         plans = [p for p in plan_store(self.layout, chunks, tables) if p.group_mask]
         existing = self.storage.masks([p.chunk.key for p in plans])
         # rewrite a stored chunk only when the new one holds strictly more groups: a re-store
@@ -180,14 +191,16 @@ class KVCacheEngine:
         between an engine's lookup and its retrieve evict other chunks first (a hit is still
         not a promise: ``retrieve`` returns what it loaded).
         """
-        tok = tokens_as_int64(tokens)
-        chunks = self._chunks(tok, include_partial=True, namespace=namespace)
+        return self.lookup_chunks(self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace))
+
+    def lookup_chunks(self, chunks: list[Chunk]) -> int:
+        """``lookup`` over chunks whose keys the caller computed: the restorable chunk end."""
         hit = restorable_boundary(self.layout, chunks, self.storage.masks([c.key for c in chunks]))
         if hit:
             self.pool.release(self.pool.acquire([c.key for c in chunks if c.end <= hit]))  # acquire touches
         with self._stats_lock:
             self.stats.lookups += 1
-            self.stats.lookup_requested_tokens += len(tok)
+            self.stats.lookup_requested_tokens += chunks[-1].end if chunks else 0
             self.stats.lookup_hit_tokens += hit
         return hit
 
@@ -202,7 +215,13 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
-        chunks = self._chunks(tok, include_partial=True, namespace=namespace)
+        return self._retrieve_chunks(self._chunks(tok, include_partial=True, namespace=namespace), tables, skip, start_s)
+
+    def retrieve_chunks(self, chunks: list[Chunk], block_ids, *, present_tokens: int = 0) -> int:
+        """``retrieve`` over chunks whose keys the caller computed; tokens loaded beyond ``present_tokens``."""
+        return self._retrieve_chunks(list(chunks), BlockTables.of(self.layout, block_ids), present_tokens, time.perf_counter())
+
+    def _retrieve_chunks(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
         # chunks below the mask are already in the engine: never fetch them from a tier
         wanted = [c for c in chunks if c.end > skip]
         entries = [None] * (len(chunks) - len(wanted)) + list(self.storage.acquire([c.key for c in wanted]))

@@ -35,6 +35,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from ..config import engine_openmp_binding
+
 logger = logging.getLogger(__name__)
 
 
@@ -63,7 +65,7 @@ def _parse_ids(text: str) -> set:
 
 def engine_compute_cores(environ: Optional[Mapping[str, str]] = None) -> Optional[frozenset]:
     """The cores the engine's OpenMP threads are bound to in this process, or None if unknown."""
-    env = os.environ if environ is None else environ
+    env = engine_openmp_binding() if environ is None else environ
     try:
         places = env.get("OMP_PLACES", "")
         if places.strip().startswith("{"):
