@@ -58,10 +58,15 @@ def test_connector_translation_splits_the_mixed_ratio_group(result):
                                                            (256, 128, None), (4, 1, 7), (8, 1, 127)]
 
 
-def test_round_trip_restores_every_row_and_touches_nothing_else(result):
-    assert result["lookup"] == 1280 and result["retrieved"] == 1280
-    assert result["mismatches"] == {}
-    assert result["rows_compared"] == 1953
-    assert result["needed"]["model.layers.2.attn"] == 10  # C128: 1280 / 128 rows
-    assert result["needed"]["model.layers.1.attn.swa_cache"] == 127
-    assert result["bytes_outside_changed"] == 0 and result["bytes_outside_checked"] > 70_000_000
+@pytest.mark.parametrize("case, prompt, hit, rows", [(0, 1300, 1280, 1953), (1, 777, 768, 1437), (2, 2100, 2048, 2727)])
+def test_round_trip_restores_every_row_and_touches_nothing_else(result, case, prompt, hit, rows):
+    out = result["cases"][case]
+    assert out["prompt"] == prompt
+    assert out["lookup"] == hit and out["retrieved"] == hit  # the whole chunk-aligned prompt
+    assert out["mismatches"] == {}
+    assert out["rows_compared"] == rows
+    assert out["needed"]["model.layers.2.attn"] == hit // 128  # C128: one row per 128 tokens
+    assert out["needed"]["model.layers.1.attn"] == hit // 4
+    assert out["needed"]["model.layers.1.attn.swa_cache"] == 127  # the last W - 1 tokens
+    assert out["needed"]["model.layers.1.attn.compressor.state_cache"] == 7
+    assert out["bytes_outside_changed"] == 0 and out["bytes_outside_checked"] > 70_000_000

@@ -50,6 +50,7 @@ LAYERS = (0, 4, 128, 4)  # compress ratio per layer (0: SWA only), as in V4-Flas
 BLOCK = 256  # vLLM's DeepSeek V4 block size (tokens)
 STEP = 512  # prefill tokens per scheduler step
 CHUNK = 256  # kvconnect chunk
+CASES = ((1300, 7), (777, 8), (2100, 9))  # (prompt tokens, seed of the block tables and data)
 
 
 def _module(cls, **attrs):
@@ -164,38 +165,17 @@ def first_live_block(rule, computed):
     bs, r, w = rule
     return 0 if w is None else max(0, computed - w + 1) // bs
 
-
-def main() -> None:
+def round_trip(config, caches, translation, buf, num_tokens: int, seed: int) -> dict:
+    """Prefill ``num_tokens`` in steps, store, re-randomise, retrieve into other blocks, compare."""
     from kvconnect import Config, KVCacheEngine
-    from kvconnect.integrations.vllm import translate
 
-    vc, config, caches, layout, kernel = build(num_blocks=800)
-    out = {"layout": layout.name, "kernel_block_sizes": kernel, "num_blocks": config.num_blocks, "groups": [],
-           "layers": {}, "tensors": []}
-    for g in config.kv_cache_groups:
-        out["groups"].append([type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, g.layer_names])
-    for t in config.kv_cache_tensors:
-        out["tensors"].append([t.layers, t.offset, t.layer_stride, t.block_stride, t.size])
-    for name, t in caches.items():
-        out["layers"][name] = [list(t.shape), list(t.stride()), str(t.dtype), t.storage_offset() * t.element_size()]
-    backing = {t.untyped_storage().data_ptr() for t in caches.values()}
-    out["backing_tensors"] = len(backing)
-    buf = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
-
-    # the connector's registration path: backend names from the forward context, then translate
-    names = translate.attention_backend_names(vc, list(caches))
-    translation = translate.translate_kv_caches(config, caches, backend_names=names, model_name="vllm-dsv4-packed")
-    out["backend_names"] = sorted(set(names.values()))
-    out["release"] = translation.release
-    out["kv_groups"] = [(d["block_size"], d["compress_ratio"], d["window"], d["row_bytes_per_row"])
-                        for d in translation.layout.describe()]
-
-    rng = np.random.default_rng(7)
+    out = {"prompt": num_tokens}
+    rng = np.random.default_rng(seed)
     buf.copy_(torch.from_numpy(rng.integers(0, 256, buf.numel(), dtype=np.uint8)))
     rules = [_rule(_per_layer(config, g.layer_names[0])) for g in config.kv_cache_groups]
     engine = KVCacheEngine(translation.layout, Config(chunk_size=CHUNK, max_local_cpu_size=0.2))
     free = [int(b) for b in rng.permutation(np.arange(1, config.num_blocks))]  # one pool; 0 is the null block
-    tokens = rng.integers(0, 32000, 1300).astype(np.int64)
+    tokens = rng.integers(0, 32000, num_tokens).astype(np.int64)
     ids = [[] for _ in rules]
     stored = computed = 0
     while computed < len(tokens):
@@ -260,6 +240,34 @@ def main() -> None:
                          for k in expected}
     out["mismatches"] = {k: v for k, v in out["mismatches"].items() if v}
     engine.close()
+    return out
+
+
+def main() -> None:
+    from kvconnect.integrations.vllm import translate
+
+    vc, config, caches, layout, kernel = build(num_blocks=800)
+    out = {"layout": layout.name, "kernel_block_sizes": kernel, "num_blocks": config.num_blocks, "groups": [],
+           "layers": {}, "tensors": []}
+    for g in config.kv_cache_groups:
+        out["groups"].append([type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, g.layer_names])
+    for t in config.kv_cache_tensors:
+        out["tensors"].append([t.layers, t.offset, t.layer_stride, t.block_stride, t.size])
+    for name, t in caches.items():
+        out["layers"][name] = [list(t.shape), list(t.stride()), str(t.dtype), t.storage_offset() * t.element_size()]
+    backing = {t.untyped_storage().data_ptr() for t in caches.values()}
+    out["backing_tensors"] = len(backing)
+    buf = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
+
+    # the connector's registration path: backend names from the forward context, then translate
+    names = translate.attention_backend_names(vc, list(caches))
+    translation = translate.translate_kv_caches(config, caches, backend_names=names, model_name="vllm-dsv4-packed")
+    out["backend_names"] = sorted(set(names.values()))
+    out["release"] = translation.release
+    out["kv_groups"] = [(d["block_size"], d["compress_ratio"], d["window"], d["row_bytes_per_row"])
+                        for d in translation.layout.describe()]
+
+    out["cases"] = [round_trip(config, caches, translation, buf, n, seed) for n, seed in CASES]
     print("RESULT " + json.dumps(out))
 
 
