@@ -70,3 +70,13 @@ def test_round_trip_restores_every_row_and_touches_nothing_else(result, case, pr
     assert out["needed"]["model.layers.1.attn.swa_cache"] == 127  # the last W - 1 tokens
     assert out["needed"]["model.layers.1.attn.compressor.state_cache"] == 7
     assert out["bytes_outside_changed"] == 0 and out["bytes_outside_checked"] > 70_000_000
+
+
+def test_vllm_managers_free_windows_to_the_null_block(result):
+    """What vLLM's scheduler handed out: SWA (64-token blocks, window 128), C4 states (block 4,
+    window 8) and the C128 state (block 8, window 128) drop blocks behind the window; the
+    compressed MLA group keeps all; the hit's request gets blocks disjoint from the prefill's."""
+    out = result["cases"][0]
+    assert out["null_blocks"] == [[0, 0, 0, 0, 0], [6, 6, 0, 126, 48], [14, 14, 0, 254, 112]]
+    assert out["dst_null_blocks"] == [18, 18, 0, 318, 144]  # (1280 - W + 1) // block for a hit at 1280
+    assert all(case["dst_disjoint"] for case in result["cases"])

