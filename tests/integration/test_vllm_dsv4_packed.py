@@ -40,6 +40,8 @@ def test_vllm_packs_every_layer_of_a_block_into_one_backing_tensor(result):
                                                          ("UniformTypeKVCacheSpecs", 256), ("UniformTypeKVCacheSpecs", 4),
                                                          ("UniformTypeKVCacheSpecs", 8)]
     assert result["kernel_block_sizes"] == [64, 64, 256, 4, 8]  # packed groups are never split into kernel blocks
+    # nor can a 256-token C4 block be viewed as 64-token kernel blocks: 93888 B is not a multiple of 16 x 584 B
+    assert result["kernel_view_64"].startswith("refused: CPU_V4_MLA_SPARSE needs 64-token kernel blocks")
     assert {t[3] for t in result["tensors"]} == {BLOCK_BYTES}
     layers = result["layers"]
     # as_strided views: the block stride spans every layer of the block; groups alias from byte 0

@@ -279,6 +279,18 @@ def main() -> None:
         out["tensors"].append([t.layers, t.offset, t.layer_stride, t.block_stride, t.size])
     for name, t in caches.items():
         out["layers"][name] = [list(t.shape), list(t.stride()), str(t.dtype), t.storage_offset() * t.element_size()]
+    # what a backend needing 64-token kernel blocks would bind (the connector keeps the manager views)
+    from vllm.v1.worker.utils import AttentionGroup
+
+    c4 = "model.layers.1.attn"
+    group = AttentionGroup(backend=vc.compilation_config.static_forward_context[c4].get_attn_backend(),
+                           layer_names=[c4], kv_cache_spec=_per_layer(config, c4), kv_cache_group_id=2,
+                           kernel_block_size=64)
+    try:
+        view = group.map_kv_cache_to_kernel_blocks(caches[c4])
+        out["kernel_view_64"] = [list(view.shape), list(view.stride()), group.kernel_block_stride]
+    except ValueError as exc:
+        out["kernel_view_64"] = f"refused: {str(exc)[:80]}"
     backing = {t.untyped_storage().data_ptr() for t in caches.values()}
     out["backing_tensors"] = len(backing)
     buf = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
