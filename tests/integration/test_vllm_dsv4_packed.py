@@ -56,6 +56,8 @@ def test_vllm_packs_every_layer_of_a_block_into_one_backing_tensor(result):
 
 def test_connector_translation_splits_the_mixed_ratio_group(result):
     assert result["release"] == "vllm"
+    # the connector reads backend names from the forward context: none is a page-packed backend
+    assert result["backend_names"] == ["CPU_V4_INDEXER", "CPU_V4_MLA_SPARSE", "CompressorBackend", "DEEPSEEK_SPARSE_SWA"]
     assert [tuple(g[:3]) for g in result["kv_groups"]] == [(64, 1, 127), (64, 1, 127), (256, 4, None),
                                                            (256, 128, None), (4, 1, 7), (8, 1, 127)]
 
