@@ -409,3 +409,54 @@ def test_current_block_ids_prefer_the_scheduler_block_state():
     assert translate.current_block_ids(out, manager, "a") == ((1, 0, 3), (4,))
     assert translate.current_block_ids(out, manager, "b") == ((9,), (9,))
     assert translate.current_block_ids(SimpleNamespace(), None, "a") is None
+
+
+def test_block_outermost_packed_views_round_trip():
+    """vLLM >= 0.32's block-outermost packing (seed 002; driven for real in
+    tests/integration/vllm_dsv4_packed.py): one int8 backing buffer, every layer of a block side
+    by side, each layer an ``as_strided`` ``[B, 1, N, C]`` view whose block stride spans the
+    widest group's whole block; groups alias from byte 0 of a block (a block id belongs to one
+    group at a time) and a UniformType group mixes compress ratios."""
+    c4 = MLAAttentionSpec(16, 1, 512, torch.uint8, tokens_per_state=4)  # 4 rows of 584 B
+    c8 = MLAAttentionSpec(16, 1, 512, torch.uint8, tokens_per_state=8)  # 2 rows
+    swa = SlidingWindowSpec(4, 1, 512, torch.uint8, sliding_window=8)  # 4 rows
+    row, nb = 584, 48
+    mla_pages = [("c4.a", 4), ("c4.b", 4), ("c8", 2)]
+    block_stride = sum(rows * row for _, rows in mla_pages)  # the widest group sets the block
+    buf = _filled((nb * block_stride,), torch.uint8, 21)
+    caches, offset = {}, 0
+    for name, rows in mla_pages:
+        caches[name] = torch.as_strided(buf, (nb, 1, rows, row), (block_stride, rows * row, row, 1), offset)
+        offset += rows * row
+    for i, name in enumerate(("swa.a", "swa.b")):  # the SWA group starts at byte 0 again
+        caches[name] = torch.as_strided(buf, (nb, 1, 4, row), (block_stride, 4 * row, row, 1), i * 4 * row)
+    uniform = UniformTypeKVCacheSpecs(16, {"c4.a": c4, "c4.b": c4, "c8": c8})
+    config = KVCacheConfig(nb, [KVCacheGroupSpec(["c4.a", "c4.b", "c8"], uniform),
+                                KVCacheGroupSpec(["swa.a", "swa.b"], swa)], kv_cache_layout="BLHNC")
+    t = translate_kv_caches(config, caches)
+    assert [(g.block_size, g.compress_ratio, g.sliding_window) for g in t.layout.groups] == [
+        (16, 4, None), (16, 8, None), (4, 1, 8)]
+    assert t.source_groups == (0, 0, 1)
+
+    tokens = np.arange(64, dtype=np.int64) + 3
+    src = [list(range(1, 5)), list(range(5, 21))]
+    dst = [list(range(21, 25)), list(range(25, 41))]
+    engine = KVCacheEngine(t.layout, Config(chunk_size=16, max_local_cpu_size=0.01))
+    assert engine.store(tokens, t.block_tables(src)) == 64
+    old = buf.clone()
+    buf.copy_(_filled((nb * block_stride,), torch.uint8, 22))
+    scrambled = buf.clone()
+    assert engine.retrieve(tokens, t.block_tables(dst)) == 64
+    old_blocks, new_blocks = old.view(nb, block_stride), buf.view(nb, block_stride)
+    for name, rows in mla_pages:  # full groups: every row of every block, by vLLM's offsets
+        start = caches[name].storage_offset()
+        for s, d in zip(src[0], dst[0]):
+            assert torch.equal(new_blocks[d, start:start + rows * row], old_blocks[s, start:start + rows * row]), name
+    for i in range(2):  # the window: tokens 57..63 (W - 1 = 7), blocks 14 and 15 of the SWA table
+        for token in range(57, 64):
+            b, r = token // 4, token % 4
+            at = i * 4 * row + r * row
+            assert torch.equal(new_blocks[dst[1][b], at:at + row], old_blocks[src[1][b], at:at + row])
+    untouched = [b for b in range(nb) if b not in dst[0] + dst[1]]
+    assert torch.equal(new_blocks[untouched], scrambled.view(nb, block_stride)[untouched])
+    engine.close()

@@ -273,11 +273,13 @@ def dsv4(*, packed=False, max_tokens=600, layer_kinds=("swa", "c4", "c128"), c4_
     """DeepSeek-V4-Flash, vLLM's seven caches (fewer layers than the model).
 
     packed=False: one tensor per (layer, cache), pages padded to 576 (uint8) / 512 (fp32).
-    packed=True (SYNTHETIC, from seed 002's facts; vLLM 0.23 predates it and its real V4 layout
-    is driven in tests/ascend/vllm_dsv4.py): every page of one block id in one per-block
-    allocation (pages 576-aligned),
-    each layer's cache an ``as_strided`` view with a storage offset; all groups draw block
-    ids from that one pool. Windowed groups get fewer blocks than a dense table needs:
+    packed=True (SYNTHETIC, for the transfer paths on machines without vLLM; vLLM 0.32's real
+    packed V4 layout is driven in tests/integration/vllm_dsv4_packed.py): every page of one
+    block id in one per-block allocation (pages 576-aligned), each layer's cache an
+    ``as_strided`` view with a storage offset; all groups draw block ids from that one pool.
+    Unlike vLLM, whose groups each lay their pages out from byte 0 of a block (aliasing; the
+    block stride is the widest group's bytes), every group's pages here follow one another, so
+    the tests' random per-plane tables stay valid without a cross-group block pool. Windowed groups get fewer blocks than a dense table needs:
     use ``window_keep`` / ``restore_keep`` tables (blocks no store or restore reads are -1).
     ``c4_block_size`` changes the compressed groups' engine block size (seed 001).
     """
