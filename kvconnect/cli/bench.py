@@ -42,6 +42,22 @@ def _progress(total: int, desc: str, disable: bool):
     return tqdm(total=total, desc=desc, unit="run", leave=False, disable=disable)
 
 
+def _timed_runs(fn, device: str, repeats: int, bar, *, setup=None) -> tuple:
+    """(the last run's result, seconds of each run after the first): ``repeats + 1`` runs of
+    ``fn`` (``setup`` before each, untimed), the first a warm-up (page faults, threads)."""
+    result, seconds = None, []
+    for i in range(repeats + 1):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        result = fn()
+        _sync(device)
+        if i:
+            seconds.append(time.perf_counter() - t0)
+        bar.update()
+    return result, seconds
+
+
 def run(args: argparse.Namespace, config: Config) -> int:
     from ..engine import KVCacheEngine
 
@@ -65,31 +81,15 @@ def run(args: argparse.Namespace, config: Config) -> int:
     try:
         tokens = np.arange(num_tokens, dtype=np.int64)
         tables = [list(range(n - 1)) for n in model.blocks_for(num_tokens)]  # blocks_for keeps one spare block
-        stored = retrieved = 0
-        store_s, retrieve_s, copy_s = [], [], []
         nbytes = s.stored_bytes(num_tokens)
         src = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         with _progress(3 * (args.repeats + 1), f"{model.name} x{num_tokens}", quiet) as bar:
-            for i in range(args.repeats + 1):  # the first run of each warms up (page faults, threads)
-                engine.pool.clear()
-                t0 = time.perf_counter()
-                stored = engine.store(tokens, tables)
-                _sync(device)
-                store_s.append(time.perf_counter() - t0) if i else None
-                bar.update()
-            for i in range(args.repeats + 1):
-                t0 = time.perf_counter()
-                retrieved = engine.retrieve(tokens, tables)
-                _sync(device)
-                retrieve_s.append(time.perf_counter() - t0) if i else None
-                bar.update()
-            for i in range(args.repeats + 1):
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                _sync(device)
-                copy_s.append(time.perf_counter() - t0) if i else None
-                bar.update()
+            # every store goes into an empty pool (cleared outside the timing)
+            stored, store_s = _timed_runs(lambda: engine.store(tokens, tables), device, args.repeats, bar,
+                                          setup=engine.pool.clear)
+            retrieved, retrieve_s = _timed_runs(lambda: engine.retrieve(tokens, tables), device, args.repeats, bar)
+            _, copy_s = _timed_runs(lambda: dst.copy_(src), device, args.repeats, bar)
         if stored != num_tokens or retrieved != num_tokens:
             raise RuntimeError(f"benchmark run stored {stored} and restored {retrieved} of {num_tokens} tokens")
         restore = s.restore_bytes(num_tokens)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -87,7 +86,7 @@ class ChunkPool(SlotViews):
         self.num_slots = max(0, capacity_bytes // slot_bytes)
         self.buffer = torch.empty(self.num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
-        self._entries: "OrderedDict[ChunkKey, PoolEntry]" = OrderedDict()
+        self._entries: dict[ChunkKey, PoolEntry] = {}  # eviction order is the policy's
         self._policy = make_policy(eviction, self.num_slots)
         self.eviction = self._policy.name
         self._lock = threading.Lock()
