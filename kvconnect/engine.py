@@ -164,8 +164,7 @@ class KVCacheEngine:
         if writes:
             builder = store_segments(self.layout, writes, [self.pool.slot_offset(s) for s in slots])
             try:
-                transfer.gather(self.layout, builder.build(), self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
-                                cuda_tuning=self._cuda_tuning)
+                self.gather_to_pool(builder.build())
             except BaseException:
                 self.storage.abort(slots)
                 raise
@@ -248,8 +247,7 @@ class KVCacheEngine:
                     self.stats.corrupt_chunks += 1
                 return 0
             tables_built = builder.build()
-            transfer.scatter(self.layout, tables_built, self.pool.buffer, backend=self.backend, num_threads=self.load_threads,
-                             cuda_tuning=self._cuda_tuning)
+            self.scatter_from_pool(tables_built)
             nbytes = tables_built.payload_bytes(self.layout)
             with self._stats_lock:
                 self.stats.retrieved_chunks += sum(e is not None for e in used)
@@ -259,6 +257,17 @@ class KVCacheEngine:
             return boundary - skip
         finally:
             self.storage.release(entries)
+
+    # -- pool transfers (also PageStore's) --------------------------------------------
+    def gather_to_pool(self, tables) -> None:
+        """Planes -> pool slots, on the store's threads and route."""
+        transfer.gather(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
+                        cuda_tuning=self._cuda_tuning)
+
+    def scatter_from_pool(self, tables) -> None:
+        """Pool slots -> planes, on the load's threads and route."""
+        transfer.scatter(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.load_threads,
+                         cuda_tuning=self._cuda_tuning)
 
     def close(self) -> None:
         """Flush queued lower-tier writes, stop their threads, close the tiers, empty the pool."""

@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import transfer
 from .chunk_format import ChunkHeader
 from .engine import KVCacheEngine
 from .errors import BlockTableError
@@ -116,8 +115,7 @@ class PageStore:
             offsets = np.array([self.engine.pool.slot_offset(s) for s in slots], np.int64)
             tables = self._segments(group, blocks[writes], offsets).build()
             try:
-                transfer.gather(self.layout, tables, self.engine.pool.buffer, backend=self.engine.backend,
-                                num_threads=self.engine.config.num_threads)
+                self.engine.gather_to_pool(tables)
             except BaseException:
                 self.engine.storage.abort(slots)
                 raise
@@ -159,8 +157,7 @@ class PageStore:
             if len(idx):
                 offsets = np.array([self.engine.pool.slot_offset(entries[i].slot) for i in idx], np.int64)
                 tables = self._segments(group, blocks[idx], offsets).build()
-                transfer.scatter(self.layout, tables, self.engine.pool.buffer, backend=self.engine.backend,
-                                 num_threads=self.engine.config.num_threads)
+                self.engine.scatter_from_pool(tables)
         finally:
             storage.release(entries)
         with self._lock:
