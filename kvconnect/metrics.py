@@ -66,7 +66,7 @@ CATALOGUE: dict[str, Metric] = {m.name: m for m in (
     # -- CPU pool ---------------------------------------------------------------------------
     Metric("kvconnect_pool_used_bytes", GAUGE, "CPU pool bytes held by chunks (slot granularity)"),
     Metric("kvconnect_pool_capacity_bytes", GAUGE, "CPU pool size"),
-    Metric("kvconnect_pool_evictions_total", COUNTER, "chunks evicted from the CPU pool (LRU) to make room"),
+    Metric("kvconnect_pool_evictions_total", COUNTER, "chunks evicted from the CPU pool to make room"),
     Metric("kvconnect_pool_reserve_shortfalls_total", COUNTER, "writes that found every slot pinned"),
     # -- tiers (tier = cpu | disk | remote) ----------------------------------------------------
     Metric("kvconnect_tier_hits_total", COUNTER, "chunks a tier was asked about and held", ("tier",)),
@@ -82,6 +82,8 @@ CATALOGUE: dict[str, Metric] = {m.name: m for m in (
     Metric("kvconnect_lookup_timeouts_total", COUNTER, "lookup-channel calls a worker did not answer in time (a miss)"),
     Metric("kvconnect_load_failures_total", COUNTER, "planned loads that restored less than promised (vLLM recomputes)"),
     Metric("kvconnect_save_failures_total", COUNTER, "saves that raised (a future miss)"),
+    Metric("kvconnect_step_save_wait_seconds_total", COUNTER,
+           "engine-step time spent waiting for earlier saves to land (preemptions, window layouts, backlog)"),
     # -- node cache server ------------------------------------------------------------------
     Metric("kvconnect_server_used_bytes", GAUGE, "shared pool bytes in use"),
     Metric("kvconnect_server_capacity_bytes", GAUGE, "shared pool size"),

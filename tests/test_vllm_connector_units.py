@@ -6,7 +6,6 @@ CPU backend (pages) and a sliding-window hybrid, driven by the plans the schedul
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import zmq
 
 from kvconnect import Config, ConfigError, GroupSpec, KVLayout
 from kvconnect.integrations.vllm.lookup_channel import LookupClient, LookupServer, check_address, rank_address
-from kvconnect.integrations.vllm.metadata import LoadJob, RequestView, SaveJob, StepPlan
+from kvconnect.integrations.vllm.metadata import SAVE_SLACK_STEPS, LoadJob, RequestView, SaveJob, StepPlan
 from kvconnect.integrations.vllm.scheduler import KVConnectScheduler
 from kvconnect.integrations.vllm.translate import Translation
 from kvconnect.integrations.vllm.worker import KVConnectWorker
@@ -208,14 +207,30 @@ def test_decode_chunks_are_not_saved_by_default():
     assert [len(j.tokens) for s in saves for j in s] == [64]
 
 
-def test_finished_without_a_recent_save_frees_at_once():
+def test_finished_requests_are_held_only_while_a_save_of_theirs_may_run():
+    """Workers land a save of plan s before the forward of plan s + SAVE_SLACK_STEPS; blocks
+    freed now go to the next plan at the earliest, so only a request whose last save is more
+    recent than that keeps its blocks (and is reported by the workers in the next plan)."""
     sched = KVConnectScheduler(FixedHits(0), chunk_tokens=CHUNK)
-    req = _view(128)
-    sched.num_new_matched_tokens(req, 0)
-    sched.after_alloc(req, (), num_computed=0, num_external=0)
-    assert len(sched.build_plan({"r": 128}, lambda r: 0, lambda r: ((1, 2),)).saves) == 1
-    sched.build_plan({"r": 1}, lambda r: 128, lambda r: ((1, 2),))  # a decode step: nothing to save
-    assert sched.request_finished("r") is False
+    names = ("recent", "old", "short", "preempted")
+    for rid in names:
+        req = _view(40 if rid == "short" else 128, rid)
+        sched.num_new_matched_tokens(req, 0)
+        sched.after_alloc(req, (), num_computed=0, num_external=0)
+    plan = sched.build_plan({rid: 128 for rid in names}, lambda r: 0, lambda r: ((1, 2),))
+    assert plan.step == 1 and not plan.idle
+    assert sorted(j.req_id for j in plan.saves) == ["old", "preempted", "recent"]
+    decode = {rid: 1 for rid in names if rid != "preempted"}
+    plan = sched.build_plan(decode, lambda r: 128, lambda r: ((1, 2),), preempted={"preempted"})
+    assert plan.preempted == ("preempted",) and plan.saves == () and plan.step == 2
+    assert sched.request_finished("recent") is True  # saved in plan 1 <= 2 + 1 - SAVE_SLACK_STEPS is false
+    assert sched.request_finished("short") is False  # never saved
+    assert sched.request_finished("preempted") is False  # its saves landed in the preempting step
+    plan = sched.build_plan({}, lambda r: 0, lambda r: None)
+    assert plan.finished == ("recent",) and plan.idle and plan.step == 3
+    while sched._step + 1 - SAVE_SLACK_STEPS < 1:  # plan 1's saves land before the next plan
+        sched.build_plan({"old": 1}, lambda r: 128, lambda r: ((1, 2),))
+    assert sched.request_finished("old") is False
 
 
 def test_a_requests_namespace_reaches_its_lookup_load_and_saves():
@@ -234,7 +249,7 @@ def test_worker_keeps_namespaces_apart():
     worker = _worker(Translation(layout, (0,), 1, ("l",)))
     tokens = np.arange(128, dtype=np.int64)
     _step(worker, StepPlan(saves=(SaveJob("a", tokens, ((1, 2, 3, 4),), 0, b"tenant-a"),)))
-    worker.begin_step()
+    worker.drain()
     assert worker.lookup(tokens, b"tenant-a") == 128
     assert worker.lookup(tokens) == 0 and worker.lookup(tokens, b"tenant-b") == 0
     job = LoadJob("b", tokens, ((5, 6, 7, 8),), present_tokens=0, end_tokens=127, namespace=b"tenant-b")
@@ -281,7 +296,7 @@ def _worker(t: Translation) -> KVConnectWorker:
 
 
 def _step(worker: KVConnectWorker, plan: StepPlan, finished=()):
-    worker.begin_step()
+    worker.begin_step(plan)
     worker.load(plan)
     worker.save(plan)
     return worker.transfer_results(set(finished))
@@ -294,7 +309,7 @@ def test_worker_saves_windows_and_restores_into_new_blocks():
     # prefill in two steps; window blocks (group 0) before the window are freed (0) in step 2
     _step(worker, StepPlan(saves=(SaveJob("a", tokens[:128], ((1, 2, 3, 4), (1, 2, 3, 4)), 0),)))
     _step(worker, StepPlan(saves=(SaveJob("a", tokens[:256], ((0, 0, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 5, 6, 7, 8)), 128),)))
-    worker.begin_step()
+    worker.drain()
     assert worker.lookup(tokens) == 256
 
     full0, swa0 = h.full.clone(), h.swa.clone()
@@ -318,7 +333,7 @@ def test_worker_never_writes_into_blocks_vllm_already_holds():
     worker = _worker(h.translation)
     tokens = np.arange(256, dtype=np.int64) + 5
     _step(worker, StepPlan(saves=(SaveJob("a", tokens, ((1, 2, 3, 4, 5, 6, 7, 8),) * 2, 0),)))
-    worker.begin_step()
+    worker.drain()
     # vLLM holds tokens [0, 96) itself (blocks 9..11 of the full group): a chunk boundary is at 64
     full0 = h.full.clone()
     ids_full = (9, 10, 11, 12, 13, 14, 15, 1)
@@ -349,27 +364,6 @@ def test_single_group_failures_name_blocks():
     _, loaded, failed = _step(worker, StepPlan(loads=(job,)))
     assert loaded == {"b"} and not failed
     assert worker.take_load_error_blocks() == {4, 5, 6}  # vLLM's own block 3 stays valid
-    worker.close()
-
-
-def test_finished_requests_are_reported_after_their_saves():
-    h = _hybrid()
-    worker = _worker(h.translation)
-    tokens = np.arange(128, dtype=np.int64)
-    gate = threading.Event()
-    original = worker.engine.store
-
-    def slow_store(*a, **k):
-        gate.wait(5)
-        return original(*a, **k)
-
-    worker.engine.store = slow_store
-    worker.save(StepPlan(saves=(SaveJob("a", tokens, ((1, 2, 3, 4),) * 2, 0),), finished=("a",)))
-    assert worker.transfer_results(set())[0] == set()  # its save still runs: blocks stay with vLLM
-    gate.set()
-    worker.begin_step()
-    assert worker.transfer_results(set())[0] == {"a"}
-    assert worker.transfer_results(set())[0] == set()
     worker.close()
 
 

@@ -127,11 +127,11 @@ def test_registration_logs_one_info_line_with_the_layout_and_the_pool(caplog):
         # per-step work logs nothing at INFO
         tokens = np.arange(128, dtype=np.int64) + 5
         for step in range(5):
-            worker.begin_step()
+            worker.begin_step(StepPlan())
             worker.load(StepPlan())
             worker.save(StepPlan(saves=(SaveJob(f"s{step}", tokens, ((1, 2, 3, 4), (1, 2, 3, 4)), 0),)))
             worker.transfer_results(set())
-        worker.begin_step()
+        worker.drain()
         assert [r for r in caplog.records if r.levelno >= logging.INFO] == [line]
     finally:
         worker.close()
@@ -157,7 +157,7 @@ def test_worker_summary_after_activity(caplog):
     try:
         tokens = np.arange(128, dtype=np.int64) + 5
         worker.save(StepPlan(saves=(SaveJob("a", tokens, ((1, 2, 3, 4), (1, 2, 3, 4)), 0),)))
-        worker.begin_step()
+        worker.begin_step(StepPlan())
         worker.save(StepPlan())
         lines = [r.getMessage() for r in caplog.records if "since start" in r.getMessage()]
         assert len(lines) == 1 and "1 saves (2 chunks stored" in lines[0] and "CPU pool 2/" in lines[0]

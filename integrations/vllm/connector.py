@@ -119,14 +119,14 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             logger.error("kvconnect: off: cannot describe vLLM's KV cache: %s", exc)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # vLLM's first call of a step, before it frees or zeroes blocks: land earlier saves.
+        # vLLM's first call of a step, before the forward writes blocks freed for this step.
         if self._worker is not None:
-            self._worker.begin_step()
+            self._worker.begin_step(self._plan(kv_connector_metadata))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None:
-            self._worker.begin_step()
+        if self._worker is not None:  # a second call in a step only reaps finished saves
+            self._worker.begin_step(self._plan(connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.load(self._plan())
@@ -160,8 +160,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.hits.close()
 
-    def _plan(self) -> StepPlan:
-        meta = self._get_connector_metadata()
+    def _plan(self, meta: Any = None) -> StepPlan:
+        meta = self._get_connector_metadata() if meta is None else meta
         return meta.plan if isinstance(meta, KVConnectMetadata) else StepPlan()
 
     # ==================================================================================
@@ -187,6 +187,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             lambda req_id: translate.num_computed_tokens(self._requests[req_id]),
             lambda req_id: translate.current_block_ids(scheduler_output, manager, req_id),
             lambda req_id: translate.all_token_ids(self._requests[req_id]),
+            preempted=translate.preempted_ids(scheduler_output),
         )
         return KVConnectMetadata(plan)
 

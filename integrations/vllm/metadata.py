@@ -13,6 +13,11 @@ import numpy as np
 
 BlockIds = tuple[tuple[int, ...], ...]
 
+# A save planned in step s has landed before the forward of step s + SAVE_SLACK_STEPS (the
+# workers wait for it there if need be): saves overlap that many steps, and the scheduler keeps
+# a finished request's blocks only when its last save is that recent (scheduler.request_finished).
+SAVE_SLACK_STEPS = 4
+
 
 def freeze_block_ids(block_ids) -> BlockIds:
     """vLLM's ``tuple[list[int], ...]`` (or a single list) as an immutable tuple of tuples."""
@@ -62,8 +67,18 @@ class SaveJob:
 @dataclass(frozen=True)
 class StepPlan:
     """One step's work. ``finished``: requests whose blocks vLLM keeps until the workers
-    report them saved (their last save may still be running)."""
+    report them saved (a save of theirs may still be running). ``step``: the plan's number
+    (1, 2, ... in scheduling order; 0 for a plan built elsewhere), which dates its saves.
+
+    ``preempted``: requests whose blocks vLLM freed when it scheduled this step; other requests
+    may be given them and write them in this step's forward, so no earlier save may still read
+    them (the workers land every pending save first). ``idle``: no token is scheduled in this
+    step (vLLM only polls the connector), so waiting for pending saves costs the engine nothing.
+    """
 
     loads: tuple[LoadJob, ...] = field(default_factory=tuple)
     saves: tuple[SaveJob, ...] = field(default_factory=tuple)
     finished: tuple[str, ...] = field(default_factory=tuple)
+    preempted: tuple[str, ...] = field(default_factory=tuple)
+    idle: bool = False
+    step: int = 0

@@ -5,8 +5,8 @@ passes ``RequestView`` values and block ids). Called, per request, in vLLM's ord
 
     num_new_matched_tokens(req, num_computed)   -> (tokens to load beyond num_computed, async)
     after_alloc(req, block_ids, num_computed, num_external)   a load is planned if num_external > 0
-    build_plan(scheduled, num_computed_of, block_ids_of, tokens_of) -> StepPlan (loads + saves)
-    request_finished(req_id)                    -> True while the workers may still save it
+    build_plan(scheduled, num_computed_of, block_ids_of, tokens_of, preempted) -> StepPlan
+    request_finished(req_id)                    -> True when the workers may still save it
 
 Hits come from the workers through the lookup channel (restore-gated, minimum over ranks).
 A hit never covers the whole prompt (vLLM must compute one token to sample) and counts only
@@ -29,11 +29,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Protocol
+from typing import Callable, Collection, Mapping, Optional, Protocol
 
 import numpy as np
 
-from .metadata import BlockIds, LoadJob, RequestView, SaveJob, StepPlan
+from .metadata import SAVE_SLACK_STEPS, BlockIds, LoadJob, RequestView, SaveJob, StepPlan
 from .logs import Periodic
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class KVConnectScheduler:
         self._queries: dict[str, tuple[int, int]] = {}  # req_id -> (present tokens, restorable boundary)
         self._loads: list[LoadJob] = []
         self._tracked: dict[str, _Tracked] = {}
-        self._last_saves: set[str] = set()  # requests saved in the latest plan (maybe still running)
+        self._step = 0  # plans built so far (the latest plan's number)
+        self._last_save: dict[str, int] = {}  # request -> the plan of its latest save
         self._finished: list[str] = []  # kept by vLLM until the workers report them (next plan)
 
     # -- new requests ------------------------------------------------------------------
@@ -129,11 +130,13 @@ class KVConnectScheduler:
         num_computed_of: Callable[[str], int],
         block_ids_of: Callable[[str], Optional[BlockIds]],
         tokens_of: Optional[Callable[[str], np.ndarray]] = None,
+        preempted: Collection[str] = (),
     ) -> StepPlan:
         """Loads planned since the last step, and the saves of chunks completed this step.
 
         ``tokens_of(req_id)``: the request's prompt + output token ids (needed only with
-        ``save_decode_cache``).
+        ``save_decode_cache``). ``preempted``: requests whose blocks vLLM freed for this step
+        (the workers then land earlier saves before the forward writes those blocks).
         """
         saves = []
         for req_id, num_new in scheduled.items():
@@ -148,9 +151,13 @@ class KVConnectScheduler:
             if job is not None:
                 saves.append(job)
         self.summary.tick()
-        plan = StepPlan(loads=tuple(self._loads), saves=tuple(saves), finished=tuple(self._finished))
+        self._step += 1
+        plan = StepPlan(loads=tuple(self._loads), saves=tuple(saves), finished=tuple(self._finished),
+                        preempted=tuple(sorted(preempted)), idle=not any(scheduled.values()), step=self._step)
         self._loads, self._finished = [], []
-        self._last_saves = {job.req_id for job in saves}
+        for req_id in preempted:  # their blocks are gone: the workers land their saves in this step
+            self._last_save.pop(req_id, None)
+        self._last_save.update((job.req_id, self._step) for job in saves)
         return plan
 
     def _save_job(self, req_id: str, tracked: _Tracked, computed: int, block_ids_of, tokens_of) -> Optional[SaveJob]:
@@ -188,14 +195,18 @@ class KVConnectScheduler:
 
     # -- finished ----------------------------------------------------------------------
     def request_finished(self, req_id: str) -> bool:
-        """True while a save of the request may still be running in the workers.
+        """True when a save of the request may still be running in the workers.
 
-        vLLM then keeps its blocks until every worker reports it (the next plan lists it in
-        ``finished``; the workers report it in that step, after landing earlier saves).
+        Blocks vLLM frees now go to plan ``self._step + 1`` at the earliest, before whose
+        forward the workers have landed every save of plans up to ``self._step + 1 -
+        SAVE_SLACK_STEPS``; a request whose latest save is more recent is kept by vLLM until
+        the workers report it (the next plan lists it in ``finished``; that step reports it).
+        Usually a request's last chunk is saved many decode steps before it finishes.
         """
         self._tracked.pop(req_id, None)
         self._queries.pop(req_id, None)
-        if req_id in self._last_saves:
+        last = self._last_save.pop(req_id, None)
+        if last is not None and last > self._step + 1 - SAVE_SLACK_STEPS:
             self._finished.append(req_id)
             return True
         return False

@@ -105,6 +105,7 @@ def worker_stats(worker: Any, rank: str, gate: metrics.ReportGate) -> Any:
     with worker._lock:
         figures.set("kvconnect_load_failures_total", worker.counters["load_failures"])
         figures.set("kvconnect_save_failures_total", worker.counters["save_failures"])
+        figures.set("kvconnect_step_save_wait_seconds_total", worker.counters["save_wait_us"] / 1e6)
     return KVConnectStats(data=metrics.vllm_payload(rank, figures))
 
 

@@ -534,6 +534,12 @@ def scheduled_tokens(scheduler_output: Any) -> dict[str, int]:
     return dict(scheduler_output.num_scheduled_tokens)
 
 
+def preempted_ids(scheduler_output: Any) -> set[str]:
+    """Requests whose blocks the scheduler freed for this step (``SchedulerOutput.preempted_req_ids``,
+    vLLM 0.23 and 0.32; None when there are none)."""
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
 def current_block_ids(scheduler_output: Any, kv_cache_manager: Any, req_id: str) -> Optional[BlockIds]:
     """A scheduled request's block ids as the scheduler holds them now (freed blocks as 0)."""
     state = getattr(scheduler_output, "kv_connector_block_state", None)

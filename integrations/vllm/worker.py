@@ -4,17 +4,30 @@ Runs in each vLLM worker (one per TP x PP rank); holds the rank's KVCacheEngine 
 the lookup channel. No vLLM types: the connector passes a ``Translation`` and ``StepPlan``s.
 Per step, in vLLM's order:
 
-    begin_step()                      previous step's saves have landed (before vLLM reuses blocks)
+    begin_step(plan)                  land earlier saves only if this step may reuse their blocks
     load(plan)                        restore planned loads; reported through transfer_results
     save(plan)                        gather this step's chunks on a background thread
     transfer_results(finished_ids)    -> (saved, loaded, failed-load request ids)
     take_load_error_blocks()          -> block ids vLLM must recompute (single-group caches)
 
-Saves are asynchronous: they are joined at the start of the next step, before vLLM frees
-or zeroes any block (``handle_preemptions`` is its first call of a step). vLLM keeps the
-blocks of a finished request whose last save may still run (the scheduler says so) until
-the plan listing it reaches ``transfer_results``. Nothing here raises into vLLM: a failed
-load is reported so vLLM recomputes, a failed save is a future miss; both are counted.
+Saves are asynchronous and overlap later steps: a save of step s (``StepPlan.step``) has
+landed before the forward of step s + SAVE_SLACK_STEPS, and ``begin_step`` (from
+``handle_preemptions``, vLLM's first call of a step, before the forward) waits for it there if
+it has not. A save reads blocks of a running request; vLLM hands such a block to another
+request while an earlier save may read it only in these cases, in which ``begin_step`` lands
+every pending save:
+
+- the plan lists preempted requests (vLLM freed their blocks for this step);
+- the layout has windowed or state groups (vLLM frees blocks that leave a window between any
+  two steps), so such layouts land saves at every step;
+- the step is idle (nothing scheduled: waiting costs nothing and frees held requests).
+
+A finished request's blocks are freed at once unless its last save is more recent than
+SAVE_SLACK_STEPS allows (scheduler.request_finished); then vLLM keeps them, the next plan lists
+the request in ``finished`` and that step's ``transfer_results`` waits for its saves and
+reports it. At most ``MAX_PENDING_SAVES`` saves are in flight; a step past that waits for the
+oldest. Nothing here raises into vLLM: a failed load is reported so vLLM recomputes, a failed
+save is a future miss; both are counted.
 """
 
 from __future__ import annotations
@@ -33,13 +46,16 @@ from kvconnect.transfer.placement import pin_current_thread, plan_copy_threads
 
 from .lookup_channel import LookupServer
 from .logs import Periodic, off_reason, registration_line
-from .metadata import LoadJob, SaveJob, StepPlan
+from .metadata import SAVE_SLACK_STEPS, LoadJob, SaveJob, StepPlan
 from .translate import NULL_BLOCK_ID, Translation
 
 logger = logging.getLogger(__name__)
 
+MAX_PENDING_SAVES = 32  # saves in flight before a step waits for the oldest (bounds the store's lag)
+
 _COUNTERS = ("loads", "load_failures", "loaded_tokens", "saves", "save_failures", "lookups",
-             "load_us", "save_us", "save_wait_us")  # load: in the step; save: on the store thread; wait: step blocked on saves
+             "load_us", "save_us", "save_wait_us", "save_joins", "preempted_steps")  # load: in the step; save: on the store thread;
+# wait: steps blocked on saves; joins: steps that landed every pending save (preemption, windows, idle)
 
 
 class KVConnectWorker:
@@ -50,7 +66,9 @@ class KVConnectWorker:
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconnect-save")
-        self._pending: list[tuple[str, Future]] = []  # (request id, save)
+        self._pending: list[tuple[str, int, Future]] = []  # (request id, plan step, save), oldest first
+        self._blocks_leave_running = False
+        self._begun: Optional[StepPlan] = None  # the plan begin_step last ran for
         self._finished: set[str] = set()  # kept by vLLM until reported saved
         self._loaded: set[str] = set()
         self._failed_loads: set[str] = set()
@@ -76,6 +94,8 @@ class KVConnectWorker:
         if placement.store_cores:
             self._executor.submit(pin_current_thread, placement.store_cores).result()
         self.translation, self.engine = translation, engine
+        # vLLM frees window / state blocks of running requests between steps (see the module doc)
+        self._blocks_leave_running = any(g.is_windowed for g in translation.layout.groups)
         logger.info("%s; copy threads: %d store, %d load (%s)", registration_line(translation.layout, self.config, engine.pool,
                     engine.storage), placement.store_threads, placement.load_threads, placement.reason)
         logger.debug("kvconnect: groups: %s", translation.layout.describe())
@@ -101,15 +121,48 @@ class KVConnectWorker:
             self.engine.pool.clear()
 
     # -- per step ----------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Wait for every save started in an earlier step (their source blocks may be reused next)."""
-        pending, self._pending = self._pending, []
-        if pending:
+    def begin_step(self, plan: StepPlan) -> None:
+        """Before this step's forward: land pending saves whose source blocks the step may reuse
+        (all of them in the cases of the module doc), then those SAVE_SLACK_STEPS old; forget
+        landed ones; keep at most MAX_PENDING_SAVES in flight. vLLM calls it twice a step with
+        one plan (handle_preemptions, bind_connector_metadata): the second call does nothing."""
+        if plan is self._begun:
+            return
+        self._begun = plan
+        if plan.preempted:
+            self._count("preempted_steps")
+        if plan.preempted or plan.idle or self._blocks_leave_running:
+            if self._pending:
+                self._count("save_joins")
+            self._wait(len(self._pending))
+        else:
+            due = sum(1 for _, step, _ in self._pending if step <= plan.step - SAVE_SLACK_STEPS)
+            self._wait(due)  # oldest first: the due ones are a prefix
+            self._pending = [p for p in self._pending if not p[2].done()]
+            self._wait(len(self._pending) - MAX_PENDING_SAVES)
+        self.summary.tick()  # at most once per log_interval_s
+
+    def drain(self) -> None:
+        """Land every pending save (shutdown, tests)."""
+        self._wait(len(self._pending))
+
+    def _wait_for(self, req_ids: set[str]) -> None:
+        """Block until every pending save of ``req_ids`` has landed; count the time."""
+        futures = [future for req_id, _, future in self._pending if req_id in req_ids and not future.done()]
+        self._block_on(futures)
+
+    def _wait(self, oldest: int) -> None:
+        """Block until the ``oldest`` earliest pending saves have landed; count the time."""
+        if oldest > 0:
+            waiting, self._pending = self._pending[:oldest], self._pending[oldest:]
+            self._block_on([future for _, _, future in waiting if not future.done()])
+
+    def _block_on(self, futures: list[Future]) -> None:
+        if futures:
             start = time.perf_counter()
-            for _, future in pending:
+            for future in futures:
                 future.result()  # _save_one never raises
             self._count("save_wait_us", int((time.perf_counter() - start) * 1e6))
-        self.summary.tick()  # at most once per log_interval_s, after the saves it counts landed
 
     def load(self, plan: StepPlan) -> None:
         start = time.perf_counter()
@@ -157,7 +210,7 @@ class KVConnectWorker:
         self._finished.update(plan.finished)
         for job in plan.saves:
             if self.engine is not None:
-                self._pending.append((job.req_id, self._executor.submit(self._save_one, job)))
+                self._pending.append((job.req_id, plan.step, self._executor.submit(self._save_one, job)))
 
     def _save_one(self, job: SaveJob) -> None:
         start = time.perf_counter()
@@ -187,12 +240,12 @@ class KVConnectWorker:
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished saving, finished loading, failed loading) since the last call.
 
-        The plan's ``finished`` requests are reported once none of their saves is pending:
-        saves are joined at the start of every step, so that is the step that lists them.
+        The plan's ``finished`` requests are reported now, after waiting for what of their saves
+        still runs (see the module doc).
         """
-        busy = {req_id for req_id, future in self._pending if not future.done()}
-        saved = self._finished - busy
-        self._finished -= saved
+        if self._finished:
+            self._wait_for(self._finished)
+        saved, self._finished = self._finished, set()
         loaded, self._loaded = self._loaded, set()
         failed, self._failed_loads = self._failed_loads, set()
         return saved, loaded, failed
@@ -203,7 +256,7 @@ class KVConnectWorker:
 
     def close(self) -> None:
         try:
-            self.begin_step()
+            self.drain()
         finally:
             self._executor.shutdown(wait=True)
             if self.server is not None:

@@ -137,3 +137,34 @@ def test_generated_tokens_come_back_in_the_next_turn(tiny_models, run_vllm, tmp_
     assert [s["engine_stored_chunks"] for (s,) in cached["stats"]] == [2, 3]  # turn 2's decode adds [128, 192)
     (last,) = cached["stats"][-1]
     assert last["load_failures"] == 0 and last["save_failures"] == 0
+
+
+def test_saves_overlapping_preemptions_restore_exactly(tiny_models, run_vllm, tmp_path):
+    """A KV cache of 24 blocks for six 220-token prompts generating 40 tokens: vLLM preempts
+    running requests (frees their blocks and hands them to others in the same step) while
+    kvconnect's saves of earlier steps still run (the harness delays every save by 50 ms): the
+    worker sees vLLM's real preemption plans and lands pending saves there. Each prompt then
+    restores its chunks alone (one request per phase, no preemption) and generates exactly what
+    an engine with a large cache and no connector generates. vLLM hands a preempted request's
+    blocks out least-recently-freed first, so whether a freed block is rewritten while a save
+    still reads it is up to timing; that guarantee itself is tested without vLLM
+    (tests/test_vllm_async_saves.py: a preempting step blocks until every pending save landed)."""
+    rng = random.Random(5)
+    prompts = [_tokens(rng, 220) for _ in range(6)]
+    phases = [prompts] + [[p] for p in prompts]
+    opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=40, max_num_batched_tokens=128, max_model_len=512)
+    model = tiny_models("llama")
+
+    plain = run_vllm(model, phases, **opts)  # vLLM's default cache: no preemption
+    cached = run_vllm(model, phases, connector=f"ipc://{tmp_path}/kvc", num_gpu_blocks_override=24, save_delay_ms=50,
+                      **opts)
+
+    first = cached["stats"][0][0]
+    assert first["preempted_steps"] > 0, "the small cache did not make vLLM preempt"
+    assert first["save_joins"] > 0, "no save was still running at a preemption: the race was not exercised"
+    assert all(cached["resets"])
+    assert cached["outputs"][len(prompts):] == plain["outputs"][len(prompts):]
+    loaded = [s["loaded_tokens"] for (s,) in cached["stats"]]
+    assert [b - a for a, b in zip(loaded, loaded[1:])] == [3 * CHUNK] * len(prompts)  # every whole chunk
+    (last,) = cached["stats"][-1]
+    assert last["load_failures"] == 0 and last["save_failures"] == 0

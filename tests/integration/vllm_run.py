@@ -34,6 +34,11 @@ def main() -> None:
     parser.add_argument("--save-decode-cache", type=lambda s: s.lower() in ("1", "true"), default=False)
     parser.add_argument("--reset-between-phases", type=lambda s: s.lower() in ("1", "true"), default=True)
     parser.add_argument("--min-load-tokens", type=int, default=None, help="omitted: kvconnect's default")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="vLLM's KV-cache size in blocks (a small cache forces preemptions)")
+    parser.add_argument("--save-delay-ms", type=float, default=0.0,
+                        help="TEST HARNESS: every kvconnect save sleeps this long before it reads vLLM's blocks, "
+                             "so saves still run when later steps reuse blocks (in-process worker only)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -46,6 +51,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     kwargs = {}
+    if args.save_delay_ms:
+        _delay_saves(args.save_delay_ms / 1e3)
     if args.connector:
         from vllm.config import KVTransferConfig
 
@@ -60,7 +67,7 @@ def main() -> None:
     llm = LLM(
         model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=True, seed=0, tensor_parallel_size=tp,
+        enforce_eager=True, seed=0, tensor_parallel_size=tp, num_gpu_blocks_override=args.num_gpu_blocks_override,
         distributed_executor_backend="mp" if tp > 1 else "uni", **kwargs,
     )
     started = time.monotonic()
@@ -87,6 +94,20 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f)
     del llm
+
+
+def _delay_saves(seconds: float) -> None:
+    """Harness only: slows kvconnect's store (not vLLM) so the race a slow store would meet in
+    production (a save reading blocks a later step reuses) happens in every run."""
+    from kvconnect.engine import KVCacheEngine
+
+    store = KVCacheEngine.store
+
+    def delayed(self, *a, **k):
+        time.sleep(seconds)
+        return store(self, *a, **k)
+
+    KVCacheEngine.store = delayed
 
 
 def _prompt(tokens_prompt, p):
