@@ -29,6 +29,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_EVICTION             | eviction             | str   | s3fifo  | CPU pool eviction policy: ``s3fifo``, ``arc``, ``2q`` or ``lru`` (kvconnect/storage/eviction.py) |
 | KVCONNECT_MIN_LOAD_TOKENS      | min_load_tokens      | int   | 0       | engine adapters do not report a hit that loads fewer tokens beyond the engine's own prefix cache; 0: one chunk (chunk_size); 1: every hit (docs/vllm.md, "Small loads") |
 | KVCONNECT_LOG_INTERVAL_S       | log_interval_s       | float | 60.0    | engine adapters log a hit / save summary at most this often (0: never) |
+| KVCONNECT_POOL_PREFAULT        | pool_prefault        | bool  | true    | map the CPU pool's pages in the background after allocation, so stores do not pay first-touch page faults (kvconnect/storage/host_memory.py) |
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Config:
     eviction: str = "s3fifo"
     log_interval_s: float = 60.0
     min_load_tokens: int = 0  # 0: chunk_size (effective_min_load_tokens)
+    pool_prefault: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:

@@ -39,7 +39,8 @@ def make_pool(config: Config, slot_bytes: int, *, pin_memory: bool, fingerprint:
             pin_memory=pin_memory, fingerprint=fingerprint,
         )
     pool_bytes = config.max_local_cpu_bytes if config.local_cpu else 0
-    return ChunkPool(pool_bytes, slot_bytes, pin_memory=pin_memory, eviction=config.eviction)
+    return ChunkPool(pool_bytes, slot_bytes, pin_memory=pin_memory, eviction=config.eviction,
+                     prefault=config.pool_prefault)
 
 
 def close_pool(pool) -> None:

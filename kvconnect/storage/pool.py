@@ -30,6 +30,7 @@ import torch
 from ..chunk_format import ChunkHeader
 from ..spec import ChunkKey
 from .eviction import DEFAULT_POLICY, make_policy
+from .host_memory import prefault_in_background
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class SlotViews:
 
 class ChunkPool(SlotViews):
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False,
-                 eviction: str = DEFAULT_POLICY) -> None:
+                 eviction: str = DEFAULT_POLICY, prefault: bool = False) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
         self.slot_bytes = slot_bytes
@@ -92,6 +93,8 @@ class ChunkPool(SlotViews):
         self._lock = threading.Lock()
         self._stats = PoolStats(num_slots=self.num_slots, slot_bytes=slot_bytes)
         self.on_evict: list[Callable[[PoolEntry], None]] = []
+        # pages mapped ahead of the first store (host_memory.py); None when off or unavailable
+        self.prefault = prefault_in_background(self.buffer) if prefault and self.num_slots else None
 
     # -- readers ---------------------------------------------------------------------
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
