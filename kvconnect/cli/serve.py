@@ -53,16 +53,16 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
 
     server = CacheServer(
         args.url, int(args.size_gb * GB), page_bytes=args.page_kb * 1024, token=_token(args, config),
-        allow_remote=args.allow_remote, lease_s=args.lease_s,
+        allow_remote=args.allow_remote, lease_s=args.lease_s, eviction=config.eviction,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     info = server.segment.info
     logging.getLogger("kvconnect").info(
-        "kvconnect server on %s: %d pages of %d KiB (%.2f GB) in /dev/shm/%s, lease %.1f s%s",
+        "kvconnect server on %s: %d pages of %d KiB (%.2f GB) in /dev/shm/%s, lease %.1f s, %s eviction%s",
         server.url, info.num_pages, info.page_bytes // 1024, info.num_pages * info.page_bytes / GB, info.name,
-        server.lease_s, ", token required" if server.token else "",
+        server.lease_s, server.index.eviction, ", token required" if server.token else "",
     )
     if args.metrics_port:
         metrics.collector().add(lambda: _server_figures(server), "server")

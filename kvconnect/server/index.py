@@ -1,4 +1,4 @@
-"""The cache server's state: entries over page runs, LRU, pins and reservations per client.
+"""The cache server's state: entries over page runs, eviction order, pins and reservations per client.
 
 Pure bookkeeping, single-threaded (the server's loop owns it); no byte of chunk payload
 is touched here. Every pin and reservation belongs to one client id and is released when
@@ -7,15 +7,21 @@ killed mid-operation can never hold pages forever.
 
 An entry's run is reused only when it is neither live nor pinned: eviction and replacement
 mark it dead, and the last release frees the pages (a reader keeps what it acquired).
+
+Which unpinned entry is evicted is the CPU pool's policy (kvconnect/storage/eviction.py,
+``KVCONNECT_EVICTION``, S3-FIFO by default): engines sharing a node see the same prefix traffic
+a private pool does. The policy's capacity (in entries) is recomputed at each new client: pages
+/ the longest run among the clients registered then.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ..storage.eviction import DEFAULT_POLICY, make_policy
 from .allocator import PageAllocator
 
 MAX_CLIENTS = 4096  # sessions at once: a flood of hellos cannot grow the server without bound
@@ -56,13 +62,15 @@ class ClientState:
 
 class CacheIndex:
     def __init__(self, num_pages: int, page_bytes: int, *, lease_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_clients: int = MAX_CLIENTS) -> None:
+                 max_clients: int = MAX_CLIENTS, eviction: str = DEFAULT_POLICY) -> None:
         self.page_bytes = page_bytes
         self.max_clients = max_clients
         self.lease_s = lease_s
         self.clock = clock
         self.allocator = PageAllocator(num_pages)
-        self.entries: "OrderedDict[bytes, Entry]" = OrderedDict()  # live entries, LRU first
+        self.entries: dict[bytes, Entry] = {}  # live entries (eviction order is the policy's)
+        self._policy = make_policy(eviction, num_pages)
+        self.eviction = self._policy.name
         self.by_id: dict[int, Entry] = {}  # live entries and dead ones still pinned
         self.clients: dict[bytes, ClientState] = {}
         self.namespace_counts: Counter = Counter()
@@ -84,6 +92,7 @@ class CacheIndex:
         run_pages = -(-slot_bytes // self.page_bytes)
         state = ClientState(client_id, pid, fingerprint, slot_bytes, run_pages, self.clock())
         self.clients[client_id] = state
+        self._resize_policy()
         return state
 
     def touch(self, client_id: bytes) -> Optional[ClientState]:
@@ -137,7 +146,7 @@ class CacheIndex:
                 continue
             e.refs += 1
             state.pins[e.entry_id] += 1
-            self.entries.move_to_end(k)
+            self._policy.access(k)
             out.append([e.entry_id, e.first_page, e.header])
         return out
 
@@ -159,7 +168,7 @@ class CacheIndex:
 
     # -- writers ---------------------------------------------------------------------
     def reserve(self, state: ClientState, n: int) -> tuple[list[int], list[Entry]]:
-        """Up to ``n`` runs of the client's run length, evicting unpinned LRU entries.
+        """Up to ``n`` runs of the client's run length, evicting unpinned entries as the policy says.
 
         Returns (first pages, evicted entries lying wholly inside the returned runs: their
         bytes are intact until this client writes, so it may still read them).
@@ -173,9 +182,10 @@ class CacheIndex:
         while len(slots) < n:
             first = self.allocator.alloc(run)
             while first is None:
-                victim = next((e for e in self.entries.values() if e.refs == 0), None)
-                if victim is None:
+                key = self._policy.victim(self._is_pinned)
+                if key is None:
                     break
+                victim = self.entries[key]
                 self._kill(victim)
                 self.counters["evictions"] += 1
                 evicted.append(victim)
@@ -213,6 +223,7 @@ class CacheIndex:
         entry = Entry(self._next_id, key, header, header[0], first_page, state.run_pages)
         self._next_id += 1
         self.entries[key] = entry
+        self._policy.insert(key)
         self.by_id[entry.entry_id] = entry
         self.namespace_counts[entry.fingerprint] += 1
         self.counters["commits"] += 1
@@ -244,11 +255,19 @@ class CacheIndex:
     def _kill(self, entry: Entry) -> None:
         """Unpublish ``entry``; its pages return once no reader holds it."""
         del self.entries[entry.key]
+        self._policy.remove(entry.key)  # a victim is already forgotten: no-op then
         entry.live = False
         self.namespace_counts[entry.fingerprint] -= 1
         if not self.namespace_counts[entry.fingerprint]:
             del self.namespace_counts[entry.fingerprint]
         self._maybe_free(entry)
+
+    def _is_pinned(self, key: bytes) -> bool:
+        return self.entries[key].refs > 0
+
+    def _resize_policy(self) -> None:
+        longest = max((c.run_pages for c in self.clients.values()), default=1)
+        self._policy.resize(max(1, self.allocator.num_pages // max(1, longest)))
 
     def _maybe_free(self, entry: Entry) -> None:
         if entry.refs == 0 and not entry.live:

@@ -29,6 +29,7 @@ import msgpack
 import zmq
 
 from ..errors import ConfigError
+from ..storage.eviction import DEFAULT_POLICY
 from . import protocol
 from .index import CacheIndex, ClientState, RequestError
 from .protocol import BAD_REQUEST, INTERNAL, OK, STALE_INSTANCE, UNKNOWN_CLIENT, AuthError, Limits, ProtocolError
@@ -54,6 +55,7 @@ class CacheServer:
         lease_s: float = DEFAULT_LEASE_S,
         limits: Limits = Limits(),
         shm_dir: str = SHM_DIR,
+        eviction: str = DEFAULT_POLICY,
     ) -> None:
         self.token = protocol.token_bytes(token)
         self.url = protocol.check_url(url, token=self.token, allow_remote=allow_remote)
@@ -65,7 +67,7 @@ class CacheServer:
         self.limits = limits
         self.lease_s = lease_s
         self.instance = secrets.token_bytes(protocol.ID_BYTES)  # identifies this start, not a secret
-        self.index = CacheIndex(num_pages, page_bytes, lease_s=lease_s)
+        self.index = CacheIndex(num_pages, page_bytes, lease_s=lease_s, eviction=eviction)
         self._ctx = zmq.Context()
         self._socket: Optional[zmq.Socket] = None
         self._ipc_path = protocol.ipc_path(url)

@@ -9,6 +9,8 @@ always under its own lock (policies are not thread-safe on their own):
     policy.victim(is_pinned)      -> the key to evict, already forgotten by the policy; None when
                                      every key is pinned. Never returns a key for which
                                      ``is_pinned(key)`` is true.
+    policy.resize(capacity)       the store now holds about ``capacity`` keys (the node server,
+                                     whose entries' sizes depend on its clients' layouts)
 
 Every operation is O(1), ``victim`` amortised: a pinned key met at the eviction point is
 rotated past (at most one pass over the keys per call), a frequency bit is paid for by the
@@ -51,6 +53,7 @@ class EvictionPolicy(Protocol):
     def access(self, key: Hashable) -> None: ...
     def remove(self, key: Hashable) -> None: ...
     def victim(self, is_pinned: IsPinned) -> Optional[Hashable]: ...
+    def resize(self, capacity: int) -> None: ...
     def clear(self) -> None: ...
     def __len__(self) -> int: ...
 
@@ -106,6 +109,9 @@ class LRU:
                 return key
         return None
 
+    def resize(self, capacity: int) -> None:
+        return  # LRU has no capacity-dependent part
+
     def clear(self) -> None:
         self._order.clear()
 
@@ -119,8 +125,8 @@ class TwoQ:
     name = "2q"
 
     def __init__(self, capacity: int, in_fraction: float = 0.25, ghost_fraction: float = 0.5) -> None:
-        self.in_target = max(1, int(capacity * in_fraction))
-        self.ghost_limit = max(1, int(capacity * ghost_fraction))
+        self._fractions = (in_fraction, ghost_fraction)
+        self.resize(capacity)
         self._in: "OrderedDict[Hashable, None]" = OrderedDict()
         self._main: "OrderedDict[Hashable, None]" = OrderedDict()
         self._ghost: "OrderedDict[Hashable, None]" = OrderedDict()
@@ -133,6 +139,10 @@ class TwoQ:
             self._main[key] = None  # stored again while remembered: a re-used key
         else:
             self._in[key] = None
+
+    def resize(self, capacity: int) -> None:
+        self.in_target = max(1, int(capacity * self._fractions[0]))
+        self.ghost_limit = max(1, int(capacity * self._fractions[1]))
 
     def access(self, key: Hashable) -> None:
         if key in self._main:
@@ -178,12 +188,16 @@ class S3FIFO:
     MAX_FREQ = 3
 
     def __init__(self, capacity: int, small_fraction: float = 0.1) -> None:
-        self.small_target = max(1, int(capacity * small_fraction))
-        self.ghost_limit = max(1, capacity)
+        self._small_fraction = small_fraction
+        self.resize(capacity)
         self._small: "OrderedDict[Hashable, None]" = OrderedDict()
         self._main: "OrderedDict[Hashable, None]" = OrderedDict()
         self._ghost: "OrderedDict[Hashable, None]" = OrderedDict()
         self._freq: dict[Hashable, int] = {}
+
+    def resize(self, capacity: int) -> None:
+        self.small_target = max(1, int(capacity * self._small_fraction))
+        self.ghost_limit = max(1, capacity)
 
     def insert(self, key: Hashable) -> None:
         if key in self._freq:
@@ -310,6 +324,11 @@ class ARC:
                 self._trim_ghosts()
                 return key
         return None
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.p = min(self.p, float(self.capacity))
+        self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:
         while self._b1 and len(self._t1) + len(self._b1) > self.capacity:

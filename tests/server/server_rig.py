@@ -38,9 +38,10 @@ def socket_dir() -> Iterator[str]:
 
 @contextlib.contextmanager
 def server_thread(url: str, *, size_bytes: int = 2 << 20, lease_s: float = 1.0, token: Optional[str] = None,
-                  limits: Limits = Limits()) -> Iterator[CacheServer]:
+                  limits: Limits = Limits(), eviction: str = "s3fifo") -> Iterator[CacheServer]:
     """A CacheServer serving from a thread of this process until the block exits."""
-    server = CacheServer(url, size_bytes, page_bytes=PAGE, lease_s=lease_s, token=token, limits=limits)
+    server = CacheServer(url, size_bytes, page_bytes=PAGE, lease_s=lease_s, token=token, limits=limits,
+                         eviction=eviction)
     stop = threading.Event()
     thread = threading.Thread(target=server.serve, args=(stop,), kwargs={"max_seconds": 300}, daemon=True)
     thread.start()

@@ -5,7 +5,7 @@
 - a client killed mid-operation (holding pins and reservations): released within the lease;
 - the server killed with clients attached: misses and counted errors, no exception, then
   the clients reconnect to the restarted server (new segment) and work again;
-- LRU eviction, eviction listeners and a pool full of pinned entries across clients;
+- eviction (LRU order), eviction listeners and a pool full of pinned entries across clients;
 - token and address policy, a second server on a live socket, ``kvconnect info``.
 """
 
@@ -185,7 +185,8 @@ def test_server_killed_then_restarted(clean_env):
 
 
 def test_lru_eviction_listeners_and_full_pool_across_clients():
-    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock", size_bytes=PAGE * 33) as server:  # 32 data pages
+    # LRU order is what the assertions below spell out (the default policy: test_server_index.py)
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock", size_bytes=PAGE * 33, eviction="lru") as server:
         url = server.url
         big = SharedPoolClient(url, 4 * PAGE, timeout_s=5.0, fingerprint=FP)  # 8 slots of 4 pages
         small = SharedPoolClient(url, PAGE, timeout_s=5.0, fingerprint=FP)

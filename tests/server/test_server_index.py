@@ -1,4 +1,4 @@
-"""The cache server's bookkeeping without sockets: page allocator, LRU, pins, leases.
+"""The cache server's bookkeeping without sockets: page allocator, eviction policies, pins, leases.
 
 The allocator is checked against a page bitmap under random alloc/free sequences; the
 index against the pool contract (pinned entries never evicted or reused, a full pool of
@@ -96,9 +96,10 @@ def test_allocator_refuses_double_and_out_of_range_frees():
 # --- index -----------------------------------------------------------------------------
 
 
-def make(num_pages=8, lease_s=5.0):
+def make(num_pages=8, lease_s=5.0, eviction="lru"):
+    """An index; LRU unless asked (the assertions on eviction order below are LRU's)."""
     clock = FakeClock()
-    return CacheIndex(num_pages, PAGE, lease_s=lease_s, clock=clock), clock
+    return CacheIndex(num_pages, PAGE, lease_s=lease_s, clock=clock, eviction=eviction), clock
 
 
 def test_lru_eviction_spares_pinned_and_recent_entries():
@@ -290,3 +291,47 @@ def test_client_sessions_are_bounded_and_expire():
     assert len(index.expire()) == 3
     index.hello(b"x" * 16, 9, FP_A, PAGE)
     assert stats(index)["num_clients"] == 1
+
+
+def test_the_default_policy_is_s3fifo_and_keeps_part_of_a_cycle_lru_loses():
+    """The issue's small-pool case on the shared pool: 10 prefixes of 10 chunks cycled through
+    a pool of 60 one-page entries. Each request looks its prefix up (acquire + release: a use)
+    and stores the chunks it missed; LRU evicts every prefix just before its next turn."""
+    assert CacheIndex(8, PAGE, lease_s=10.0).eviction == "s3fifo"
+    hits = {}
+    for policy in ("s3fifo", "lru"):
+        index, _ = make(num_pages=60, eviction=policy)
+        c = index.hello(b"c" * 16, 1, FP_A, PAGE)
+        found = 0
+        for request in range(80):
+            keys = [key(1000 * (request % 10) + j) for j in range(10)]
+            got = index.acquire(c, keys, 1 << 20)
+            present = 0
+            for entry in got:  # the prefix hit ends at the first missing chunk
+                if entry is None:
+                    break
+                present += 1
+            found += present
+            index.release(c, [e[0] for e in got if e is not None])
+            for k in keys[present:]:
+                (slot,), _ = index.reserve(c, 1)
+                index.commit(c, k, header(k, PAGE), slot)
+        hits[policy] = found
+        assert stats(index)["pinned_entries"] == 0 and stats(index)["num_entries"] <= 60
+    assert hits["lru"] == 0 and hits["s3fifo"] > 100, hits
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "arc", "2q", "lru"])
+def test_every_policy_spares_pinned_entries_on_the_server(policy):
+    index, _ = make(num_pages=8, eviction=policy)
+    c = index.hello(b"c" * 16, 1, FP_A, PAGE)
+    rng = np.random.default_rng(3)
+    for i in range(200):
+        pinned = [e for e in index.acquire(c, [key(int(k)) for k in rng.integers(0, 12, 3)], 1 << 20) if e is not None]
+        got, _ = index.reserve(c, 1)  # full from the 9th store on: evicts one unpinned entry
+        assert all(index.by_id[e[0]].live for e in pinned)  # pinned entries were spared
+        if got:
+            k = key(i % 12 + 100 * (i % 3))
+            index.commit(c, k, header(k, PAGE), got[0])
+        index.release(c, [e[0] for e in pinned])
+    assert stats(index)["pinned_entries"] == 0 and stats(index)["used_pages"] <= 8
