@@ -103,9 +103,11 @@ class Server:
         elif name == "noop":
             cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "NoopConnector", "kv_role": "kv_both",
                                                         "kv_connector_module_path": "noop_connector"})]
-        env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU=str(args.reserved_cpus),
-                   VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_space_gb),
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_space_gb),
                    PYTHONPATH=os.pathsep.join([str(HERE / "serve"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+        if args.reserved_cpus >= 0:  # < 0: vLLM's own default (one more core reserved with a connector)
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
         self.log_path = workdir / f"server-{name}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -186,7 +188,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--pool-gb", type=float, default=2.0)
-    ap.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server")
+    ap.add_argument("--reserved-cpus", type=int, default=1,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server; -1: vLLM's default per server (the issue's "
+                         "unfair setup: a server with a connector then computes on more cores)")
     ap.add_argument("--vllm-kvcache-space-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for every server")
     ap.add_argument("--vllm-kv-cache-bytes", type=int, default=0, help="--kv-cache-memory-bytes (0: not passed)")
     ap.add_argument("--no-vllm-prefix-caching", action="store_true",
@@ -205,7 +209,9 @@ def main() -> None:
     workdir = Path(args.out or tempfile.mkdtemp(prefix="kvconnect-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, {platform.platform()}; load average {load_average()}")
-    print(f"workdir {workdir}; VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every server", flush=True)
+    reserved = f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every server" if args.reserved_cpus >= 0 else \
+        "VLLM_CPU_NUM_OF_RESERVED_CPU: vLLM's default per server (not equal: see docs/vllm.md)"
+    print(f"workdir {workdir}; {reserved}", flush=True)
     model = build_model(workdir / "model", hidden=args.hidden, layers=args.layers)
 
     servers: dict[str, Server] = {}

@@ -63,6 +63,17 @@ def _worker(translation: Translation) -> KVConnectWorker:
     return w
 
 
+@pytest.fixture
+def gated_worker():
+    """A worker over a full-attention cache whose saves wait on ``gated.gate`` (opened at teardown)."""
+    _, t = _full_only()
+    w = _worker(t)
+    gated = Gated(w)
+    yield w, gated
+    gated.gate.set()
+    w.close()
+
+
 def _save(req: str, first_block: int, n_chunks: int = 2) -> StepPlan:
     tokens = np.arange(n_chunks * CHUNK, dtype=np.int64) + 1000 * first_block
     ids = tuple(range(first_block, first_block + n_chunks * CHUNK // BS))
@@ -80,60 +91,42 @@ def _returns_within(fn, seconds: float) -> bool:
     return _in_thread(fn).wait(seconds)
 
 
-def test_a_full_attention_step_does_not_wait_for_the_previous_steps_saves():
-    _, t = _full_only()
-    w = _worker(t)
-    gated = Gated(w)
-    try:
-        w.save(_save("a", 1))
-        assert gated.started.acquire(timeout=BOUND_S)  # the save runs, held on the gate
-        assert _returns_within(lambda: w.begin_step(StepPlan()), 2.0)  # the next step goes on
-        assert w.counters["saves"] == 0 and w.counters["save_wait_us"] == 0
-        gated.gate.set()
-        w.drain()
-        assert w.counters["saves"] == 1 and w.lookup(_save("a", 1).saves[0].tokens) == 2 * CHUNK
-    finally:
-        gated.gate.set()
-        w.close()
+def test_a_full_attention_step_does_not_wait_for_the_previous_steps_saves(gated_worker):
+    w, gated = gated_worker
+    w.save(_save("a", 1))
+    assert gated.started.acquire(timeout=BOUND_S)  # the save runs, held on the gate
+    assert _returns_within(lambda: w.begin_step(StepPlan()), 2.0)  # the next step goes on
+    assert w.counters["saves"] == 0 and w.counters["save_wait_us"] == 0
+    gated.gate.set()
+    w.drain()
+    assert w.counters["saves"] == 1 and w.lookup(_save("a", 1).saves[0].tokens) == 2 * CHUNK
 
 
-def test_a_save_lands_before_the_forward_of_its_step_plus_the_slack():
-    _, t = _full_only()
-    w = _worker(t)
-    gated = Gated(w)
-    try:
-        first = _save("a", 1)
-        w.save(StepPlan(saves=first.saves, step=1))
-        assert gated.started.acquire(timeout=BOUND_S)
-        for step in range(2, 1 + SAVE_SLACK_STEPS):  # slack: these steps do not wait
-            assert _returns_within(lambda: w.begin_step(StepPlan(step=step)), 2.0), step
-        due = _in_thread(lambda: w.begin_step(StepPlan(step=1 + SAVE_SLACK_STEPS)))
-        assert not due.wait(0.3)  # step 1 + slack waits for step 1's save
-        gated.gate.set()
-        assert due.wait(BOUND_S)
-        assert w.counters["saves"] == 1 and not w._pending and w.counters["save_joins"] == 0
-    finally:
-        gated.gate.set()
-        w.close()
+def test_a_save_lands_before_the_forward_of_its_step_plus_the_slack(gated_worker):
+    w, gated = gated_worker
+    first = _save("a", 1)
+    w.save(StepPlan(saves=first.saves, step=1))
+    assert gated.started.acquire(timeout=BOUND_S)
+    for step in range(2, 1 + SAVE_SLACK_STEPS):  # slack: these steps do not wait
+        assert _returns_within(lambda: w.begin_step(StepPlan(step=step)), 2.0), step
+    due = _in_thread(lambda: w.begin_step(StepPlan(step=1 + SAVE_SLACK_STEPS)))
+    assert not due.wait(0.3)  # step 1 + slack waits for step 1's save
+    gated.gate.set()
+    assert due.wait(BOUND_S)
+    assert w.counters["saves"] == 1 and not w._pending and w.counters["save_joins"] == 0
 
 
 @pytest.mark.parametrize("plan", [StepPlan(preempted=("x",)), StepPlan(idle=True)], ids=["preempted", "idle"])
-def test_preempting_and_idle_steps_land_every_pending_save_first(plan):
-    _, t = _full_only()
-    w = _worker(t)
-    gated = Gated(w)
-    try:
-        w.save(_save("a", 1))
-        w.save(_save("b", 9))
-        assert gated.started.acquire(timeout=BOUND_S)
-        step = _in_thread(lambda: w.begin_step(plan))
-        assert not step.wait(0.3)  # blocked on the gated saves
-        gated.gate.set()
-        assert step.wait(BOUND_S)  # returns once both saves landed
-        assert w.counters["saves"] == 2 and w.counters["save_joins"] == 1 and not w._pending
-    finally:
-        gated.gate.set()
-        w.close()
+def test_preempting_and_idle_steps_land_every_pending_save_first(plan, gated_worker):
+    w, gated = gated_worker
+    w.save(_save("a", 1))
+    w.save(_save("b", 9))
+    assert gated.started.acquire(timeout=BOUND_S)
+    step = _in_thread(lambda: w.begin_step(plan))
+    assert not step.wait(0.3)  # blocked on the gated saves
+    gated.gate.set()
+    assert step.wait(BOUND_S)  # returns once both saves landed
+    assert w.counters["saves"] == 2 and w.counters["save_joins"] == 1 and not w._pending
 
 
 def test_window_layouts_land_saves_at_every_step():
@@ -171,28 +164,22 @@ def test_a_backlog_over_the_cap_makes_the_step_wait_for_the_oldest(monkeypatch):
         w.close()
 
 
-def test_a_finished_request_is_reported_in_the_step_that_lists_it_after_its_saves_land():
-    _, t = _full_only()
-    w = _worker(t)
-    gated = Gated(w)
-    try:
-        w.save(_save("a", 1))  # step 1: the prefill's save, held on the gate
-        for _ in range(3):  # decode steps go on while it runs
-            w.begin_step(StepPlan())
-            assert w.transfer_results(set())[0] == set()
-        plan = StepPlan(finished=("a",))  # vLLM finished "a" and keeps its blocks
-        w.begin_step(plan)
-        w.save(plan)
-        result: list = []
-        step = _in_thread(lambda: result.append(w.transfer_results(set())))
-        assert not step.wait(0.3)  # its save still runs: the report waits for it
-        gated.gate.set()
-        assert step.wait(BOUND_S)
-        assert result[0][0] == {"a"} and w.counters["saves"] == 1
+def test_a_finished_request_is_reported_in_the_step_that_lists_it_after_its_saves_land(gated_worker):
+    w, gated = gated_worker
+    w.save(_save("a", 1))  # step 1: the prefill's save, held on the gate
+    for _ in range(3):  # decode steps go on while it runs
+        w.begin_step(StepPlan())
         assert w.transfer_results(set())[0] == set()
-    finally:
-        gated.gate.set()
-        w.close()
+    plan = StepPlan(finished=("a",))  # vLLM finished "a" and keeps its blocks
+    w.begin_step(plan)
+    w.save(plan)
+    result: list = []
+    step = _in_thread(lambda: result.append(w.transfer_results(set())))
+    assert not step.wait(0.3)  # its save still runs: the report waits for it
+    gated.gate.set()
+    assert step.wait(BOUND_S)
+    assert result[0][0] == {"a"} and w.counters["saves"] == 1
+    assert w.transfer_results(set())[0] == set()
 
 
 def test_close_lands_pending_saves():
