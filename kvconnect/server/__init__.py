@@ -46,7 +46,4 @@ def make_pool(config: Config, slot_bytes: int, *, pin_memory: bool, fingerprint:
 def close_pool(pool) -> None:
     """End an engine's use of its pool: a private pool is emptied; a shared one is left to the
     other engines (this process's pins and reservations are released, its mapping dropped)."""
-    if isinstance(pool, ChunkPool):
-        pool.clear()
-    else:
-        pool.close()
+    pool.close()  # a private ChunkPool is emptied; a SharedPoolClient leaves the server's entries

@@ -12,10 +12,16 @@ compacting 2 MiB) made stores slower still on that machine.
 
 Anywhere this is unavailable (another OS, an older kernel, pinned memory that is resident
 already) nothing happens and stores fault pages in as before.
+
+A population still running when its pool closes, or when the interpreter exits, is stopped and
+joined (at most one slice): a thread left inside the call while the interpreter finalises is
+torn down by the runtime and takes the process with it (seen as "terminate called without an
+active exception" after a short script).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -29,7 +35,11 @@ logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, kernel 5.14+
 PAGE_BYTES = 4096
-SLICE_BYTES = 64 << 20  # populated per call: a stop request waits at most one slice
+SLICE_BYTES = 32 << 20  # populated per call: a stop request waits at most one slice
+STOP_WAIT_S = 10.0  # bound on joining a stopped population (one slice takes milliseconds)
+
+_running: set["Prefault"] = set()
+_running_lock = threading.Lock()
 NICE_INCREMENT = 10  # the populating thread yields to the engine's and the store's threads
 
 
@@ -43,9 +53,19 @@ class Prefault:
         self.populated_bytes = 0
         self.error: Optional[int] = None  # errno of a failed call (population then stops)
         self._thread = threading.Thread(target=self._run, name="kvconnect-prefault", daemon=True)
+        with _running_lock:
+            _running.add(self)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._populate()
+        finally:
+            self._buffer = None
+            with _running_lock:
+                _running.discard(self)
+
+    def _populate(self) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE_INCREMENT)  # this thread only (Linux)
         except (OSError, AttributeError):
@@ -64,14 +84,23 @@ class Prefault:
                 break
             addr += size
             self.populated_bytes = addr - first
-        self._buffer = None
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = STOP_WAIT_S) -> bool:
+        """Ask the thread to end after its current slice and wait for it; True once it ended."""
         self._stop.set()
+        return self.join(wait_s)
 
     def join(self, timeout_s: Optional[float] = None) -> bool:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _running_lock:
+        running = list(_running)
+    for job in running:
+        job.stop()
 
 
 def _libc_madvise():

@@ -181,6 +181,12 @@ class ChunkPool(SlotViews):
                 self._free.append(e.slot)
             return True
 
+    def close(self) -> None:
+        """The owner is done with the pool: stop populating its pages and forget every chunk."""
+        if self.prefault is not None:
+            self.prefault.stop()
+        self.clear()
+
     def clear(self) -> None:
         with self._lock:
             for e in self._entries.values():
