@@ -146,22 +146,16 @@ def test_window_layouts_land_saves_at_every_step():
         w.close()
 
 
-def test_a_backlog_over_the_cap_makes_the_step_wait_for_the_oldest(monkeypatch):
-    monkeypatch.setattr(worker_mod, "MAX_PENDING_SAVES", 2)
-    _, t = _full_only()
-    w = _worker(t)
-    gated = Gated(w)
-    try:
-        for i in range(5):
-            w.save(_save(f"r{i}", 1 + 4 * i))
-        step = _in_thread(lambda: w.begin_step(StepPlan()))
-        assert not step.wait(0.3)  # 5 pending > 2: the step waits for the oldest
-        gated.gate.set()
-        assert step.wait(BOUND_S)
-        assert len(w._pending) <= 2 and w.counters["save_wait_us"] > 0 and w.counters["saves"] >= 3
-    finally:
-        gated.gate.set()
-        w.close()
+def test_a_backlog_over_the_cap_makes_the_step_wait_for_the_oldest(monkeypatch, gated_worker):
+    monkeypatch.setattr(worker_mod, "MAX_PENDING_SAVES", 2)  # read at each step
+    w, gated = gated_worker
+    for i in range(5):
+        w.save(_save(f"r{i}", 1 + 4 * i))
+    step = _in_thread(lambda: w.begin_step(StepPlan()))
+    assert not step.wait(0.3)  # 5 pending > 2: the step waits for the oldest
+    gated.gate.set()
+    assert step.wait(BOUND_S)
+    assert len(w._pending) <= 2 and w.counters["save_wait_us"] > 0 and w.counters["saves"] >= 3
 
 
 def test_a_finished_request_is_reported_in_the_step_that_lists_it_after_its_saves_land(gated_worker):

@@ -71,6 +71,13 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
+def _remember(ghost: "OrderedDict[Hashable, None]", key: Hashable, limit: int) -> None:
+    """Add an evicted key to a ghost FIFO, forgetting its oldest key past ``limit``."""
+    ghost[key] = None
+    if len(ghost) > limit:
+        ghost.popitem(last=False)
+
+
 def _pop_unpinned(queue: "OrderedDict[Hashable, object]", is_pinned: IsPinned) -> Optional[Hashable]:
     """Remove and return the oldest unpinned key of ``queue``; pinned ones met are rotated to
     the back (at most one pass). None when every key is pinned."""
@@ -157,9 +164,7 @@ class TwoQ:
         if len(self._in) > self.in_target or not self._main:
             key = _pop_unpinned(self._in, is_pinned)
             if key is not None:
-                self._ghost[key] = None
-                if len(self._ghost) > self.ghost_limit:
-                    self._ghost.popitem(last=False)
+                _remember(self._ghost, key, self.ghost_limit)
                 return key
         for key in self._main:
             if not is_pinned(key):
@@ -167,9 +172,7 @@ class TwoQ:
                 return key
         key = _pop_unpinned(self._in, is_pinned)  # main all pinned: take from A1in after all
         if key is not None:
-            self._ghost[key] = None
-            if len(self._ghost) > self.ghost_limit:
-                self._ghost.popitem(last=False)
+            _remember(self._ghost, key, self.ghost_limit)
         return key
 
     def clear(self) -> None:
@@ -237,9 +240,7 @@ class S3FIFO:
                     self._main[key] = None
                 else:
                     del self._freq[key]
-                    self._ghost[key] = None
-                    if len(self._ghost) > self.ghost_limit:
-                        self._ghost.popitem(last=False)
+                    _remember(self._ghost, key, self.ghost_limit)
                     return key
                 continue
             if not self._main:
