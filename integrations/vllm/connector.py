@@ -125,7 +125,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None:  # a second call in a step only reaps finished saves
+        if self._worker is not None:  # the same plan as handle_preemptions: begin_step ignores the repeat
             self._worker.begin_step(self._plan(connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
