@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 
 def _openmp_flags() -> list[str]:
@@ -50,16 +50,8 @@ if cuda_extension_and_cmd is not None:
         ext_modules.append(cuda_ext)
 
 setup(
-    packages=[
-        "kvconnect",
-        "kvconnect.transfer",
-        "kvconnect.storage",
-        "kvconnect.server",
-        "kvconnect.integrations",
-        "kvconnect.integrations.vllm",
-        "kvconnect.integrations.sglang",
-    ],
-    package_dir={"kvconnect.integrations": "integrations"},
+    # every package under kvconnect/ (the CLI, the adapters, the tiers), found rather than listed
+    packages=find_packages(include=["kvconnect", "kvconnect.*"]),
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
