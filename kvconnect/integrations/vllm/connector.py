@@ -10,7 +10,8 @@ vLLM builds one instance in the scheduler process (role SCHEDULER) and one per w
 ``worker.KVConnectWorker`` and converts vLLM objects through ``translate``. Configuration:
 ``LMCACHE_*`` / ``KVCONNECT_*`` variables, overridden by the same keys (YAML spelling) in
 ``kv_connector_extra_config``, plus two adapter keys: ``lookup_url`` (ipc:// or loopback
-tcp:// prefix of the lookup channel; default derived from the engine id) and
+tcp:// prefix of the lookup channel; default derived from the engine id; data-parallel rank
+r > 0 uses ``<url>-dp<r>`` / the port block after lower ranks' workers) and
 ``lookup_timeout_s`` (default 1.0).
 
 Nothing is patched in vLLM. Calls from vLLM never raise for cache trouble: a failed
@@ -38,7 +39,7 @@ from kvconnect.errors import LayoutError
 from kvconnect.metrics import ReportGate
 
 from . import logs, stats, translate
-from .lookup_channel import LookupClient, rank_address
+from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
 from .scheduler import KVConnectScheduler
 from .worker import KVConnectWorker
@@ -78,6 +79,9 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             config = dataclasses.replace(config, model_name=translate.model_identity(vllm_config))
         self._config = config
         channel = adapter.get("lookup_url") or translate.default_channel_address(vllm_config)
+        # every data-parallel rank is an engine of its own: its own sockets, given address or not
+        channel = dp_rank_base(channel, translate.data_parallel_rank(vllm_config),
+                               translate.parallel_ranks(vllm_config, in_worker=False).num_workers)
         self._scheduler: Optional[KVConnectScheduler] = None
         self._worker: Optional[KVConnectWorker] = None
         self._requests: dict[str, Any] = {}

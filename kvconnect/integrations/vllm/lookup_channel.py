@@ -18,7 +18,9 @@ object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "
 ``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
 
 Addresses: ``ipc://`` paths (the default; the socket file is made owner-only) or
-``tcp://`` on a loopback host. ``rank_address(base, i)`` derives worker i's address.
+``tcp://`` on a loopback host. ``dp_rank_base(base, dp_rank, workers)`` derives a data-parallel
+rank's prefix (each DP rank is a separate engine with its own scheduler and workers), then
+``rank_address(prefix, i)`` worker i's address.
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ def rank_address(base: str, index: int) -> str:
     parts = urlsplit(base)
     host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
     return f"tcp://{host}:{parts.port + index}"
+
+
+def dp_rank_base(base: str, dp_rank: int, workers_per_rank: int) -> str:
+    """The channel prefix of data-parallel rank ``dp_rank`` (each rank is an engine of its own).
+
+    Rank 0 keeps ``base``; rank r > 0 gets ``base-dpR`` for ipc and, for tcp, the port block
+    after every lower rank's ``workers_per_rank`` workers (``port + r * workers_per_rank``),
+    so ranks of one host never share a socket whether the address was given or derived.
+    """
+    check_address(base)
+    if dp_rank < 0 or workers_per_rank < 1:
+        raise ConfigError(f"bad data-parallel rank {dp_rank} or worker count {workers_per_rank}")
+    if dp_rank == 0:
+        return base
+    if base.startswith("ipc://"):
+        return f"{base}-dp{dp_rank}"
+    return rank_address(base, dp_rank * workers_per_rank)
 
 
 def _unpack(raw: bytes) -> dict:

@@ -75,7 +75,8 @@ class KVConnectScheduler:
     def num_new_matched_tokens(self, req: RequestView, num_computed: int) -> tuple[int, bool]:
         self._queries[req.req_id] = (num_computed, 0)
         prompt = req.prompt_tokens
-        if not req.cacheable or (len(prompt) <= self.chunk_tokens and not self.save_unfull_chunk):
+        if not req.cacheable or (len(prompt) < self.chunk_tokens and not self.save_unfull_chunk):
+            # below one chunk nothing can be stored; exactly one chunk can (and loads all but its last token)
             return 0, False
         if num_computed >= len(prompt) - 1:
             return 0, False

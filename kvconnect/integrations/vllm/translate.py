@@ -454,6 +454,11 @@ def model_identity(vllm_config: Any) -> str:
     return f"{model.model}@{getattr(model, 'revision', None) or ''}"
 
 
+def data_parallel_rank(vllm_config: Any) -> int:
+    """This engine's data-parallel rank (0 without data parallelism)."""
+    return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+
+
 def default_channel_address(vllm_config: Any) -> str:
     """An ipc:// prefix that the scheduler and the workers of one engine derive alike."""
     seed = f"{vllm_config.kv_transfer_config.engine_id}|dp{getattr(vllm_config.parallel_config, 'data_parallel_rank', 0)}"

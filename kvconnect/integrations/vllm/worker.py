@@ -167,22 +167,23 @@ class KVConnectWorker:
     def load(self, plan: StepPlan) -> None:
         start = time.perf_counter()
         for job in plan.loads:
-            ok = False
+            landed = job.present_tokens  # the prefix valid in vLLM's blocks after this load
             try:
-                ok = self._load_one(job)
+                landed = self._load_one(job)
             except Exception:
                 logger.warning("kvconnect: load of %s failed; vLLM will recompute", job.req_id, exc_info=True)
             self._loaded.add(job.req_id)
             self._count("loads")
-            if not ok:
+            if landed < job.end_tokens:
                 self._count("load_failures")
-                self._report_failed_load(job)
+                self._report_failed_load(job, landed)
         if plan.loads:
             self._count("load_us", int((time.perf_counter() - start) * 1e6))
 
-    def _load_one(self, job: LoadJob) -> bool:
+    def _load_one(self, job: LoadJob) -> int:
+        """Restore ``job``; the prefix of its tokens valid in vLLM's blocks afterwards."""
         if self.engine is None or self.translation is None:
-            return False
+            return job.present_tokens
         tables = self.translation.block_tables(job.block_ids)
         mask = None
         if job.present_tokens:
@@ -192,16 +193,24 @@ class KVConnectWorker:
             mask[: job.present_tokens] = False
         loaded = self.engine.retrieve(job.tokens, tables, mask=mask, namespace=job.namespace)
         self._count("loaded_tokens", loaded)
-        return job.present_tokens + loaded >= job.end_tokens
+        return job.present_tokens + loaded
 
-    def _report_failed_load(self, job: LoadJob) -> None:
-        """vLLM recomputes: by block ids where it can map them (one group), else the request."""
+    def _report_failed_load(self, job: LoadJob, landed: int) -> None:
+        """Tell vLLM what to recompute after a load that fell short of ``job.end_tokens``.
+
+        One vLLM group: exactly the blocks from the one holding token ``landed`` (the end of
+        the restored prefix: chunks land in order and the restore gate stops at the first
+        that did not) to the last block of the load; vLLM keeps every block before it and
+        recomputes from there. Several vLLM groups: block ids are per group and vLLM 0.32
+        cannot map a flat set back to requests (it raises), so the request is reported
+        and vLLM recomputes it from its own prefix hit.
+        """
         if self.translation is None or self.translation.num_vllm_groups != 1:
             self._failed_loads.add(job.req_id)
             return
         (ids,) = self.translation.vllm_ids(job.block_ids)
         per_block = self.translation.tokens_per_block(0)
-        first = job.present_tokens // per_block
+        first = max(landed, job.present_tokens) // per_block
         last = -(-job.end_tokens // per_block)
         self._error_blocks.update(b for b in ids[first:last] if b != NULL_BLOCK_ID)
 

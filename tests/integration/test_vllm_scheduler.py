@@ -1,0 +1,190 @@
+"""kvconnect under vLLM's own Scheduler and model-runner mixin (vllm_scheduler_rig: only the
+forward is faked). Each test drains the engine and checks vLLM's block pool for leaks.
+
+Chunk 64 tokens, vLLM block 16 tokens: a chunk is 4 blocks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (.ci/install_vllm.sh)"),
+]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CHUNK, BLOCK = 64, 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import tiny_models
+
+    return tiny_models.make_llama(str(tmp_path_factory.mktemp("rig") / "llama"))
+
+
+@pytest.fixture
+def rig(model_dir):
+    from vllm_scheduler_rig import make_rig
+
+    made = []
+
+    def make(**kwargs):
+        made.append(make_rig(model_dir, chunk_size=CHUNK, block_size=BLOCK, **kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def _prompt(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 1000, n)
+
+
+def _store(r, tokens) -> None:
+    """Run ``tokens`` to completion (its chunks are saved), then forget vLLM's own prefix cache."""
+    r.add(tokens)
+    r.run()
+    r.assert_no_leak()
+    assert r.scheduler.reset_prefix_cache()
+
+
+def _first_compute(r, req) -> int:
+    """Where vLLM's first forward of ``req`` started (its computed prefix after any load)."""
+    return r.computed_log[req.request_id][0][0]
+
+
+def test_a_stored_prompt_is_loaded_by_the_next_request_byte_exact(rig):
+    r = rig()
+    tokens = _prompt(0, 200)
+    _store(r, tokens)
+    req = r.add(tokens)
+    r.step()  # lookup: 192 tokens, asynchronous load
+    from vllm.v1.request import RequestStatus
+
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.request_id not in r.computed_log
+    r.step()  # the load landed; vLLM runs the request from token 192
+    assert _first_compute(r, req) == 192
+    r.check_rows(req, 192)
+    r.run()
+    r.assert_no_leak()
+
+
+def test_a_short_load_reports_exactly_the_blocks_that_failed(rig):
+    """2 of 3 chunks land: vLLM recomputes the third chunk only (64 tokens, not 192)."""
+    r = rig()
+    tokens = _prompt(1, 200)
+    _store(r, tokens)
+    third = r.engine.chunks(tokens, include_partial=False)[2].key
+
+    blocks = []
+
+    def lose_third_chunk(out):  # after vLLM planned the load, before the worker runs it
+        assert out.kv_connector_metadata.plan.loads
+        r.engine.pool.remove(third)
+        blocks.extend(r.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0])
+
+    req = r.add(tokens)
+    _, kv_output = r.step(lose_third_chunk)  # lookup (192 tokens) and load: chunks 0 and 1 land
+    assert kv_output.invalid_block_ids == set(blocks[128 // BLOCK : 192 // BLOCK])
+    assert not kv_output.failed_recving
+    r.run()
+    assert _first_compute(r, req) == 128
+    assert r.worker._worker.stats()["loads"] == 1  # vLLM kept the 128 tokens that landed: no second load
+    assert sum(n for _, n in r.computed_log[req.request_id]) == 200 - 128 + 1  # + the decode step
+    assert r.worker._worker.stats()["load_failures"] == 1
+    r.assert_no_leak()
+
+
+def test_a_load_that_lands_nothing_recomputes_from_vllms_own_prefix(rig):
+    r = rig()
+    tokens = _prompt(2, 200)
+    _store(r, tokens)
+    keys = [c.key for c in r.engine.chunks(tokens, include_partial=False)]
+
+    def lose_everything(out):
+        if out.kv_connector_metadata.plan.loads:
+            for key in keys:
+                r.engine.pool.remove(key)
+
+    req = r.add(tokens)
+    r.run(before_worker=lose_everything)
+    assert _first_compute(r, req) == 0
+    r.assert_no_leak()
+
+
+@pytest.mark.parametrize("scheme", ["ipc", "tcp"])
+def test_data_parallel_ranks_each_answer_their_own_lookups(rig, tmp_path, scheme):
+    if scheme == "ipc":
+        url = f"ipc://{tmp_path}/lookup"
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    # vLLM's DP engine cores start side by side: both ranks' workers bind before a scheduler connects
+    ranks = [rig(extra={"lookup_url": url}, dp_rank=d, start_scheduler=False) for d in (0, 1)]
+    for r in ranks:
+        r.start_scheduler()
+    prompts = [_prompt(10, 160), _prompt(11, 160)]
+    for r, p in zip(ranks, prompts):
+        _store(r, p)
+    for d, r in enumerate(ranks):
+        mine = r.add(prompts[d])
+        other = r.add(prompts[1 - d])
+        assert r.connector.get_num_new_matched_tokens(mine, 0) == (128, True)
+        assert r.connector.get_num_new_matched_tokens(other, 0) == (0, False)
+        r.run()
+        assert _first_compute(r, mine) == 128 and _first_compute(r, other) == 0
+        r.assert_no_leak()
+
+
+@pytest.mark.parametrize("length, expected", [(63, 0), (64, 63), (65, 64), (127, 64), (128, 127), (129, 128), (80, 64)])
+def test_prompt_lengths_around_one_chunk(rig, length, expected):
+    """The documented rule: the stored chunk-aligned prefix, but never the prompt's last token."""
+    r = rig(extra={"min_load_tokens": 1})
+    tokens = _prompt(length, length)
+    _store(r, tokens)
+    req = r.add(tokens)
+    r.run()
+    assert _first_compute(r, req) == expected
+    r.assert_no_leak()
+
+
+def test_prompt_lengths_property(rig):
+    """Over many lengths, with and without vLLM's own prefix hit: vLLM starts exactly at the rule's
+    boundary and every row it holds is right."""
+    from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+    r = rig(extra={"min_load_tokens": 1})
+    seeds = iter(range(10_000, 20_000))
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(length=st.integers(1, 300), keep_vllm_prefix=st.booleans())
+    @example(length=CHUNK, keep_vllm_prefix=False)
+    @example(length=2 * CHUNK, keep_vllm_prefix=True)
+    def check(length, keep_vllm_prefix):
+        tokens = _prompt(next(seeds), length)
+        r.add(tokens)
+        r.run()
+        if not keep_vllm_prefix:
+            assert r.scheduler.reset_prefix_cache()
+        req = r.add(tokens)
+        r.run()
+        full_blocks = (length - 1) // BLOCK * BLOCK  # vLLM's own hit leaves the last token too
+        own = full_blocks if keep_vllm_prefix else 0
+        stored = length // CHUNK * CHUNK
+        ours = min(stored, length - 1)
+        assert _first_compute(r, req) == max(own, ours)
+        r.assert_no_leak()
+        assert r.scheduler.reset_prefix_cache()
+
+    check()
