@@ -27,6 +27,7 @@ masked tokens are never written.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -101,6 +102,36 @@ class KVCacheEngine:
     @property
     def pool(self) -> ChunkPool:
         return self.storage.pool
+
+    @property
+    def generation(self) -> bytes:
+        """This engine's key generation: empty until the first ``reset``."""
+        return self.keyer.generation
+
+    # -- reset -----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Never serve a chunk stored before this call (an engine's weights changed, or its
+        operator asked for a clean cache); chunks stored after it are served as usual.
+
+        The key chain moves to a new random generation (keys.py), which no stored chunk of
+        any tier carries: the pool, the disk, Redis, Mooncake, the node server and any other
+        LowerTier, shared or not, hold only misses for this engine from now on, with no call
+        to them. Nothing is deleted from tiers other engines may read (the node server's
+        pool, disk directories, remote stores): an engine on the old weights keeps its hits,
+        and the old chunks age out by eviction. A private CPU pool is emptied to free its
+        memory at once. A restart begins with no generation again: the chunks of the
+        checkpoint's weights (stored before any reset, by this or an earlier process) hit,
+        those of a reset generation never again.
+
+        Not synchronised with a store or retrieve running on another thread: a store that
+        computed its keys before the call lands under the old generation (never read again),
+        a lookup racing the call may offer a hit the retrieve then misses (reported short).
+        Adapters order it after their pending saves (the vLLM worker does).
+        """
+        self.keyer = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=os.urandom(16))
+        if isinstance(self.pool, ChunkPool):  # private to this engine; a shared pool keeps other engines' hits
+            self.pool.clear()
+        logger.info("kvconnect: reset: chunks stored before now are no longer served by this engine")
 
     # -- keys ------------------------------------------------------------------------
     def chunks(self, tokens: Tokens, *, include_partial: bool, namespace: Namespace = None) -> list[Chunk]:

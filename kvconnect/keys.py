@@ -12,6 +12,11 @@ adapter, or a per-tenant salt that keeps one tenant's prefixes from hitting anot
 ``cache_salt``). It enters h_0 only, length-prefixed and in BLAKE3's unkeyed mode while chunk
 steps use the keyed mode, so no namespace or token sequence can reproduce another
 namespace's chain. The empty namespace gives the keys of a request without one.
+
+A *generation* (``ChunkKeyer(..., generation=)``) is what an engine's reset changes (see
+``KVCacheEngine.reset``): random bytes folded into h_0 after the chunk size, tagged and
+length-prefixed, so chains of different generations never meet. No generation (before any
+reset, and after every restart) leaves h_0 as above.
 """
 
 from __future__ import annotations
@@ -69,9 +74,12 @@ def namespace_bytes(namespace: Namespace) -> bytes:
 class ChunkKeyer:
     """Computes the key chain of a token sequence for one layout and chunk size."""
 
-    def __init__(self, fingerprint: Fingerprint, chunk_tokens: int) -> None:
+    def __init__(self, fingerprint: Fingerprint, chunk_tokens: int, generation: bytes = b"") -> None:
         self.chunk_tokens = chunk_tokens
+        self.generation = bytes(generation)
         self._identity = bytes(fingerprint) + int(chunk_tokens).to_bytes(8, "little")
+        if self.generation:  # empty: the keys every engine computes before its first reset
+            self._identity += b"\x02" + len(self.generation).to_bytes(4, "little") + self.generation
         self._seed = blake3.blake3(self._identity).digest()
 
     def seed(self, namespace: Namespace = None) -> bytes:

@@ -5,7 +5,7 @@ page, ``hex(SHA-256(previous digest || page token ids))``, a chain, so a key alr
 whole prefix. kvconnect stores such a page as one chunk of ``page_tokens`` tokens under
 
     key = BLAKE3-keyed(key = BLAKE3(b"kvconnect-page-keys" || fingerprint || page_tokens
-                                    [|| len(ns) || ns]),
+                                    [|| len(ns) || ns] [|| 0x02 || len(gen) || gen]),
                        data = the engine's page key bytes)[:16]
 
 so the layout fingerprint (model, dtypes, row bytes, shard) and the page size decide which
@@ -37,11 +37,14 @@ PageKey = Union[str, bytes]
 class PageKeyFolder:
     """Folds engine page keys with one layout's identity into kvconnect chunk keys."""
 
-    def __init__(self, fingerprint: Fingerprint, page_tokens: int, namespace: Namespace = None) -> None:
+    def __init__(self, fingerprint: Fingerprint, page_tokens: int, namespace: Namespace = None,
+                 generation: bytes = b"") -> None:
         if not isinstance(page_tokens, int) or page_tokens <= 0:
             raise TokenError(f"page_tokens must be a positive int, got {page_tokens!r}")
         ns = namespace_bytes(namespace)
         seed = _DOMAIN + bytes(fingerprint) + page_tokens.to_bytes(8, "little") + len(ns).to_bytes(4, "little") + ns
+        if generation:  # an engine's reset generation (keys.py): empty before any reset
+            seed += b"\x02" + len(generation).to_bytes(4, "little") + bytes(generation)
         self.page_tokens = page_tokens
         self._key = blake3.blake3(seed).digest()
 

@@ -63,10 +63,8 @@ class PageStore:
         self.arrays = PlaneArrays(self.layout)
         self.counters = PageCounters()
         self._lock = threading.Lock()
-        self._folders = [
-            PageKeyFolder(self.layout.fingerprint, group.block_size, namespace=f"{namespace or ''}\x00pool{g}")
-            for g, group in enumerate(self.layout.groups)
-        ]
+        self._namespace = namespace
+        self._folders = self._make_folders()
         # per group: planes, their row bytes, the page's bytes and the header's plane rows
         self._planes = [np.asarray(self.layout.planes_of_group(g), np.int64) for g in range(self.layout.num_groups)]
         self._rpb = [geo.rows_per_block for geo in self.layout.geometries]
@@ -77,8 +75,19 @@ class PageStore:
             self._plane_rows.append(rows)
 
     # -- keys ------------------------------------------------------------------------
+    def _make_folders(self) -> tuple[bytes, list[PageKeyFolder]]:
+        generation = self.engine.generation
+        return generation, [
+            PageKeyFolder(self.layout.fingerprint, group.block_size, namespace=f"{self._namespace or ''}\x00pool{g}",
+                          generation=generation)
+            for g, group in enumerate(self.layout.groups)
+        ]
+
     def keys(self, group: int, page_keys: Sequence[PageKey]) -> list[ChunkKey]:
-        return self._folders[group].fold(page_keys)
+        folders = self._folders
+        if folders[0] != self.engine.generation:  # the engine was reset: fold under its new generation
+            folders = self._folders = self._make_folders()
+        return folders[1][group].fold(page_keys)
 
     def page_bytes(self, group: int) -> int:
         return self._page_bytes[group]

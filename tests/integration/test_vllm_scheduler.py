@@ -188,3 +188,27 @@ def test_prompt_lengths_property(rig):
         assert r.scheduler.reset_prefix_cache()
 
     check()
+
+
+def test_reset_connector_reaches_the_disk_tier_and_stores_again(rig, tmp_path):
+    """vLLM's reset_prefix_cache(reset_connector=True): no chunk stored before it is loaded, though
+    the disk still holds them (kept for engines still on the old weights); stored again, they hit."""
+    r = rig(extra={"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.05})
+    tokens = _prompt(20, 200)
+    _store(r, tokens)
+    assert r.engine.storage.flush(30.0)
+    disk = r.engine.storage.tiers[0]
+    on_disk = len(disk)
+    assert on_disk == 3
+    assert r.scheduler.reset_prefix_cache(reset_connector=True)
+    before = r.add(tokens)
+    r.run()
+    assert _first_compute(r, before) == 0  # nothing from kvconnect: not the pool, not the disk
+    assert len(disk) >= on_disk  # the old chunks were not deleted from the (shareable) disk
+    assert r.scheduler.reset_prefix_cache()
+    assert r.engine.storage.flush(30.0)
+    r.engine.pool.clear()  # the new generation's chunks come back from the disk
+    after = r.add(tokens)
+    r.run()
+    assert _first_compute(r, after) == 192
+    r.assert_no_leak()

@@ -34,6 +34,10 @@ def main() -> None:
     parser.add_argument("--save-decode-cache", type=lambda s: s.lower() in ("1", "true"), default=False)
     parser.add_argument("--reset-between-phases", type=lambda s: s.lower() in ("1", "true"), default=True)
     parser.add_argument("--min-load-tokens", type=int, default=None, help="omitted: kvconnect's default")
+    parser.add_argument("--connector-resets", default="",
+                        help="comma-separated phase numbers before which the reset also reaches the connector "
+                             "(reset_prefix_cache(reset_connector=True), what RL frameworks call after a weight update)")
+    parser.add_argument("--local-disk", default=None, help="kvconnect's disk tier directory (off when omitted)")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="vLLM's KV-cache size in blocks (a small cache forces preemptions)")
     parser.add_argument("--save-delay-ms", type=float, default=0.0,
@@ -62,6 +66,7 @@ def main() -> None:
             kv_connector_extra_config={"lookup_url": args.connector, "chunk_size": args.chunk_size,
                                        "max_local_cpu_size": 0.25, "lookup_timeout_s": 10.0,
                                        "save_decode_cache": args.save_decode_cache,
+                                       **({"local_disk": args.local_disk, "max_local_disk_size": 0.25} if args.local_disk else {}),
                                        **({} if args.min_load_tokens is None else {"min_load_tokens": args.min_load_tokens})},
         )
     llm = LLM(
@@ -80,8 +85,11 @@ def main() -> None:
         from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
 
         client = LookupClient([rank_address(args.connector, i) for i in range(tp)], timeout_s=10.0)
+    connector_resets = {int(x) for x in args.connector_resets.split(",") if x}
     for i, prompts in enumerate(phases):
-        if i and args.reset_between_phases:
+        if i in connector_resets:
+            resets.append(bool(llm.reset_prefix_cache(reset_connector=True)))
+        elif i and args.reset_between_phases:
             resets.append(bool(llm.reset_prefix_cache()))
         results = llm.generate([_prompt(TokensPrompt, p) for p in prompts], params, use_tqdm=False)
         outputs.extend(list(r.outputs[0].token_ids) for r in results)

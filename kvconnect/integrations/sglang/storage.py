@@ -296,10 +296,14 @@ class KVConnectStorage(HiCacheStorage):
         return metrics.sglang_storage_metrics(self.counters, pages_per_chunk=1)
 
     def clear(self) -> None:
-        """Drops nothing from shared tiers (other processes may use them); the private pool is emptied."""
-        pool = self._store.engine.pool if self._store is not None else None
-        if pool is not None and hasattr(pool, "clear"):
-            pool.clear()
+        """SGLang's ``flush_cache`` (and its weight updates) reach here: no page stored before
+        now is served again, from any tier (``KVCacheEngine.reset``: a new key generation;
+        shared tiers keep their pages for other engines, the private pool is emptied)."""
+        try:
+            if self._store is not None:
+                self._store.engine.reset()
+        except Exception:
+            logger.exception("kvconnect: clear failed")
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
         """Wait until the pages stored so far reached every lower tier (disk, remote)."""

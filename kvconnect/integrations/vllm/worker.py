@@ -115,10 +115,12 @@ class KVConnectWorker:
         return out
 
     def clear(self) -> None:
-        """Forget the CPU pool's chunks (vLLM's reset_connector). Safe during a save: a
-        chunk being written or read is freed when its pin is released."""
+        """vLLM's reset_connector: never serve a chunk stored before now, from any tier
+        (``KVCacheEngine.reset``). Runs on the save thread after every save submitted so far,
+        so a save of KV computed before the reset lands under the old generation and is
+        never served after it. Called from the lookup channel's thread."""
         if self.engine is not None:
-            self.engine.pool.clear()
+            self._executor.submit(self.engine.reset).result()
 
     # -- per step ----------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
