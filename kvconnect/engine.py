@@ -103,6 +103,11 @@ class KVCacheEngine:
     def pool(self) -> ChunkPool:
         return self.storage.pool
 
+    def stats_snapshot(self) -> dict[str, int]:
+        """A consistent copy of ``stats`` (kvconnect.metrics reads it)."""
+        with self._stats_lock:
+            return dict(vars(self.stats))
+
     @property
     def generation(self) -> bytes:
         """This engine's key generation: empty until the first ``reset``."""

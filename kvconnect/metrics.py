@@ -28,12 +28,32 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Protocol
 
 if TYPE_CHECKING:
     from .config import Config
-    from .engine import KVCacheEngine
-    from .storage import StorageManager
+
+# What the figures read of an engine and its storage, as protocols: this module sits below
+# the engine and the storage manager (both import it) and imports neither.
+
+
+class StorageLike(Protocol):
+    """What ``storage_figures`` reads of a ``storage.StorageManager``."""
+
+    pool: Any
+    tiers: list
+    writers: list
+    corrupt_chunks: int
+    meter: "TierMeter"
+
+
+class EngineLike(Protocol):
+    """What ``engine_figures`` reads of a ``KVCacheEngine``."""
+
+    ops: "OpLog"
+    storage: StorageLike
+
+    def stats_snapshot(self) -> dict[str, int]: ...
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +228,7 @@ def _add(a: Any, b: Any) -> Any:
     return a + b
 
 
-def storage_figures(storage: "StorageManager", out: Optional[Figures] = None) -> Figures:
+def storage_figures(storage: StorageLike, out: Optional[Figures] = None) -> Figures:
     """Pool, tier, write-behind and breaker figures of a StorageManager."""
     f = out or Figures()
     pool = storage.pool.stats()
@@ -236,12 +256,11 @@ def storage_figures(storage: "StorageManager", out: Optional[Figures] = None) ->
     return f
 
 
-def engine_figures(engine: "KVCacheEngine", *, lookups: bool = True) -> Figures:
+def engine_figures(engine: EngineLike, *, lookups: bool = True) -> Figures:
     """Every figure of one KVCacheEngine. ``lookups=False`` leaves the lookup family out
     (vLLM counts lookups once in its scheduler; every TP rank's engine answers them)."""
     f = Figures()
-    with engine._stats_lock:
-        s = vars(engine.stats).copy()
+    s = engine.stats_snapshot()
     if lookups:
         f.set("kvconnect_lookups_total", s["lookups"])
         f.set("kvconnect_lookup_requested_tokens_total", s["lookup_requested_tokens"])
@@ -360,7 +379,7 @@ def collector(registry: Any = None) -> KVConnectCollector:
         return c
 
 
-def register_engine(engine: "KVCacheEngine", instance: Optional[str] = None, registry: Any = None) -> Optional[str]:
+def register_engine(engine: EngineLike, instance: Optional[str] = None, registry: Any = None) -> Optional[str]:
     """Serve ``engine``'s figures from the process's collector; its instance label, or None
     when prometheus_client is not installed (the engine works without metrics)."""
     try:
