@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from . import metrics, transfer
+from .events import ChunkEventLog
 from .chunk_format import ChunkHeader
 from .config import Config
 from .errors import CorruptChunkError, TokenError
@@ -98,6 +99,7 @@ class KVCacheEngine:
         # (kvconnect.transfer.placement): a store runs beside the engine, a load blocks its step
         self.store_threads = self.config.num_threads
         self.load_threads = self.config.num_threads
+        self.events: Optional[ChunkEventLog] = None  # enable_events(): chunk events for KV-aware routers
 
     @property
     def pool(self) -> ChunkPool:
@@ -112,6 +114,19 @@ class KVCacheEngine:
     def generation(self) -> bytes:
         """This engine's key generation: empty until the first ``reset``."""
         return self.keyer.generation
+
+    def enable_events(self, log: Optional[ChunkEventLog] = None) -> ChunkEventLog:
+        """Record chunks stored in and removed from every tier (kvconnect.events); idempotent."""
+        if self.events is None:
+            self.events = log or ChunkEventLog()
+            events = self.events
+            if hasattr(self.pool, "on_evict"):  # the private pool, or the node server's evictions of this layout
+                self.pool.on_evict.append(lambda entry: events.removed("cpu", [bytes(entry.key)]))
+            for writer in self.storage.writers:
+                name = writer.tier.name
+                writer.on_written.append(lambda keys, name=name: events.stored_keys(name, [bytes(k) for k in keys]))
+                writer.on_deleted.append(lambda keys, name=name: events.removed(name, [bytes(k) for k in keys]))
+        return self.events
 
     # -- reset -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -134,6 +149,8 @@ class KVCacheEngine:
         Adapters order it after their pending saves (the vLLM worker does).
         """
         self.keyer = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=os.urandom(16))
+        if self.events is not None:
+            self.events.cleared()
         if isinstance(self.pool, ChunkPool):  # private to this engine; a shared pool keeps other engines' hits
             self.pool.clear()
         logger.info("kvconnect: reset: chunks stored before now are no longer served by this engine")
@@ -171,8 +188,9 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok))
         tables = BlockTables.of(self.layout, block_ids)
-        chunks = [c for c in self._chunks(tok, self.config.save_unfull_chunk, namespace) if c.start >= skip]
-        return self._store_chunks(chunks, tables, start_s)
+        every = self._chunks(tok, self.config.save_unfull_chunk, namespace)
+        chunks = [c for c in every if c.start >= skip]
+        return self._store_chunks(chunks, tables, start_s, (tok, every))
 
     def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
         """Store chunks whose keys the caller computed (e.g. ``kvconnect.page_keys``).
@@ -182,7 +200,8 @@ class KVCacheEngine:
         """
         return self._store_chunks(list(chunks), BlockTables.of(self.layout, block_ids), time.perf_counter())
 
-    def _store_chunks(self, chunks: list[Chunk], tables: BlockTables, start_s: float) -> int:
+    def _store_chunks(self, chunks: list[Chunk], tables: BlockTables, start_s: float, prompt=None) -> int:
+        """``prompt``: (tokens, every chunk of them) when known, for the chunk events."""
         plans = [p for p in plan_store(self.layout, chunks, tables) if p.group_mask]
         existing = self.storage.masks([p.chunk.key for p in plans])
         # rewrite a stored chunk only when the new one holds strictly more groups: a re-store
@@ -211,6 +230,8 @@ class KVCacheEngine:
                     payload_bytes=plan.payload_bytes,
                 )
                 self.storage.commit(plan.chunk.key, header, slot)
+            if self.events is not None:
+                self.events.stored("cpu", [_identity(p.chunk, prompt) for p in writes])
         with self._stats_lock:
             self.stats.stored_chunks += len(writes)
             self.stats.stored_bytes += sum(p.payload_bytes for p in writes)
@@ -310,6 +331,15 @@ class KVCacheEngine:
         metrics.unregister(self.metrics_instance)
         self.storage.close()
         close_pool(self.pool)
+
+
+def _identity(chunk: Chunk, prompt) -> tuple[bytes, Optional[bytes], np.ndarray]:
+    """(key, parent key, token ids) of a stored chunk for its event; no tokens when unknown."""
+    if prompt is None:
+        return bytes(chunk.key), None, np.zeros(0, np.int64)
+    tokens, every = prompt
+    parent = bytes(every[chunk.index - 1].key) if chunk.index > 0 else None
+    return bytes(chunk.key), parent, tokens[chunk.start : chunk.end]
 
 
 def _want_pinned(device: torch.device) -> bool:

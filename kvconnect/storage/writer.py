@@ -71,6 +71,10 @@ class WriteBehind:
         self._in_flight = 0
         self._closing = False
         self._stats = WriterStats(tier=tier.name)
+        # called on the writer's thread with the keys written / deleted (kvconnect.events); a
+        # failing listener is logged, never raised
+        self.on_written: list = []
+        self.on_deleted: list = []
         self._thread = threading.Thread(target=self._run, name=f"kvconnect-writer-{tier.name}", daemon=True)
         self._thread.start()
 
@@ -170,11 +174,19 @@ class WriteBehind:
                     self._in_flight = 0
                     self._cond.notify_all()
 
+    def _notify(self, listeners: list, keys: list) -> None:
+        for listener in listeners if keys else ():
+            try:
+                listener(keys)
+            except Exception:
+                logger.exception("kvconnect: a %s writer listener failed", self.tier.name)
+
     def _process(self, batch: list[_Op]) -> None:
         if batch[0].kind == "delete":
-            self.tier.delete([op.key for op in batch])
+            gone = self.tier.delete([op.key for op in batch])
             with self._cond:
                 self._stats.deletes += len(batch)
+            self._notify(self.on_deleted, [op.key for op, g in zip(batch, gone or ()) if g])
             return
         late = [op for op in batch if op.entry is None]
         for op, entry in zip(late, self.pool.acquire([op.key for op in late], touch=False)):
@@ -185,6 +197,7 @@ class WriteBehind:
             for op in ready
         ]
         ok = self.tier.put(items) if items else []
+        self._notify(self.on_written, [op.key for op, good in zip(ready, ok) if good])
         with self._cond:
             self._stats.evicted_before_write += len(batch) - len(ready)
             self._stats.written += sum(ok)

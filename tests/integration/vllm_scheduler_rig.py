@@ -162,6 +162,8 @@ class Rig:
         assert all(b.ref_cnt == 0 for b in pool.blocks)
 
     def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()  # stops vLLM's KV-event publisher
         self.worker.shutdown()
         if self.scheduler is not None:
             self.connector.shutdown()
@@ -170,7 +172,7 @@ class Rig:
 
 def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chunk_size: int = 64,
              max_num_batched_tokens: int = 128, extra: Optional[dict] = None, dp_rank: int = 0,
-             enable_prefix_caching: bool = True, start_scheduler: bool = True) -> Rig:
+             enable_prefix_caching: bool = True, start_scheduler: bool = True, kv_events_config=None) -> Rig:
     """A rig with vLLM's worker side up; its scheduler too unless ``start_scheduler`` is False
     (then ``rig.start_scheduler()``: vLLM's engine core builds its workers, then its scheduler)."""
     model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
@@ -182,7 +184,7 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
                                 kv_role="kv_both", kv_load_failure_policy="recompute",
                                 kv_connector_extra_config={"chunk_size": chunk_size, **(extra or {})})
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, kv_transfer_config=transfer,
-                        device_config=DeviceConfig("cpu"))
+                        device_config=DeviceConfig("cpu"), kv_events_config=kv_events_config)
     if dp_rank:
         config.parallel_config.data_parallel_rank = dp_rank
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)

@@ -38,7 +38,7 @@ from kvconnect.errors import LayoutError
 
 from kvconnect.metrics import ReportGate
 
-from . import logs, stats, translate
+from . import kv_events, logs, stats, translate
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
 from .scheduler import KVConnectScheduler
@@ -86,6 +86,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: Optional[KVConnectWorker] = None
         self._requests: dict[str, Any] = {}
         self._stats_gate = ReportGate(stats.INTERVAL_S)
+        self._events_on = kv_events.events_enabled(vllm_config)  # vLLM's --kv-events-config (kv_events.py)
+        self._scheduler_events = kv_events.SchedulerEvents()
         if role == KVConnectorRole.SCHEDULER:
             ranks = translate.parallel_ranks(vllm_config, in_worker=False)
             client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
@@ -117,6 +119,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
             )
             self._worker.register(translation)
+            if self._events_on and ranks.worker_index == 0 and self._worker.engine is not None:
+                self._worker.engine.enable_events()
         except translate.UnsupportedLayoutError as exc:
             logger.warning("kvconnect: off for this model: %s", exc)
         except LayoutError as exc:
@@ -158,6 +162,13 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_error_blocks() if self._worker is not None else set()
 
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        engine = self._worker.engine if self._worker is not None else None
+        if engine is None or engine.events is None:
+            return None
+        events = kv_events.to_vllm(engine.events.drain())
+        return kv_events.KVConnectKVEvents(events) if events else None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -194,6 +205,12 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             preempted=translate.preempted_ids(scheduler_output),
         )
         return KVConnectMetadata(plan)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler_events.add(connector_output)
+
+    def take_events(self):
+        return self._scheduler_events.take()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         self._requests.pop(request.request_id, None)
