@@ -126,6 +126,19 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         except LayoutError as exc:
             logger.error("kvconnect: off: cannot describe vLLM's KV cache: %s", exc)
 
+    # sleep mode, vLLM >= 0.33 (sleep.py: why True, what the hooks guarantee)
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.resume()
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM's first call of a step, before the forward writes blocks freed for this step.
         if self._worker is not None:

@@ -47,13 +47,14 @@ from kvconnect.transfer.placement import pin_current_thread, plan_copy_threads
 from .lookup_channel import LookupServer
 from .logs import Periodic, off_reason, registration_line
 from .metadata import SAVE_SLACK_STEPS, LoadJob, SaveJob, StepPlan
+from .sleep import KVMemoryGate
 from .translate import NULL_BLOCK_ID, Translation
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_SAVES = 32  # saves in flight before a step waits for the oldest (bounds the store's lag)
 
-_COUNTERS = ("loads", "load_failures", "loaded_tokens", "saves", "save_failures", "lookups",
+_COUNTERS = ("loads", "load_failures", "loaded_tokens", "saves", "save_failures", "lookups", "saves_skipped_asleep",
              "load_us", "save_us", "save_wait_us", "save_joins", "preempted_steps")  # load: in the step; save: on the store thread;
 # wait: steps blocked on saves; joins: steps that landed every pending save (preemption, windows, idle)
 
@@ -73,6 +74,7 @@ class KVConnectWorker:
         self._loaded: set[str] = set()
         self._failed_loads: set[str] = set()
         self._error_blocks: set[int] = set()
+        self.memory = KVMemoryGate()  # closed while vLLM's sleep mode has released the KV memory (sleep.py)
         self.server = LookupServer(channel_address, self) if channel_address else None
         self.summary = Periodic(config.log_interval_s, self._log_summary)
 
@@ -144,6 +146,17 @@ class KVConnectWorker:
             self._wait(len(self._pending) - MAX_PENDING_SAVES)
         self.summary.tick()  # at most once per log_interval_s
 
+    def suspend(self) -> None:
+        """vLLM is about to release its KV memory (sleep mode): land every pending save, then
+        keep transfers off that memory until ``resume`` (sleep.py). Idempotent."""
+        if self.memory.suspend():
+            self.drain()
+            logger.info("kvconnect: KV memory released by vLLM's sleep mode; transfers paused")
+
+    def resume(self) -> None:
+        """vLLM mapped its KV memory back (wake-up): transfers resume. Idempotent."""
+        self.memory.resume()
+
     def drain(self) -> None:
         """Land every pending save (shutdown, tests)."""
         self._wait(len(self._pending))
@@ -184,7 +197,7 @@ class KVConnectWorker:
 
     def _load_one(self, job: LoadJob) -> int:
         """Restore ``job``; the prefix of its tokens valid in vLLM's blocks afterwards."""
-        if self.engine is None or self.translation is None:
+        if self.engine is None or self.translation is None or not self.memory.is_open:
             return job.present_tokens
         tables = self.translation.block_tables(job.block_ids)
         mask = None
@@ -220,7 +233,9 @@ class KVConnectWorker:
         self.summary.dirty |= bool(plan.saves or plan.loads)
         self._finished.update(plan.finished)
         for job in plan.saves:
-            if self.engine is not None:
+            if not self.memory.is_open:
+                self._count("saves_skipped_asleep")
+            elif self.engine is not None:
                 self._pending.append((job.req_id, plan.step, self._executor.submit(self._save_one, job)))
 
     def _save_one(self, job: SaveJob) -> None:
