@@ -8,6 +8,8 @@ Phases:
       -> {"outputs": [[ids...]], "cached": [cached_tokens_details, ...]}
   {"op": "settle", "seconds": S}   wait for write-through backups to reach L3
   {"op": "flush"}                  engine.flush_cache(): device and host caches dropped
+  {"op": "clear"}                  SGLang's clear_hicache_storage (HTTP: POST /clear_hicache_storage_backend):
+                                   the storage backend's clear()
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def run(spec: dict) -> dict:
             elif op == "flush":
                 ok = engine.flush_cache()
                 results.append({"flushed": bool(getattr(ok, "success", ok) if ok is not None else True)})
+            elif op == "clear":
+                out = engine.loop.run_until_complete(engine.tokenizer_manager.clear_hicache_storage())
+                results.append({"cleared": bool(getattr(out, "success", False))})
             else:
                 raise ValueError(f"unknown phase {op!r}")
     finally:

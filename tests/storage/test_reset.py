@@ -92,6 +92,7 @@ def test_reset_on_a_shared_node_server_leaves_other_engines_hits():
         updated, old = KVCacheEngine(layout, cfg), KVCacheEngine(layout, cfg)
         toks = kv_rig.tokens(5, N)
         assert kv_rig.store_prompt(updated, 5, N) == N
+        # commits to the node server are sent without waiting; the writer's next call orders them
         assert updated.lookup(toks) == N and old.lookup(toks) == N
         updated.reset()
         assert updated.lookup(toks) == 0
