@@ -217,8 +217,9 @@ class KVConnectWorker:
         the restored prefix: chunks land in order and the restore gate stops at the first
         that did not) to the last block of the load; vLLM keeps every block before it and
         recomputes from there. Several vLLM groups: block ids are per group and vLLM 0.32
-        cannot map a flat set back to requests (it raises), so the request is reported
-        and vLLM recomputes it from its own prefix hit.
+        cannot map a flat set back to requests (it raises), so the request is reported:
+        vLLM frees its blocks and schedules it anew, and the next lookup offers what is
+        still restorable (the chunks that did land).
         """
         if self.translation is None or self.translation.num_vllm_groups != 1:
             self._failed_loads.add(job.req_id)
