@@ -157,22 +157,27 @@ def test_scattered_rows_at_odd_offsets_match_the_oracle(name, tuning, rng):
 
 
 @cpu_only
-def test_work_items_cover_each_row_once_at_the_widest_unit(rng):
+def test_work_items_cover_each_row_once(rng):
     case = edge_rows()
     layout = case.layout()
     tables, _ = scattered_tables(layout, rng, max_rows=40)
-    items = triton_route.work_items(layout, tables, 4096, item_bytes=24)
-    seg, first, n, unit = items.T
-    for s, (plane, rows, _, buf_off) in enumerate(tables.segments.tolist()):
+    items = triton_route.work_items(layout, tables, item_bytes=24)
+    seg, first, n = items.T
+    for s, (plane, rows, _, _) in enumerate(tables.segments.tolist()):
         mine = seg == s
         covered = np.concatenate([np.arange(f, f + k) for f, k in zip(first[mine], n[mine])])
         assert np.array_equal(covered, np.arange(rows))  # every row once, in order
         p = layout.planes[plane]
         assert (n[mine] * p.row_bytes <= max(24, p.row_bytes)).all()
-        widths = [layout.tensors[plane].data_ptr(), p.block_stride_bytes, p.row_stride_bytes, p.row_bytes, 4096 + buf_off]
-        widest = max(w for w in (1, 2, 4, 8, 16) if all(x % w == 0 for x in widths))
-        assert (1 << unit[mine] == widest).all()
-    assert 0 in set(unit.tolist())  # 1- and 3-byte rows move byte by byte
+
+
+def test_launch_align_is_the_widest_common_power_of_two():
+    cpu, npu = torch.device("cpu"), type("D", (), {"type": "npu"})()
+    assert triton_route.launch_align(cpu, np.array([4096, 1152]), np.array([64])) == 16
+    assert triton_route.launch_align(cpu, np.array([4096, 584]), np.array([64])) == 8
+    assert triton_route.launch_align(cpu, np.array([4096, 3]), np.array([64])) == 1
+    assert triton_route.launch_align(cpu, np.array([0]), np.array([1 << 40])) == 16
+    assert triton_route.launch_align(npu, np.array([4096]), np.array([64])) == 1  # DMA is byte-granular
 
 
 @cpu_only
@@ -257,7 +262,8 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
                 kernels.ops_kernel[grid](ops, n, ring_addr, **kw)
             return launch
 
-    monkeypatch.setattr(triton_route, "_kernels", lambda: type("K", (), {"ops_kernel": Launch()})())
+    monkeypatch.setattr(triton_route, "_kernels",
+                        lambda: type("K", (), {"ops_kernel": Launch(), "CHUNK_BYTES": kernels.CHUNK_BYTES})())
     monkeypatch.setattr(triton_route, "_copy_streams", {})
     copies = []
     real_copy = torch.Tensor.copy_
@@ -325,7 +331,7 @@ def test_bad_tables_are_refused_before_launch(direction):
 
 @cpu_only
 def test_tuning_and_route_are_checked():
-    for bad in (dict(block_bytes=24), dict(staging_slots=1), dict(item_bytes=0), dict(num_programs=0)):
+    for bad in (dict(num_programs=65536), dict(staging_slots=1), dict(item_bytes=0), dict(num_programs=0)):
         with pytest.raises(TransferError):
             TritonTuning(**bad)
     layout = _case("llama-flash").layout()
@@ -422,7 +428,8 @@ TARGETS = {  # target -> (Triton target, assembly, 128-bit load and store, byte 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_the_gpu_builds_compile_with_128_bit_units(target):
     """The same source through Triton's GPU compilers (no GPU needed): it compiles for an H100 and an
-    MI300, 16-byte units become one 128-bit load and store per lane, odd rows byte loads."""
+    MI300; a launch whose addresses and lengths are 16-byte aligned (ALIGN=16) moves its whole blocks with
+    128-bit loads and stores, an unaligned one (ALIGN=1) byte by byte."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -431,22 +438,23 @@ def test_the_gpu_builds_compile_with_128_bit_units(target):
     i64 = "*i64"
     cases = [
         (k.segments_kernel, {"planes_ptr": i64, "segments_ptr": i64, "slots_ptr": i64, "items_ptr": i64, "num_items": "i32",
-                             "buffer_addr": "i64", "TO_BUFFER": "constexpr", "BLOCK_BYTES": "constexpr"}),
+                             "buffer_addr": "i64", "TO_BUFFER": "constexpr", "ALIGN": "constexpr", "CHUNK": "constexpr"}),
         (k.ops_kernel, {"ops_ptr": i64, "num_ops": "i32", "ring_addr": "i64", "TO_BUFFER": "constexpr",
-                        "BLOCK_BYTES": "constexpr"}),
+                        "ALIGN": "constexpr", "CHUNK": "constexpr"}),
     ]
     for kernel, signature in cases:
         for to_buffer in (True, False):
-            src = ASTSource(kernel, signature, constexprs={"TO_BUFFER": to_buffer, "BLOCK_BYTES": 4096})
-            try:
-                code = triton.compile(src, target=GPUTarget(backend, arch, warp)).asm[asm]
-            except RuntimeError as exc:
-                if "ptxas" not in str(exc) and "lld" not in str(exc):
-                    raise
-                pytest.skip(f"Triton's {backend} toolchain is not usable here: {exc}")
-            ops = set(re.findall(r"(?:ld|st)\.global\.\w+(?:\.\w+)?|global_(?:load|store)_\w+", code))
-            assert set(wide) <= ops, sorted(ops)
-            assert set(narrow) <= ops, sorted(ops)
+            for align, want in ((16, wide), (1, narrow)):
+                src = ASTSource(kernel, signature,
+                                constexprs={"TO_BUFFER": to_buffer, "ALIGN": align, "CHUNK": k.CHUNK_BYTES})
+                try:
+                    code = triton.compile(src, target=GPUTarget(backend, arch, warp)).asm[asm]
+                except RuntimeError as exc:
+                    if "ptxas" not in str(exc) and "lld" not in str(exc):
+                        raise
+                    pytest.skip(f"Triton's {backend} toolchain is not usable here: {exc}")
+                ops = set(re.findall(r"(?:ld|st)\.global\.\w+(?:\.\w+)?|global_(?:load|store)_\w+", code))
+                assert set(want) <= ops, (align, sorted(ops))
 
 
 # ---------------------------------------------------------------------------------------

@@ -60,7 +60,6 @@ class TritonTuning:
     staged: None = direct where the device can address the buffer, else staged; True / False
         force one (False fails where the buffer is out of the device's reach).
     item_bytes: rows per work item = max(1, item_bytes // row_bytes) (load balance of the grid).
-    block_bytes: bytes a program moves per step (a power of two >= 16).
     num_programs: persistent grid size; None = 4 per SM on CUDA, the vector cores on an NPU,
         4 under the interpreter.
     staging_slots, first_piece_bytes, max_piece_bytes, merge_gap_bytes, max_op_bytes: the staged
@@ -69,7 +68,6 @@ class TritonTuning:
 
     staged: Optional[bool] = None
     item_bytes: int = 64 << 10
-    block_bytes: int = 4096
     num_programs: Optional[int] = None
     staging_slots: int = 2
     first_piece_bytes: int = 1 << 20
@@ -80,8 +78,6 @@ class TritonTuning:
     def __post_init__(self) -> None:
         if self.item_bytes < 1 or self.item_bytes > (1 << 30):
             raise TransferError("item_bytes must be in [1, 2**30]")
-        if self.block_bytes < 16 or self.block_bytes > (1 << 16) or self.block_bytes & (self.block_bytes - 1):
-            raise TransferError("block_bytes must be a power of two in [16, 65536]")
         if self.num_programs is not None and not 1 <= self.num_programs <= 65535:
             raise TransferError("num_programs must be in [1, 65535]")
         if not 2 <= self.staging_slots <= 16:
@@ -265,8 +261,8 @@ class _NoGuard:
         return False
 
 
-def work_items(layout: KVLayout, tables: TransferTables, buffer_addr: int, item_bytes: int) -> np.ndarray:
-    """[I, 4] int64: segment, first_row, num_rows, unit_log2 (see triton_kernels.py)."""
+def work_items(layout: KVLayout, tables: TransferTables, item_bytes: int) -> np.ndarray:
+    """[I, 3] int64: segment, first_row, num_rows (see triton_kernels.py)."""
     seg = tables.segments
     table = plane_table(layout)
     planes, num_rows = seg[:, 0], seg[:, 1]
@@ -277,17 +273,29 @@ def work_items(layout: KVLayout, tables: TransferTables, buffer_addr: int, item_
     k = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
     first = k * per_item[owner]
     n = np.minimum(per_item[owner], num_rows[owner] - first)
-    align = table[planes, 0] | table[planes, 1] | table[planes, 2] | row_bytes | (buffer_addr + seg[:, 3])
-    return np.stack([owner, first, n, _unit_log2(align)[owner]], axis=1)
+    return np.stack([owner, first, n], axis=1)
+
+
+def launch_align(device: torch.device, *values: np.ndarray) -> int:
+    """The ALIGN a launch states to the compiler: the widest power of two up to 16 dividing every
+    address, stride and length it touches; 1 on an NPU (DMA is byte-granular: nothing to gain,
+    and one compiled variant per kernel and direction)."""
+    if device.type == "npu":
+        return 1
+    every = np.bitwise_or.reduce(np.concatenate([np.asarray(v, np.int64).reshape(-1) for v in values]))
+    return int(1 << int(_unit_log2(np.array([every], np.int64))[0]))
 
 
 def _run_direct(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, to_buffer: bool, t: TritonTuning) -> None:
     device = layout.device
-    items = work_items(layout, tables, buffer.data_ptr(), t.item_bytes)
+    items = work_items(layout, tables, t.item_bytes)
+    table = plane_table(layout)[np.unique(tables.segments[:, 0])]
+    align = launch_align(device, table[:, :4], buffer.data_ptr() + tables.segments[:, 3])
     segments, slots, items_dev = _upload(device, tables.segments, tables.slots, items)
     grid = (max(1, min(len(items), _num_programs(device, t))),)
-    _kernels().segments_kernel[grid](_device_planes(layout), segments, slots, items_dev, len(items), buffer.data_ptr(),
-                                     TO_BUFFER=to_buffer, BLOCK_BYTES=t.block_bytes)
+    k = _kernels()
+    k.segments_kernel[grid](_device_planes(layout), segments, slots, items_dev, len(items), buffer.data_ptr(),
+                            TO_BUFFER=to_buffer, ALIGN=align, CHUNK=k.CHUNK_BYTES)
 
 
 def staged_plan(layout: KVLayout, tables: TransferTables, buffer_bytes: int, to_buffer: bool, t: TritonTuning) -> dict:
@@ -329,17 +337,18 @@ def _execute(plan: dict, ring: torch.Tensor, slot_bytes: int, buffer: torch.Tens
     begins = np.concatenate([[0], ends[:-1]]).astype(np.int64)
     piece_of_op = np.repeat(np.arange(num_pieces, dtype=np.int64), ends - begins)
     ring_off = ops[:, 1] + (piece_of_op % K) * slot_bytes
-    op_table = np.stack([ops[:, 0], ring_off, ops[:, 2], _unit_log2(ops[:, 0] | (ring.data_ptr() + ring_off) | ops[:, 2])],
-                        axis=1) if len(ops) else np.zeros((0, 4), np.int64)
+    op_table = np.stack([ops[:, 0], ring_off, ops[:, 2]], axis=1) if len(ops) else np.zeros((0, 3), np.int64)
+    align = launch_align(device, ops[:, 0], ring.data_ptr() + ring_off, ops[:, 2]) if len(ops) else 1
     (op_dev,) = _upload(device, op_table)
-    kernel = _kernels().ops_kernel
+    kernels = _kernels()
+    kernel, chunk = kernels.ops_kernel, kernels.CHUNK_BYTES
     programs = _num_programs(device, t)
 
     def gather_or_scatter(k: int) -> None:
         n = int(ends[k] - begins[k])
         if n:
-            kernel[(min(n, programs),)](op_dev[begins[k] :], n, ring.data_ptr(), TO_BUFFER=to_buffer,
-                                        BLOCK_BYTES=t.block_bytes)
+            kernel[(min(n, programs),)](op_dev[begins[k] :], n, ring.data_ptr(), TO_BUFFER=to_buffer, ALIGN=align,
+                                        CHUNK=chunk)
 
     def copy(k: int) -> None:
         base = (k % K) * slot_bytes
