@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 _I64 = "*i64"
-SIGNATURES = {  # each kernel's argument types, for an ahead-of-time compile (tests/ascend_compile, the warm-up)
+SIGNATURES = {  # each kernel's argument types, for an ahead-of-time compile (tests/ascend_compile)
     "segments_kernel": {"planes_ptr": _I64, "segments_ptr": _I64, "slots_ptr": _I64, "items_ptr": _I64, "num_items": "i32",
                         "buffer_addr": "i64", "TO_BUFFER": "constexpr", "ALIGN": "constexpr", "CHUNK": "constexpr"},
     "ops_kernel": {"ops_ptr": _I64, "num_ops": "i32", "ring_addr": "i64", "TO_BUFFER": "constexpr", "ALIGN": "constexpr",
@@ -51,8 +51,6 @@ SIGNATURES = {  # each kernel's argument types, for an ahead-of-time compile (te
 NPU_ALIGNS = (1,)  # the ALIGN values the NPU route launches (triton_route.launch_align)
 
 CHUNK_BYTES = 4096  # bytes of the widest block: one DMA on an NPU, >= 16 bytes a lane in a GPU program of 256 threads
-ITEM_COLS = 3
-OP_COLS = 3
 
 
 @triton.jit
