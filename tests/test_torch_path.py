@@ -101,3 +101,22 @@ def test_device_ops_per_batch_follow_the_planes_not_the_segments(name, rng):
         if num_chunks == 4:
             assert len(tables.segments) > 2 * planes_used  # more segments than planes: the count is per plane
     assert counts[1, "gather"] == counts[4, "gather"] and counts[1, "scatter"] == counts[4, "scatter"], counts
+
+
+@needs_cpu_kernel
+def test_a_buffer_the_device_cannot_address_goes_through_one_span_copy(rng, monkeypatch):
+    """Device planes with a host buffer (an NPU's pool): the span is copied to the device first (the bytes
+    between segments kept) and back once after a store. Simulated on CPU by handing the path a separate
+    copy of the span, as ``.to(device)`` would."""
+    from kvconnect.transfer import torch_impl
+
+    copies = []
+
+    def device_span(layout, buffer, lo, hi):
+        copies.append((lo, hi))
+        return buffer[lo:hi].clone()
+
+    monkeypatch.setattr(torch_impl, "_device_span", device_span)
+    case, layout, tables, nbytes = _planned("dsv4-flash", rng)
+    _both_ways(case, layout, tables, nbytes, rng)
+    assert len(copies) == 2  # one a direction

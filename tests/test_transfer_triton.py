@@ -159,6 +159,19 @@ def test_scattered_rows_at_odd_offsets_match_the_oracle(name, tuning, rng):
 
 
 @cpu_only
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+def test_the_npu_variant_align_1_matches_the_oracle(tuning, rng, monkeypatch):
+    """ALIGN=1, the only variant the NPU route launches (and tests/ascend_compile compiles), on rows that
+    would otherwise launch ALIGN 8 or 16."""
+    monkeypatch.setattr(triton_route, "launch_align", lambda device, *values: 1)
+    case = _case("dsv4-flash-packed")
+    layout = case.layout()
+    tables, nbytes = planned_tables(case, layout, rng)
+    check_gather(case, layout, tables, nbytes, rng, TUNINGS[tuning])
+    check_scatter(case, tables, nbytes, rng, TUNINGS[tuning])
+
+
+@cpu_only
 def test_work_items_cover_each_row_once(rng):
     case = edge_rows()
     layout = case.layout()
