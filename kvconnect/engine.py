@@ -82,7 +82,7 @@ class KVCacheEngine:
         check_chunk_size(layout, self.config.chunk_size)
         if backend is None:  # an explicit backend wins over KVCONNECT_TRANSFER_ROUTE
             backend = transfer.route_backend(layout, self.config.transfer_route)
-        transfer.backend_for(layout, backend)  # fail now, not on the first store
+        transfer.prepare(layout, backend)  # fail now, not on the first store; the Triton route compiles here
         self.backend = backend
         self._cuda_tuning = route_tuning(self.config.cuda_transfer)
         self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)

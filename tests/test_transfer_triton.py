@@ -113,6 +113,7 @@ def check_gather(case, layout, tables, nbytes, rng, tuning, offset: int = 0):
     before = case.snapshot()
     transfer.gather(layout, tables, base[offset:], backend="triton", triton_tuning=tuning)
     transfer.gather(layout, tables, ref[offset:], backend="torch")
+    assert transfer.triton_failure(layout.device.type) is None  # the Triton route ran, not the fallback
     assert torch.equal(base, ref), f"{int((base != ref).sum())} buffer bytes differ from the torch oracle"
     assert case.same_bytes(before), "a gather wrote into the cache"
 
@@ -123,6 +124,7 @@ def check_scatter(case, tables, nbytes, rng, tuning, offset: int = 0):
     got, want = case.clone(), case.clone()
     transfer.scatter(got.layout(), tables, buffer, backend="triton", triton_tuning=tuning)
     transfer.scatter(want.layout(), tables, buffer, backend="torch")
+    assert transfer.triton_failure("cpu") is None  # the Triton route ran, not the fallback
     assert got.first_difference(want) is None  # every byte, targeted rows or not
     assert not got.same_bytes(case), "nothing was written"
     assert torch.equal(buffer, kept), "a scatter wrote into the buffer"
@@ -157,22 +159,40 @@ def test_scattered_rows_at_odd_offsets_match_the_oracle(name, tuning, rng):
 
 
 @cpu_only
-def test_work_items_cover_each_row_once_at_the_widest_unit(rng):
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+def test_the_npu_variant_align_1_matches_the_oracle(tuning, rng, monkeypatch):
+    """ALIGN=1, the only variant the NPU route launches (and tests/ascend_compile compiles), on rows that
+    would otherwise launch ALIGN 8 or 16."""
+    monkeypatch.setattr(triton_route, "launch_align", lambda device, *values: 1)
+    case = _case("dsv4-flash-packed")
+    layout = case.layout()
+    tables, nbytes = planned_tables(case, layout, rng)
+    check_gather(case, layout, tables, nbytes, rng, TUNINGS[tuning])
+    check_scatter(case, tables, nbytes, rng, TUNINGS[tuning])
+
+
+@cpu_only
+def test_work_items_cover_each_row_once(rng):
     case = edge_rows()
     layout = case.layout()
     tables, _ = scattered_tables(layout, rng, max_rows=40)
-    items = triton_route.work_items(layout, tables, 4096, item_bytes=24)
-    seg, first, n, unit = items.T
-    for s, (plane, rows, _, buf_off) in enumerate(tables.segments.tolist()):
+    items = triton_route.work_items(layout, tables, item_bytes=24)
+    seg, first, n = items.T
+    for s, (plane, rows, _, _) in enumerate(tables.segments.tolist()):
         mine = seg == s
         covered = np.concatenate([np.arange(f, f + k) for f, k in zip(first[mine], n[mine])])
         assert np.array_equal(covered, np.arange(rows))  # every row once, in order
         p = layout.planes[plane]
         assert (n[mine] * p.row_bytes <= max(24, p.row_bytes)).all()
-        widths = [layout.tensors[plane].data_ptr(), p.block_stride_bytes, p.row_stride_bytes, p.row_bytes, 4096 + buf_off]
-        widest = max(w for w in (1, 2, 4, 8, 16) if all(x % w == 0 for x in widths))
-        assert (1 << unit[mine] == widest).all()
-    assert 0 in set(unit.tolist())  # 1- and 3-byte rows move byte by byte
+
+
+def test_launch_align_is_the_widest_common_power_of_two():
+    cpu, npu = torch.device("cpu"), type("D", (), {"type": "npu"})()
+    assert triton_route.launch_align(cpu, np.array([4096, 1152]), np.array([64])) == 16
+    assert triton_route.launch_align(cpu, np.array([4096, 584]), np.array([64])) == 8
+    assert triton_route.launch_align(cpu, np.array([4096, 3]), np.array([64])) == 1
+    assert triton_route.launch_align(cpu, np.array([0]), np.array([1 << 40])) == 16
+    assert triton_route.launch_align(npu, np.array([4096]), np.array([64])) == 1  # DMA is byte-granular
 
 
 @cpu_only
@@ -257,7 +277,8 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
                 kernels.ops_kernel[grid](ops, n, ring_addr, **kw)
             return launch
 
-    monkeypatch.setattr(triton_route, "_kernels", lambda: type("K", (), {"ops_kernel": Launch()})())
+    monkeypatch.setattr(triton_route, "_kernels",
+                        lambda: type("K", (), {"ops_kernel": Launch(), "CHUNK_BYTES": kernels.CHUNK_BYTES})())
     monkeypatch.setattr(triton_route, "_copy_streams", {})
     copies = []
     real_copy = torch.Tensor.copy_
@@ -325,7 +346,7 @@ def test_bad_tables_are_refused_before_launch(direction):
 
 @cpu_only
 def test_tuning_and_route_are_checked():
-    for bad in (dict(block_bytes=24), dict(staging_slots=1), dict(item_bytes=0), dict(num_programs=0)):
+    for bad in (dict(num_programs=65536), dict(staging_slots=1), dict(item_bytes=0), dict(num_programs=0)):
         with pytest.raises(TransferError):
             TritonTuning(**bad)
     layout = _case("llama-flash").layout()
@@ -368,6 +389,173 @@ def test_config_reads_the_route():
 
     with pytest.raises(ConfigError):
         Config.from_env({"KVCONNECT_TRANSFER_ROUTE": "fast"})
+
+
+class _Recorder:
+    """Wraps the interpreter's memory access (triton.runtime.interpreter._interpreter): every lane's
+    address of every byte-wide load and store, masked or not, is recorded before it is dereferenced."""
+
+    def __init__(self, real) -> None:
+        self.real, self.spans = real, []
+
+    def _note(self, ptrs, itemsize):
+        if itemsize == 1:  # the data path (the descriptor tables are int64)
+            p = np.asarray(ptrs, dtype=np.uint64).reshape(-1)
+            if p.size:
+                self.spans.append((int(p.min()), int(p.max()) + 1))
+
+    def load(self, ptrs, mask, other, dtype):
+        self._note(ptrs, np.dtype(dtype).itemsize)
+        return self.real.load(ptrs, mask, other, dtype)
+
+    def store(self, ptrs, value, mask):
+        self._note(ptrs, np.asarray(value).dtype.itemsize)
+        return self.real.store(ptrs, value, mask)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _plane_extents(layout):
+    out = []
+    for p, t in zip(layout.planes, layout.tensors):
+        base = t.data_ptr()
+        out.append((base, base + (p.num_blocks - 1) * p.block_stride_bytes + (p.rows_per_block - 1) * p.row_stride_bytes
+                    + p.row_bytes))
+    return out
+
+
+@cpu_only
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+@pytest.mark.parametrize("name", ["edge-rows", "dsv4-flash", "dsv4-flash-packed"])
+def test_no_address_outside_the_planes_and_the_buffer_is_dereferenced(name, tuning, rng, monkeypatch):
+    """Every plane's last row is moved (the plane's bytes end there; a tight plane's allocation too), the
+    buffer is a slice of a larger allocation with guard bytes on both sides: every address a data load or
+    store is given, masked or not, lies inside a plane, the buffer or the staging ring, and the guards
+    are untouched."""
+    import triton.runtime.interpreter as interp
+
+    case = edge_rows() if name == "edge-rows" else _case(name)
+    layout = case.layout()
+    builder, offset = SegmentBuilder(), 0
+    for i, p in enumerate(layout.planes):
+        last = np.array([p.num_slots - 1, 0, p.num_slots // 2], np.int64)[: min(3, p.num_slots)]
+        so = builder.add_slots(np.unique(last)[::-1].copy())
+        builder.add_segments(np.array([i]), np.array([len(np.unique(last))]), np.array([so]), np.array([offset]))
+        offset += len(np.unique(last)) * p.row_bytes
+    tables, nbytes = builder.build(), offset
+    guard = 64
+    rings = []
+    real_acquire = triton_route._acquire_ring
+    monkeypatch.setattr(triton_route, "_acquire_ring", lambda d, n: rings.append(real_acquire(d, n)) or rings[-1])
+    recorder = _Recorder(interp._interpreter)
+    monkeypatch.setattr(interp, "_interpreter", recorder)
+    buffers = []  # kept alive: their ranges are checked below
+    for direction in ("gather", "scatter"):
+        backing = torch.from_numpy(rng.integers(0, 256, nbytes + 2 * guard, dtype=np.uint8))
+        kept = backing.clone()
+        buffers.append(backing)
+        buffer = backing[guard : guard + nbytes]
+        getattr(transfer, direction)(layout, tables, buffer, backend="triton", triton_tuning=TUNINGS[tuning])
+        assert torch.equal(backing[:guard], kept[:guard]) and torch.equal(backing[-guard:], kept[-guard:])
+    monkeypatch.undo()
+    allowed = (_plane_extents(layout) + [(r.data_ptr(), r.data_ptr() + r.numel()) for r in rings]
+               + [(b.data_ptr() + guard, b.data_ptr() + guard + nbytes) for b in buffers])
+    assert recorder.spans
+    for lo, hi in recorder.spans:
+        assert any(a <= lo and hi <= b for a, b in allowed), f"bytes [{lo:#x}, {hi:#x}) are outside every plane, buffer and ring"
+
+
+def test_npu_route_needs_an_npu_and_triton_ascend(monkeypatch):
+    from triton.backends import backends
+
+    monkeypatch.setitem(backends, "ascend", object())  # triton-ascend's backend, as if installed
+    monkeypatch.setattr(triton_route, "npu_present", lambda: False)
+    assert not triton_route.available("npu")  # installed, but no NPU: no Triton route
+    monkeypatch.setattr(triton_route, "npu_present", lambda: True)
+    assert triton_route.available("npu")
+    monkeypatch.delitem(backends, "ascend")
+    assert not triton_route.available("npu")
+    monkeypatch.undo()
+    assert triton_route.npu_present() == (hasattr(torch, "npu") and torch.npu.is_available())  # False here: no torch_npu
+
+
+def test_grids_stay_under_the_launcher_limit():
+    big = TritonTuning(num_programs=65535)
+    assert triton_route._num_programs(torch.device("cpu"), big) <= triton_route.MAX_GRID == 65535
+    with pytest.raises(TransferError):
+        TritonTuning(num_programs=65536)
+
+
+class _Failing:
+    """Stands in for triton_kernels: every launch raises what a compiler stage (or the driver) raises."""
+
+    def __init__(self, real, exc, after: int = 0):
+        self.real, self.exc, self.after, self.calls = real, exc, after, 0
+        self.CHUNK_BYTES = real.CHUNK_BYTES
+        outer = self
+
+        class Kernel:
+            def __init__(self, name):
+                self.name = name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    outer.calls += 1
+                    if outer.calls > outer.after:
+                        raise outer.exc
+                    return getattr(outer.real, self.name)[grid](*args, **kw)
+                return launch
+
+        self.segments_kernel, self.ops_kernel = Kernel("segments_kernel"), Kernel("ops_kernel")
+
+
+def _fresh_route_state(monkeypatch):
+    monkeypatch.setattr(transfer, "_triton_failed", {})
+    monkeypatch.setattr(transfer, "_triton_warm", set())
+
+
+@cpu_only
+@pytest.mark.parametrize("when", ["compile", "launch"])
+def test_a_failing_kernel_means_one_warning_and_the_torch_path(when, rng, monkeypatch, caplog):
+    """A compile failure at the engine's warm-up, or a launch failure on a later store: one WARNING naming
+    the stage and the reason, the torch path for the rest of the process, stores and retrieves byte-exact."""
+    import subprocess
+
+    _fresh_route_state(monkeypatch)
+    case = _case("dsv32-ascend")
+    kernels = triton_route._kernels()
+    if when == "compile":
+        exc, after = subprocess.CalledProcessError(1, ["triton-adapter-opt", "--triton-to-unstructure"]), 0
+    else:
+        exc, after = RuntimeError("rtKernelLaunch failed: 507015"), 4  # the 4 warm-up launches pass
+    failing = _Failing(kernels, exc, after)
+    monkeypatch.setattr(triton_route, "_kernels", lambda: failing)
+    monkeypatch.setattr(triton_route, "interpreted", lambda: True)  # the stand-in runs the interpreted kernels
+    chunk, n = 64, 128
+    tokens = zoo.random_tokens(rng, n)
+    ids = zoo.random_tables(case, n, rng)
+    config = zoo.small_config(chunk, transfer_route="triton")
+    with caplog.at_level("WARNING", logger="kvconnect.transfer"):
+        src = KVCacheEngine(case.layout(), config)
+        assert src.store(tokens, ids) > 0
+        dst_case = case.clone(fill=0)
+        dst = KVCacheEngine(dst_case.layout(), config)
+        zoo.transplant(src, dst, tokens)
+        assert dst.retrieve(tokens, ids) == n
+    warnings = [r.getMessage() for r in caplog.records if "Triton transfer route failed" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    stage = "warm-up compile" if when == "compile" else "launch"
+    assert f"at the {stage} stage" in warnings[0] and str(exc)[:20] in warnings[0], warnings[0]
+    assert transfer.triton_failure("cpu").startswith(stage)
+    calls = failing.calls
+    want_case = case.clone(fill=0)
+    want = KVCacheEngine(want_case.layout(), zoo.small_config(chunk, transfer_route="torch"))
+    zoo.transplant(src, want, tokens)
+    assert want.retrieve(tokens, ids) == n
+    assert dst_case.first_difference(want_case) is None
+    src.store(zoo.random_tokens(rng, n), ids)
+    assert failing.calls == calls  # given up: never tried again
 
 
 def test_npu_dispatch_takes_triton_only_where_triton_ascend_is_importable(monkeypatch, caplog):
@@ -422,7 +610,8 @@ TARGETS = {  # target -> (Triton target, assembly, 128-bit load and store, byte 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_the_gpu_builds_compile_with_128_bit_units(target):
     """The same source through Triton's GPU compilers (no GPU needed): it compiles for an H100 and an
-    MI300, 16-byte units become one 128-bit load and store per lane, odd rows byte loads."""
+    MI300; a launch whose addresses and lengths are 16-byte aligned (ALIGN=16) moves its whole blocks with
+    128-bit loads and stores, an unaligned one (ALIGN=1) byte by byte."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -431,22 +620,23 @@ def test_the_gpu_builds_compile_with_128_bit_units(target):
     i64 = "*i64"
     cases = [
         (k.segments_kernel, {"planes_ptr": i64, "segments_ptr": i64, "slots_ptr": i64, "items_ptr": i64, "num_items": "i32",
-                             "buffer_addr": "i64", "TO_BUFFER": "constexpr", "BLOCK_BYTES": "constexpr"}),
+                             "buffer_addr": "i64", "TO_BUFFER": "constexpr", "ALIGN": "constexpr", "CHUNK": "constexpr"}),
         (k.ops_kernel, {"ops_ptr": i64, "num_ops": "i32", "ring_addr": "i64", "TO_BUFFER": "constexpr",
-                        "BLOCK_BYTES": "constexpr"}),
+                        "ALIGN": "constexpr", "CHUNK": "constexpr"}),
     ]
     for kernel, signature in cases:
         for to_buffer in (True, False):
-            src = ASTSource(kernel, signature, constexprs={"TO_BUFFER": to_buffer, "BLOCK_BYTES": 4096})
-            try:
-                code = triton.compile(src, target=GPUTarget(backend, arch, warp)).asm[asm]
-            except RuntimeError as exc:
-                if "ptxas" not in str(exc) and "lld" not in str(exc):
-                    raise
-                pytest.skip(f"Triton's {backend} toolchain is not usable here: {exc}")
-            ops = set(re.findall(r"(?:ld|st)\.global\.\w+(?:\.\w+)?|global_(?:load|store)_\w+", code))
-            assert set(wide) <= ops, sorted(ops)
-            assert set(narrow) <= ops, sorted(ops)
+            for align, want in ((16, wide), (1, narrow)):
+                src = ASTSource(kernel, signature,
+                                constexprs={"TO_BUFFER": to_buffer, "ALIGN": align, "CHUNK": k.CHUNK_BYTES})
+                try:
+                    code = triton.compile(src, target=GPUTarget(backend, arch, warp)).asm[asm]
+                except RuntimeError as exc:
+                    if "ptxas" not in str(exc) and "lld" not in str(exc):
+                        raise
+                    pytest.skip(f"Triton's {backend} toolchain is not usable here: {exc}")
+                ops = set(re.findall(r"(?:ld|st)\.global\.\w+(?:\.\w+)?|global_(?:load|store)_\w+", code))
+                assert set(want) <= ops, (align, sorted(ops))
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@
 ``buffer`` is a 1-D uint8 tensor (a CPU pool, pinned when the KV lives on an accelerator).
 Dispatch (``backend=None``): the compiled CPU kernel for ``cpu`` planes, the compiled CUDA
 kernel for ``cuda`` planes when it is built, the Triton route (triton_route.py) for Ascend
-``npu`` planes when Triton for the NPU (triton-ascend) is importable, the torch implementation
+``npu`` planes when an NPU is present and Triton for the NPU (triton-ascend) is importable (its kernels
+compiled and checked by ``prepare`` when the engine is created; any compile or launch failure: one
+WARNING and the torch path for the rest of the process), the torch implementation
 for anything else (logged once where a kernel was wanted). ``backend`` forces one of
 ``"cpu"``, ``"cuda"``, ``"triton"``, ``"torch"``; ``route_backend`` maps the configured
 ``KVCONNECT_TRANSFER_ROUTE`` to it. Every call is validated here before a pointer crosses
@@ -36,7 +38,7 @@ try:
 except ImportError:
     _cuda_kernels = None
 
-__all__ = ["gather", "scatter", "backend_for", "route_backend", "SegmentBuilder", "TransferTables", "plane_table",
+__all__ = ["gather", "scatter", "backend_for", "prepare", "triton_failure", "route_backend", "SegmentBuilder", "TransferTables", "plane_table",
            "validate", "BACKENDS", "ROUTES"]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("cpu", "cuda", "triton", "torch")
 ROUTES = ("auto", "compiled", "triton", "torch")  # Config.transfer_route (KVCONNECT_TRANSFER_ROUTE)
 _logged_fallback: set = set()
+_triton_failed: dict = {}  # device type -> "stage: reason" of the Triton route's first failure there
+_triton_warm: set = set()  # device types whose kernels were compiled and checked (prepare)
 
 
 def route_backend(layout: KVLayout, route: str) -> Optional[str]:
@@ -67,6 +71,39 @@ def _fallback(device: str, why: str) -> str:
     return "torch"
 
 
+def triton_failure(device_type: str) -> Optional[str]:
+    """Why the Triton route was given up on this device type in this process (None: it was not)."""
+    return _triton_failed.get(device_type)
+
+
+def _give_up_triton(device_type: str, exc: "triton_route.TritonRouteError") -> None:
+    """One WARNING, then the torch path for every later transfer on this device type."""
+    if device_type not in _triton_failed:
+        _triton_failed[device_type] = str(exc)
+        logger.warning("kvconnect: the Triton transfer route failed on %s planes at the %s stage (%s); the torch "
+                       "path serves them for the rest of this process", device_type, exc.stage, exc.reason)
+
+
+def prepare(layout: KVLayout, requested: Optional[str] = None) -> str:
+    """``backend_for``, and where that is the Triton route on a device (not the interpreter), its kernels
+    compiled and checked now (``triton_route.warm_up``) rather than on the first store. A failure there
+    is logged once and the torch path takes over; returns the backend transfers will take."""
+    chosen = backend_for(layout, requested)
+    device = layout.device.type
+    if chosen != "triton":
+        return chosen
+    if device in _triton_failed:
+        return "torch"
+    if device not in _triton_warm:
+        try:
+            triton_route.warm_up(layout)
+        except triton_route.TritonRouteError as exc:
+            _give_up_triton(device, exc)
+            return "torch"
+        _triton_warm.add(device)
+    return chosen
+
+
 def backend_for(layout: KVLayout, requested: Optional[str] = None) -> str:
     if requested is not None:
         if requested not in BACKENDS:
@@ -85,9 +122,11 @@ def backend_for(layout: KVLayout, requested: Optional[str] = None) -> str:
     if device == "cuda" and _cuda_kernels is not None:
         return "cuda"  # the compiled kernel until the Triton route measures faster on a GPU (docs/gpu.md)
     if device == "npu":
+        if device in _triton_failed:
+            return "torch"  # logged when it failed
         if triton_route.available("npu"):
             return "triton"
-        return _fallback(device, "Triton for the NPU (triton-ascend) is not importable")
+        return _fallback(device, "no NPU is visible to torch_npu, or Triton for the NPU (triton-ascend) is not importable")
     if device in ("cpu", "cuda"):
         return _fallback(device, f"kvconnect._{device}_kernels is not built")
     return "torch"
@@ -151,8 +190,13 @@ def _run(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch
         from . import cuda as cuda_backend
 
         cuda_backend.run(direction, layout, tables, buffer, tuning=cuda_tuning)
-    elif chosen == "triton":
-        triton_route.run(direction, layout, tables, buffer, tuning=triton_tuning)
+    elif chosen == "triton" and layout.device.type not in _triton_failed:
+        try:
+            triton_route.run(direction, layout, tables, buffer, tuning=triton_tuning)
+        except triton_route.TritonRouteError as exc:  # never a failed transfer: the torch path redoes all of it
+            _give_up_triton(layout.device.type, exc)
+            (torch_impl.gather if direction == "gather" else torch_impl.scatter)(layout, tables, buffer)
+            _sync(layout.device)
     else:
         (torch_impl.gather if direction == "gather" else torch_impl.scatter)(layout, tables, buffer)
         _sync(layout.device)

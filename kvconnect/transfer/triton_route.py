@@ -47,10 +47,40 @@ try:
 except ImportError:  # the staged planner lives there
     _cpu_kernels = None
 
-__all__ = ["TritonTuning", "available", "interpreted", "run", "DEFAULT_TUNING"]
+__all__ = ["TritonTuning", "TritonRouteError", "available", "interpreted", "run", "warm_up", "DEFAULT_TUNING"]
 
 _NPU_BACKENDS = ("ascend", "cann")  # triton-ascend's backend name (older, newer releases)
 _INT32_MAX = (1 << 31) - 1
+MAX_GRID = 65535  # triton-ascend's launcher refuses more programs (unless TRITON_ALL_BLOCKS_PARALLEL=1)
+
+
+class TritonRouteError(RuntimeError):
+    """A kernel of the route failed to compile, launch or move the right bytes (``stage`` says which)."""
+
+    def __init__(self, stage: str, reason: str) -> None:
+        super().__init__(f"{stage}: {reason}")
+        self.stage = stage
+        self.reason = reason
+
+
+def _stage_of(exc: BaseException, default: str) -> str:
+    """'compile' for Triton's and the backend's compiler errors (subprocess of a compiler stage included)."""
+    import subprocess
+
+    name = type(exc).__module__ + "." + type(exc).__name__
+    if isinstance(exc, subprocess.CalledProcessError) or name.startswith("triton.compiler") or "Compil" in name:
+        return "compile"
+    return default
+
+
+def _launch(stage: str, fn, *args, **kwargs) -> None:
+    """Run a kernel launch; any failure but bad input becomes a TritonRouteError naming its stage."""
+    try:
+        fn(*args, **kwargs)
+    except (TransferError, TritonRouteError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the compiler or the driver raises
+        raise TritonRouteError(_stage_of(exc, stage), f"{type(exc).__name__}: {str(exc).strip()[:400]}") from exc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +90,6 @@ class TritonTuning:
     staged: None = direct where the device can address the buffer, else staged; True / False
         force one (False fails where the buffer is out of the device's reach).
     item_bytes: rows per work item = max(1, item_bytes // row_bytes) (load balance of the grid).
-    block_bytes: bytes a program moves per step (a power of two >= 16).
     num_programs: persistent grid size; None = 4 per SM on CUDA, the vector cores on an NPU,
         4 under the interpreter.
     staging_slots, first_piece_bytes, max_piece_bytes, merge_gap_bytes, max_op_bytes: the staged
@@ -69,7 +98,6 @@ class TritonTuning:
 
     staged: Optional[bool] = None
     item_bytes: int = 64 << 10
-    block_bytes: int = 4096
     num_programs: Optional[int] = None
     staging_slots: int = 2
     first_piece_bytes: int = 1 << 20
@@ -80,8 +108,6 @@ class TritonTuning:
     def __post_init__(self) -> None:
         if self.item_bytes < 1 or self.item_bytes > (1 << 30):
             raise TransferError("item_bytes must be in [1, 2**30]")
-        if self.block_bytes < 16 or self.block_bytes > (1 << 16) or self.block_bytes & (self.block_bytes - 1):
-            raise TransferError("block_bytes must be a power of two in [16, 65536]")
         if self.num_programs is not None and not 1 <= self.num_programs <= 65535:
             raise TransferError("num_programs must be in [1, 65535]")
         if not 2 <= self.staging_slots <= 16:
@@ -116,13 +142,24 @@ def available(device_type: str) -> bool:
         return interpreted()
     if device_type == "cuda":
         return torch.cuda.is_available()
-    if device_type == "npu":  # triton-ascend registers its backend under one of these names
+    if device_type == "npu":  # an NPU present, and triton-ascend's backend (under one of these names)
+        if not npu_present():
+            return False
         try:
             from triton.backends import backends
         except ImportError:
             return False
         return any(name in backends for name in _NPU_BACKENDS)
     return False
+
+
+def npu_present() -> bool:
+    """Whether torch_npu is loaded and sees at least one NPU."""
+    npu = getattr(torch, "npu", None)
+    try:
+        return bool(npu is not None and npu.is_available() and npu.device_count() > 0)
+    except Exception:  # noqa: BLE001 - a half-installed torch_npu: no NPU for us
+        return False
 
 
 def _kernels():
@@ -182,6 +219,10 @@ def _device_module(device: torch.device):
 
 
 def _num_programs(device: torch.device, tuning: TritonTuning) -> int:
+    return min(MAX_GRID, _wanted_programs(device, tuning))
+
+
+def _wanted_programs(device: torch.device, tuning: TritonTuning) -> int:
     if tuning.num_programs is not None:
         return tuning.num_programs
     if device.type == "cpu":
@@ -265,8 +306,8 @@ class _NoGuard:
         return False
 
 
-def work_items(layout: KVLayout, tables: TransferTables, buffer_addr: int, item_bytes: int) -> np.ndarray:
-    """[I, 4] int64: segment, first_row, num_rows, unit_log2 (see triton_kernels.py)."""
+def work_items(layout: KVLayout, tables: TransferTables, item_bytes: int) -> np.ndarray:
+    """[I, 3] int64: segment, first_row, num_rows (see triton_kernels.py)."""
     seg = tables.segments
     table = plane_table(layout)
     planes, num_rows = seg[:, 0], seg[:, 1]
@@ -277,17 +318,29 @@ def work_items(layout: KVLayout, tables: TransferTables, buffer_addr: int, item_
     k = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
     first = k * per_item[owner]
     n = np.minimum(per_item[owner], num_rows[owner] - first)
-    align = table[planes, 0] | table[planes, 1] | table[planes, 2] | row_bytes | (buffer_addr + seg[:, 3])
-    return np.stack([owner, first, n, _unit_log2(align)[owner]], axis=1)
+    return np.stack([owner, first, n], axis=1)
+
+
+def launch_align(device: torch.device, *values: np.ndarray) -> int:
+    """The ALIGN a launch states to the compiler: the widest power of two up to 16 dividing every
+    address, stride and length it touches; 1 on an NPU (DMA is byte-granular: nothing to gain,
+    and one compiled variant per kernel and direction)."""
+    if device.type == "npu":
+        return 1
+    every = np.bitwise_or.reduce(np.concatenate([np.asarray(v, np.int64).reshape(-1) for v in values]))
+    return int(1 << int(_unit_log2(np.array([every], np.int64))[0]))
 
 
 def _run_direct(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, to_buffer: bool, t: TritonTuning) -> None:
     device = layout.device
-    items = work_items(layout, tables, buffer.data_ptr(), t.item_bytes)
+    items = work_items(layout, tables, t.item_bytes)
+    table = plane_table(layout)[np.unique(tables.segments[:, 0])]
+    align = launch_align(device, table[:, :4], buffer.data_ptr() + tables.segments[:, 3])
     segments, slots, items_dev = _upload(device, tables.segments, tables.slots, items)
     grid = (max(1, min(len(items), _num_programs(device, t))),)
-    _kernels().segments_kernel[grid](_device_planes(layout), segments, slots, items_dev, len(items), buffer.data_ptr(),
-                                     TO_BUFFER=to_buffer, BLOCK_BYTES=t.block_bytes)
+    k = _kernels()
+    _launch("launch", k.segments_kernel[grid], _device_planes(layout), segments, slots, items_dev, len(items),
+            buffer.data_ptr(), TO_BUFFER=to_buffer, ALIGN=align, CHUNK=k.CHUNK_BYTES)
 
 
 def staged_plan(layout: KVLayout, tables: TransferTables, buffer_bytes: int, to_buffer: bool, t: TritonTuning) -> dict:
@@ -329,17 +382,18 @@ def _execute(plan: dict, ring: torch.Tensor, slot_bytes: int, buffer: torch.Tens
     begins = np.concatenate([[0], ends[:-1]]).astype(np.int64)
     piece_of_op = np.repeat(np.arange(num_pieces, dtype=np.int64), ends - begins)
     ring_off = ops[:, 1] + (piece_of_op % K) * slot_bytes
-    op_table = np.stack([ops[:, 0], ring_off, ops[:, 2], _unit_log2(ops[:, 0] | (ring.data_ptr() + ring_off) | ops[:, 2])],
-                        axis=1) if len(ops) else np.zeros((0, 4), np.int64)
+    op_table = np.stack([ops[:, 0], ring_off, ops[:, 2]], axis=1) if len(ops) else np.zeros((0, 3), np.int64)
+    align = launch_align(device, ops[:, 0], ring.data_ptr() + ring_off, ops[:, 2]) if len(ops) else 1
     (op_dev,) = _upload(device, op_table)
-    kernel = _kernels().ops_kernel
+    kernels = _kernels()
+    kernel, chunk = kernels.ops_kernel, kernels.CHUNK_BYTES
     programs = _num_programs(device, t)
 
     def gather_or_scatter(k: int) -> None:
         n = int(ends[k] - begins[k])
         if n:
-            kernel[(min(n, programs),)](op_dev[begins[k] :], n, ring.data_ptr(), TO_BUFFER=to_buffer,
-                                        BLOCK_BYTES=t.block_bytes)
+            _launch("launch", kernel[(min(n, programs),)], op_dev[begins[k] :], n, ring.data_ptr(), TO_BUFFER=to_buffer,
+                    ALIGN=align, CHUNK=chunk)
 
     def copy(k: int) -> None:
         base = (k % K) * slot_bytes
@@ -390,3 +444,54 @@ def _execute(plan: dict, ring: torch.Tensor, slot_bytes: int, buffer: torch.Tens
     done = mod.Event()
     done.record(side)
     compute.wait_event(done)
+
+
+# ---------------------------------------------------------------------------------------
+# warm-up
+
+
+def warm_up(layout: KVLayout) -> None:
+    """Compile and run every kernel variant the route launches for these planes, on a tiny private
+    table (two 5-row blocks of a scratch plane on the planes' device; the engine's planes are never
+    touched), both directions, direct and staged, and check the bytes. Raises TritonRouteError
+    (stage: "warm-up compile", "warm-up launch" or "warm-up check")."""
+    device = layout.device
+    align = launch_align(device, plane_table(layout)[:, :4], np.array([256], np.int64))
+    rows, row_bytes = 10, 5 * align
+    mod = _device_module(device)
+    guard = mod.device(device) if mod is not None and hasattr(mod, "device") else _NoGuard()
+    k = _kernels()
+    with guard:
+        src = (torch.arange(rows * row_bytes, dtype=torch.int64) % 251 + 1).to(torch.uint8).to(device)
+        planes = torch.tensor([[src.data_ptr(), 5 * row_bytes, row_bytes, row_bytes, 5, rows]], dtype=torch.int64,
+                              device=device)
+        slots = np.array([7, 2, 9], np.int64)
+        want = src.view(rows, row_bytes)[torch.from_numpy(slots).to(device)].reshape(-1)
+        segments, slots_dev, items = _upload(device, np.array([[0, 3, 0, 0]], np.int64), slots,
+                                             np.array([[0, 0, 3]], np.int64))
+        flat = torch.zeros(want.numel(), dtype=torch.uint8, device=device)
+        back = torch.zeros_like(src)
+        ring = torch.zeros(want.numel(), dtype=torch.uint8, device=device)
+        (ops,) = _upload(device, np.array([[src.data_ptr() + s * row_bytes, i * row_bytes, row_bytes]
+                                           for i, s in enumerate(slots)], np.int64))
+        try:
+            k.segments_kernel[(1,)](planes, segments, slots_dev, items, 1, flat.data_ptr(), TO_BUFFER=True, ALIGN=align,
+                                    CHUNK=k.CHUNK_BYTES)
+            planes_back = planes.clone()
+            planes_back[0, 0] = back.data_ptr()
+            k.segments_kernel[(1,)](planes_back, segments, slots_dev, items, 1, flat.data_ptr(), TO_BUFFER=False,
+                                    ALIGN=align, CHUNK=k.CHUNK_BYTES)
+            k.ops_kernel[(1,)](ops, len(slots), ring.data_ptr(), TO_BUFFER=True, ALIGN=align, CHUNK=k.CHUNK_BYTES)
+            k.ops_kernel[(1,)](ops, len(slots), ring.data_ptr(), TO_BUFFER=False, ALIGN=align, CHUNK=k.CHUNK_BYTES)
+            if mod is not None:
+                mod.current_stream().synchronize()
+        except Exception as exc:  # noqa: BLE001 - whatever the compiler or the driver raises
+            stage = "warm-up " + _stage_of(exc, "launch")
+            raise TritonRouteError(stage, f"{type(exc).__name__}: {str(exc).strip()[:400]}") from exc
+        moved = back.view(rows, row_bytes)[torch.from_numpy(slots).to(device)].reshape(-1)
+        if not (torch.equal(flat, want) and torch.equal(ring, want) and torch.equal(moved, want)):
+            raise TritonRouteError("warm-up check", "the kernels moved wrong bytes on a 3-row table")
+        untouched = torch.ones(rows, dtype=torch.bool)
+        untouched[torch.from_numpy(slots)] = False
+        if back.view(rows, row_bytes)[untouched.to(device)].any():
+            raise TritonRouteError("warm-up check", "a scatter wrote outside the rows it was given")
