@@ -34,10 +34,8 @@ CHUNK = 64
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    import tiny_models
-
-    return tiny_models.make_llama(str(tmp_path_factory.mktemp("rig") / "llama"))
+def model_dir(tiny_models):
+    return tiny_models("llama")  # conftest: built once per session
 
 
 def test_supports_sleep_mode():
