@@ -31,7 +31,19 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+try:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    def _kv_cache_configs(config, specs, memory):
+        return get_kv_cache_configs(config, specs, memory)
+except ImportError:  # vLLM 0.33: moved, and the engine core computes the global groups first
+
+    def _kv_cache_configs(config, specs, memory):
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+        return get_kv_cache_configs(config, specs, memory, get_global_kv_cache_groups(config, specs))
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -189,7 +201,7 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
         config.parallel_config.data_parallel_rank = dp_rank
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
     specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(NUM_LAYERS)}
-    (kv_cache_config,) = get_kv_cache_configs(config, [specs], [num_blocks * NUM_LAYERS * spec.page_size_bytes])
+    (kv_cache_config,) = _kv_cache_configs(config, [specs], [num_blocks * NUM_LAYERS * spec.page_size_bytes])
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), cache.get_resolved_kv_cache_layout())
     worker = KVConnectorFactory.create_connector(config=config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config)
