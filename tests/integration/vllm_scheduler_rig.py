@@ -184,7 +184,8 @@ class Rig:
 
 def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chunk_size: int = 64,
              max_num_batched_tokens: int = 128, extra: Optional[dict] = None, dp_rank: int = 0,
-             enable_prefix_caching: bool = True, start_scheduler: bool = True, kv_events_config=None) -> Rig:
+             enable_prefix_caching: bool = True, start_scheduler: bool = True, kv_events_config=None,
+             engine_id: Optional[str] = None) -> Rig:
     """A rig with vLLM's worker side up; its scheduler too unless ``start_scheduler`` is False
     (then ``rig.start_scheduler()``: vLLM's engine core builds its workers, then its scheduler)."""
     model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
@@ -194,7 +195,8 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
     cache.kv_cache_layout = "LBHNC"  # what vLLM resolves for its CPU attention backend
     transfer = KVTransferConfig(kv_connector="KVConnectConnector", kv_connector_module_path="kvconnect.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"chunk_size": chunk_size, **(extra or {})})
+                                kv_connector_extra_config={"chunk_size": chunk_size, **(extra or {})},
+                                **({"engine_id": engine_id} if engine_id else {}))
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, kv_transfer_config=transfer,
                         device_config=DeviceConfig("cpu"), kv_events_config=kv_events_config)
     if dp_rank:
