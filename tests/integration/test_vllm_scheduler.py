@@ -120,16 +120,18 @@ def test_a_load_that_lands_nothing_recomputes_from_vllms_own_prefix(rig):
     r.assert_no_leak()
 
 
-@pytest.mark.parametrize("scheme", ["ipc", "tcp"])
+@pytest.mark.parametrize("scheme", ["ipc", "tcp", "default"])
 def test_data_parallel_ranks_each_answer_their_own_lookups(rig, tmp_path, scheme):
     if scheme == "ipc":
-        url = f"ipc://{tmp_path}/lookup"
-    else:
+        extra = {"lookup_url": f"ipc://{tmp_path}/lookup"}
+    elif scheme == "tcp":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            extra = {"lookup_url": f"tcp://127.0.0.1:{s.getsockname()[1]}"}
+    else:  # no address given: derived from the engine id both ranks share
+        extra = {}
     # vLLM's DP engine cores start side by side: both ranks' workers bind before a scheduler connects
-    ranks = [rig(extra={"lookup_url": url}, dp_rank=d, start_scheduler=False) for d in (0, 1)]
+    ranks = [rig(extra=extra, dp_rank=d, start_scheduler=False, engine_id=f"dp-engine-{tmp_path.name}") for d in (0, 1)]
     for r in ranks:
         r.start_scheduler()
     prompts = [_prompt(10, 160), _prompt(11, 160)]

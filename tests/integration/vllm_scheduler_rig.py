@@ -31,7 +31,19 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+try:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    def _kv_cache_configs(config, specs, memory):
+        return get_kv_cache_configs(config, specs, memory)
+except ImportError:  # vLLM 0.33: moved, and the engine core computes the global groups first
+
+    def _kv_cache_configs(config, specs, memory):
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+        return get_kv_cache_configs(config, specs, memory, get_global_kv_cache_groups(config, specs))
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -172,7 +184,8 @@ class Rig:
 
 def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chunk_size: int = 64,
              max_num_batched_tokens: int = 128, extra: Optional[dict] = None, dp_rank: int = 0,
-             enable_prefix_caching: bool = True, start_scheduler: bool = True, kv_events_config=None) -> Rig:
+             enable_prefix_caching: bool = True, start_scheduler: bool = True, kv_events_config=None,
+             engine_id: Optional[str] = None) -> Rig:
     """A rig with vLLM's worker side up; its scheduler too unless ``start_scheduler`` is False
     (then ``rig.start_scheduler()``: vLLM's engine core builds its workers, then its scheduler)."""
     model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
@@ -182,14 +195,15 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
     cache.kv_cache_layout = "LBHNC"  # what vLLM resolves for its CPU attention backend
     transfer = KVTransferConfig(kv_connector="KVConnectConnector", kv_connector_module_path="kvconnect.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"chunk_size": chunk_size, **(extra or {})})
+                                kv_connector_extra_config={"chunk_size": chunk_size, **(extra or {})},
+                                **({"engine_id": engine_id} if engine_id else {}))
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, kv_transfer_config=transfer,
                         device_config=DeviceConfig("cpu"), kv_events_config=kv_events_config)
     if dp_rank:
         config.parallel_config.data_parallel_rank = dp_rank
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
     specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(NUM_LAYERS)}
-    (kv_cache_config,) = get_kv_cache_configs(config, [specs], [num_blocks * NUM_LAYERS * spec.page_size_bytes])
+    (kv_cache_config,) = _kv_cache_configs(config, [specs], [num_blocks * NUM_LAYERS * spec.page_size_bytes])
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), cache.get_resolved_kv_cache_layout())
     worker = KVConnectorFactory.create_connector(config=config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config)
