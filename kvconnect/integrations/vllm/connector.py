@@ -97,7 +97,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                                                  save_unfull_chunk=config.save_unfull_chunk,
                                                  save_decode_cache=config.save_decode_cache,
                                                  min_load_tokens=config.effective_min_load_tokens,
-                                                 log_interval_s=config.log_interval_s, role=self._role)
+                                                 log_interval_s=config.log_interval_s, role=self._role,
+                                                 tail_align_tokens=pd.engine_block_tokens(vllm_config, kv_cache_config))
             self._pd = pd.PDScheduler(self._scheduler, self._role, pd.ServerIdentity(
                 chunk_tokens=config.chunk_size, tp_size=ranks.tp_size, model=config.model_name,
                 engine_id=str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")),

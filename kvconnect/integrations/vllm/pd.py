@@ -27,6 +27,7 @@ decode side does a plain lookup.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -58,6 +59,16 @@ class ServerIdentity:
     tp_size: int
     model: str = ""
     engine_id: str = ""
+
+
+def engine_block_tokens(vllm_config: Any, kv_cache_config: Any = None) -> int:
+    """vLLM's block size (the least common multiple over KV-cache groups with the hybrid
+    allocator): where a P/D prefill's stored prompt ends (``KVConnectScheduler.tail_end``)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    sizes = [int(g.kv_cache_spec.block_size) for g in groups if getattr(getattr(g, "kv_cache_spec", None), "block_size", 0)]
+    if not sizes:
+        sizes = [int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 1)]
+    return math.lcm(*sizes)
 
 
 class _RateLimitedWarning:
@@ -116,8 +127,8 @@ class PDScheduler:
         if not expired and now - waiting.probed < self.poll_interval_s:
             return None, False  # ask later, without touching the tier
         waiting.probed = now
-        needed = min(waiting.stored.tokens, len(req.prompt_tokens))
-        if self.scheduler.hits.lookup(req.prompt_tokens, req.namespace, count=False) < needed and not expired:
+        needed = waiting.stored.tokens  # <= the prompt (transfer_params.mismatch)
+        if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False) < needed and not expired:
             return None, False
         del self._waiting[req.req_id]
         self.counters["remote_prefill_wait_us"] += int((now - waiting.since) * 1e6)
@@ -128,7 +139,7 @@ class PDScheduler:
                        req.req_id, self.wait_timeout_s)
         else:
             self.counters["remote_prefill_ready"] += 1
-        return self.scheduler.num_new_matched_tokens(req, num_computed, remote_prefill=True)
+        return self.scheduler.num_new_matched_tokens(req, num_computed, remote_prefill_tokens=needed)
 
     def _remote_prefill(self, req: RequestView, params: Any) -> Optional[StoredPrefill]:
         """The producer's stored prefill this request may wait for, or None (plain lookup)."""
@@ -156,7 +167,7 @@ class PDScheduler:
         if not wants_remote_decode(params) or not self.role.stores_prompt or not req.cacheable:
             return None
         planned = self.scheduler.planned_tokens(req.req_id)
-        if planned < len(req.prompt_tokens) or planned == 0:
+        if planned < self.scheduler.tail_end(len(req.prompt_tokens)) or planned == 0:
             return None  # the prompt was not all computed here (aborted): name nothing, decode recomputes
         self.counters["remote_decode_prefills"] += 1
         return StoredPrefill(tokens=planned, chunk_tokens=self.identity.chunk_tokens, tp_size=self.identity.tp_size,

@@ -55,14 +55,17 @@ class _Tracked:
     prompt: np.ndarray
     stored_tokens: int  # prefix already stored or held by vLLM: chunk-aligned, or the prompt with its partial tail
     namespace: bytes = b""
-    store_tail: bool = False  # P/D: also store the prompt's partial last chunk (a prefill for a remote decode)
+    store_tail: bool = False  # P/D: also store the prompt's partial last chunk (a prefill for a remote decode), to tail_end
 
 
 class KVConnectScheduler:
     def __init__(self, hits: HitSource, *, chunk_tokens: int, save_unfull_chunk: bool = False,
                  save_decode_cache: bool = False, min_load_tokens: int = 0, log_interval_s: float = 0.0,
-                 role: RolePolicy = BOTH) -> None:
+                 role: RolePolicy = BOTH, tail_align_tokens: int = 1) -> None:
         self.hits = hits
+        # P/D tails end on a multiple of this (vLLM's block size): a restore of a paged layout resumes
+        # only on a block edge, and the decode side then computes at most one block of the prompt
+        self.tail_align_tokens = max(1, tail_align_tokens)
         self.role = role  # kv_role (roles.py): whether this server looks up, stores prompts, stores decode chunks
         self.min_load_tokens = min_load_tokens
         # lookups: requests asked about; hits: loads offered; small_hits: hits below min_load_tokens
@@ -81,9 +84,11 @@ class KVConnectScheduler:
         self._whole_prompt: set[str] = set()  # P/D prefills for a remote decode (store_whole_prompt)
 
     # -- new requests ------------------------------------------------------------------
-    def num_new_matched_tokens(self, req: RequestView, num_computed: int, *, remote_prefill: bool = False) -> tuple[int, bool]:
-        """``remote_prefill``: a P/D decode whose prefill a producer stored (pd.py): a partial last
-        chunk and a hit under ``min_load_tokens`` are loaded too (the point is not to prefill here)."""
+    def num_new_matched_tokens(self, req: RequestView, num_computed: int, *, remote_prefill_tokens: int = 0) -> tuple[int, bool]:
+        """``remote_prefill_tokens``: a P/D decode whose first that many prompt tokens a producer
+        stored (pd.py): they are looked up as stored (their partial last chunk included), and a
+        hit under ``min_load_tokens`` is loaded too (the point is not to prefill here)."""
+        remote_prefill = remote_prefill_tokens > 0
         self._queries[req.req_id] = (num_computed, 0)
         prompt = req.prompt_tokens
         if not self.role.loads:  # kv_producer: never looks up
@@ -93,7 +98,8 @@ class KVConnectScheduler:
         if num_computed >= len(prompt) - 1:
             return 0, False
         start = time.perf_counter()
-        boundary = self.hits.lookup(prompt, req.namespace)
+        # a P/D producer's last chunk ends where it stored the prompt (tail_end), not at its end
+        boundary = self.hits.lookup(prompt[:remote_prefill_tokens] if remote_prefill else prompt, req.namespace)
         self.lookup_stats["lookup_us"] += int((time.perf_counter() - start) * 1e6)
         # vLLM must compute at least one token itself to produce logits.
         end = min(boundary, req.num_tokens - 1, len(prompt))
@@ -149,6 +155,11 @@ class KVConnectScheduler:
         last chunk included, whatever vLLM's own prefix cache held. Call before ``after_alloc``."""
         if self.role.stores_prompt:
             self._whole_prompt.add(req_id)
+
+    def tail_end(self, prompt_tokens: int) -> int:
+        """Where a P/D prefill's stored prompt ends: the last block edge, or the last chunk end above it."""
+        return max(prompt_tokens // self.tail_align_tokens * self.tail_align_tokens,
+                   prompt_tokens // self.chunk_tokens * self.chunk_tokens)
 
     def planned_tokens(self, req_id: str) -> int:
         """Prompt tokens whose saves are planned for a running request (0 if none / untracked)."""
@@ -207,13 +218,16 @@ class KVConnectScheduler:
         # a stored partial prompt tail is a chunk of its own: the full chunk over it is new
         stored = tracked.stored_tokens // self.chunk_tokens * self.chunk_tokens
         job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace)
-        tracked.stored_tokens = end if end == len(tracked.prompt) else end // self.chunk_tokens * self.chunk_tokens
+        tail = end == len(tracked.prompt) or (tracked.store_tail and end == self.tail_end(len(tracked.prompt)))
+        tracked.stored_tokens = end if tail else end // self.chunk_tokens * self.chunk_tokens
         return job
 
     def _storable_end(self, tokens: np.ndarray, computed: int, prompt_tokens: int, tail: bool = False) -> int:
         """Tokens whose chunks are complete once ``computed`` tokens are (only ids known count)."""
         computed = min(computed, len(tokens))
-        if computed == prompt_tokens and (self.save_unfull_chunk or tail):
+        if computed == prompt_tokens and tail:
+            return self.tail_end(computed)
+        if computed == prompt_tokens and self.save_unfull_chunk:
             return computed
         return computed // self.chunk_tokens * self.chunk_tokens
 
