@@ -170,8 +170,8 @@ class PDCluster:
                  "pd_wait_timeout_s": self.wait_timeout_s, "max_local_cpu_size": 0.5}
         if self.tier == "server":
             extra["server_url"] = self.server_url
-        else:
-            extra["remote_url"] = self.redis_url
+        else:  # two engines and the test share 2 cores here: a generous bound on each Redis call
+            extra["remote_url"], extra["remote_timeout_s"] = self.redis_url, 5.0
         return {"kv_connector": "KVConnectConnector", "kv_role": role, "kv_connector_module_path": "kvconnect.integrations.vllm",
                 "kv_connector_extra_config": extra}
 
