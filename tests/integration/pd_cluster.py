@@ -120,12 +120,22 @@ def wait_healthy(procs_urls: list[tuple[Proc, str]], timeout_s: float = START_TI
             time.sleep(0.5)
 
 
-def vllm_cmd(model: str, port: int, *, block_size: int, max_model_len: int = 2048, kv: Optional[dict] = None,
-             extra: tuple[str, ...] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", str(block_size),
-           "--max-model-len", str(max_model_len), "--max-num-batched-tokens", "1024", "--max-num-seqs", "8",
-           "--enforce-eager", *extra]
+def vllm_cmd(model: str, port: int, *, block_size: int, kv: Optional[dict] = None, serve_args: tuple[str, ...] = ()) -> list[str]:
+    """``vllm serve`` for the tests (token-id prompts, no tokenizer); ``serve_args`` replace defaults."""
+    args = {"--dtype": "float32", "--max-model-len": "2048", "--max-num-batched-tokens": "1024", "--max-num-seqs": "8",
+            "--skip-tokenizer-init": None, "--enforce-eager": None}
+    it = iter(serve_args)
+    for flag in it:
+        if flag == "--tokenizer-init":
+            args.pop("--skip-tokenizer-init")
+        elif flag.startswith("--") and flag in ("--enforce-eager", "--no-enable-prefix-caching"):
+            args[flag] = None
+        else:
+            args[flag] = next(it)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "m", model,
+           "--host", "127.0.0.1", "--port", str(port), "--block-size", str(block_size)]
+    for flag, value in args.items():
+        cmd += [flag] if value is None else [flag, value]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     return cmd
@@ -141,10 +151,11 @@ def vllm_env(cores: str = "auto") -> dict:
 class PlainServer:
     """One ``vllm serve`` without a connector: the reference P/D outputs must equal."""
 
-    def __init__(self, model: str, workdir: Path, *, block_size: int, cores: str = "auto") -> None:
+    def __init__(self, model: str, workdir: Path, *, block_size: int, cores: str = "auto", serve_args: tuple[str, ...] = ()) -> None:
+        self.name = "plain"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Proc("plain", vllm_cmd(model, self.port, block_size=block_size), vllm_env(cores), workdir)
+        self.proc = Proc("plain", vllm_cmd(model, self.port, block_size=block_size, serve_args=serve_args), vllm_env(cores), workdir)
 
     def stop(self) -> None:
         self.proc.stop()
@@ -153,7 +164,8 @@ class PlainServer:
 class PDCluster:
     def __init__(self, model: str, workdir: Path, *, chunk_tokens: int, block_size: int, wait_timeout_s: float = 5.0,
                  producer_cores: str = "0", consumer_cores: str = "1", tier: str = "server",
-                 redis_url: Optional[str] = None) -> None:
+                 redis_url: Optional[str] = None, serve_args: tuple[str, ...] = (), pool_gb: float = 0.5) -> None:
+        self.serve_args, self.pool_gb = serve_args, pool_gb
         self.model, self.workdir = model, Path(workdir)
         self.chunk_tokens, self.block_size, self.wait_timeout_s = chunk_tokens, block_size, wait_timeout_s
         self.producer_cores, self.consumer_cores = producer_cores, consumer_cores
@@ -167,18 +179,19 @@ class PDCluster:
 
     def _kv(self, role: str) -> dict:
         extra = {"chunk_size": self.chunk_tokens, "lookup_url": f"ipc://{self.workdir}/lookup-{role}",
-                 "pd_wait_timeout_s": self.wait_timeout_s, "max_local_cpu_size": 0.5}
+                 "pd_wait_timeout_s": self.wait_timeout_s, "max_local_cpu_size": self.pool_gb}
         if self.tier == "server":
             extra["server_url"] = self.server_url
         else:  # two engines and the test share 2 cores here: a generous bound on each Redis call
             extra["remote_url"], extra["remote_timeout_s"] = self.redis_url, 5.0
         return {"kv_connector": "KVConnectConnector", "kv_role": role, "kv_connector_module_path": "kvconnect.integrations.vllm",
+                "kv_load_failure_policy": "recompute",  # as docs/vllm.md recommends: a failed load is recomputed
                 "kv_connector_extra_config": extra}
 
     def start(self, plain: Optional[PlainServer] = None) -> None:
         """Start everything (``plain`` too, when given, while the others start) and wait until healthy."""
         if self.tier == "server":
-            kvc = [sys.executable, "-m", "kvconnect.cli", "server", "--url", self.server_url, "--size-gb", "1"]
+            kvc = [sys.executable, "-m", "kvconnect.cli", "server", "--url", self.server_url, "--size-gb", str(max(1.0, 2 * self.pool_gb))]
             self.procs["kvconnect-server"] = Proc("kvconnect-server", kvc, vllm_env(), self.workdir)
             deadline = time.monotonic() + 30
             while not os.path.exists(self.server_url[len("ipc://"):]):
@@ -202,8 +215,8 @@ class PDCluster:
         port = self.ports[role]
         kv_role = "kv_producer" if role == "producer" else "kv_consumer"
         cores = self.producer_cores if role == "producer" else self.consumer_cores
-        self.procs[role] = Proc(role, vllm_cmd(self.model, port, block_size=self.block_size, kv=self._kv(kv_role)),
-                                vllm_env(cores), self.workdir)
+        self.procs[role] = Proc(role, vllm_cmd(self.model, port, block_size=self.block_size, kv=self._kv(kv_role),
+                                               serve_args=self.serve_args), vllm_env(cores), self.workdir)
 
     def metrics(self, role: str) -> str:
         url = self.producer_url if role == "producer" else self.consumer_url
