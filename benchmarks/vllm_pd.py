@@ -44,7 +44,7 @@ import pd_cluster as pc  # noqa: E402
 from vllm_serve import bench, build_model, load_average  # noqa: E402
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "output_throughput")
-COUNTERS = ("prompt_tokens_total", "kvconnect_retrieved_tokens_total", "kvconnect_stored_chunks_total",
+COUNTERS = ("prompt_tokens_total", "prefix_cache_hits_total", "kvconnect_retrieved_tokens_total", "kvconnect_stored_chunks_total",
             "kvconnect_lookups_total", "kvconnect_pd_remote_prefills_total", "kvconnect_pd_remote_prefill_ready_total",
             "kvconnect_pd_remote_prefill_timeouts_total", "kvconnect_pd_remote_prefill_wait_seconds_total",
             "kvconnect_pd_remote_decode_prefills_total", "kvconnect_load_failures_total")
@@ -121,9 +121,11 @@ def main() -> None:
         print(f"{c:>3} {'ratio':>6} " + " ".join(f"{med['pd'][m] / med['plain'][m]:>15.2f}x" for m in METRICS))
     d = {k: after_d[k] - before_d[k] for k in COUNTERS}
     p = {k: after_p[k] - before_p[k] for k in COUNTERS}
-    share = d["kvconnect_retrieved_tokens_total"] / max(1.0, d["prompt_tokens_total"])
-    print(f"\ndecode server: {d['prompt_tokens_total']:.0f} prompt tokens, {d['kvconnect_retrieved_tokens_total']:.0f} loaded "
-          f"from the shared tier ({100 * share:.1f}%), {100 * (1 - share):.1f}% computed; "
+    total = max(1.0, d["prompt_tokens_total"])
+    loaded, cached = d["kvconnect_retrieved_tokens_total"], d["prefix_cache_hits_total"]
+    print(f"\ndecode server: {total:.0f} prompt tokens: {loaded:.0f} loaded from the shared tier ({100 * loaded / total:.1f}%), "
+          f"{cached:.0f} from vLLM's own prefix cache ({100 * cached / total:.1f}%), "
+          f"{100 * (total - loaded - cached) / total:.1f}% computed; "
           f"{d['kvconnect_pd_remote_prefills_total']:.0f} P/D requests, {d['kvconnect_pd_remote_prefill_ready_total']:.0f} ready, "
           f"{d['kvconnect_pd_remote_prefill_timeouts_total']:.0f} timeouts, "
           f"{d['kvconnect_pd_remote_prefill_wait_seconds_total'] * 1e3:.1f} ms waited in all; "

@@ -211,3 +211,21 @@ def test_producer_killed_between_prefill_and_decode(pd_llama):
     d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] > before["kvconnect_retrieved_tokens_total"]), before)
     assert d["kvconnect_retrieved_tokens_total"] == len(p) // BLOCK * BLOCK
     assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 0
+
+
+def test_a_consumer_without_a_shared_tier_fails_at_start_with_one_clear_error(tmp_path, tiny_models):
+    """``kv_consumer`` with only the CPU pool could never receive anything: `vllm serve` must
+    stop at start with kvconnect's message (not serve and silently miss)."""
+    port = pc.free_port()
+    kv = {"kv_connector": "KVConnectConnector", "kv_role": "kv_consumer", "kv_connector_module_path": "kvconnect.integrations.vllm",
+          "kv_connector_extra_config": {"chunk_size": CHUNK, "lookup_url": f"ipc://{tmp_path}/lookup"}}
+    proc = pc.Proc("lonely-consumer", pc.vllm_cmd(tiny_models("llama"), port, block_size=BLOCK, kv=kv), pc.vllm_env(), tmp_path)
+    try:
+        proc.proc.wait(timeout=240)
+    except Exception:
+        proc.stop()
+        pytest.fail(f"vllm serve kept running:\n{proc.log_tail()}")
+    proc.stop()
+    log = proc.log_path.read_text(errors="replace")
+    assert proc.proc.returncode != 0
+    assert "kv_role 'kv_consumer' needs a tier the other side of the P/D pair can read" in log, log[-4000:]
