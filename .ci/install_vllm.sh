@@ -22,6 +22,6 @@ if ! "$PY" -c "import vllm, torch; assert torch.__version__.startswith('$TORCH_V
     # PyPI builds of these link CUDA torch and break `import vllm` on CPU.
     "$PY" -m pip uninstall -y torchvision torchaudio torchcodec || true
 fi
-"$PY" -m pip install pybind11 msgpack pyzmq blake3 xxhash pyyaml pytest hypothesis prometheus_client tqdm
+"$PY" -m pip install pybind11 msgpack pyzmq blake3 xxhash pyyaml pytest hypothesis prometheus_client tqdm "redis>=5" hiredis
 "$PY" -m pip install -e . --no-build-isolation
 "$PY" -c "import vllm, kvconnect.integrations.vllm; print('vllm', vllm.__version__, 'ok')"

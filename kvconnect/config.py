@@ -30,6 +30,8 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_MIN_LOAD_TOKENS      | min_load_tokens      | int   | 0       | engine adapters do not report a hit that loads fewer tokens beyond the engine's own prefix cache; 0: one chunk (chunk_size); 1: every hit (docs/vllm.md, "Small loads") |
 | KVCONNECT_LOG_INTERVAL_S       | log_interval_s       | float | 60.0    | engine adapters log a hit / save summary at most this often (0: never) |
 | KVCONNECT_POOL_PREFAULT        | pool_prefault        | bool  | true    | map the CPU pool's pages in the background after allocation, so stores do not pay first-touch page faults (kvconnect/storage/host_memory.py) |
+| KVCONNECT_PD_WAIT_TIMEOUT_S    | pd_wait_timeout_s    | float | 5.0     | P/D decode side: how long a request whose prefill a producer names waits for its chunks in the shared tier before it is recomputed (docs/vllm.md, "Prefill/decode disaggregation") |
+| KVCONNECT_PD_POLL_INTERVAL_S   | pd_poll_interval_s   | float | 0.005   | P/D decode side: at most one shared-tier lookup per waiting request per this interval |
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class Config:
     log_interval_s: float = 60.0
     min_load_tokens: int = 0  # 0: chunk_size (effective_min_load_tokens)
     pool_prefault: bool = True
+    pd_wait_timeout_s: float = 5.0
+    pd_poll_interval_s: float = 0.005
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -104,6 +108,10 @@ class Config:
             raise ConfigError(f"transfer_route (KVCONNECT_TRANSFER_ROUTE) must be one of {', '.join(TRANSFER_ROUTES)}, got {self.transfer_route!r}")
         if self.min_load_tokens < 0:
             raise ConfigError(f"min_load_tokens (KVCONNECT_MIN_LOAD_TOKENS) must be >= 0, got {self.min_load_tokens}")
+        if self.pd_wait_timeout_s < 0:
+            raise ConfigError(f"pd_wait_timeout_s (KVCONNECT_PD_WAIT_TIMEOUT_S) must be >= 0, got {self.pd_wait_timeout_s}")
+        if self.pd_poll_interval_s < 0:
+            raise ConfigError(f"pd_poll_interval_s (KVCONNECT_PD_POLL_INTERVAL_S) must be >= 0, got {self.pd_poll_interval_s}")
         if self.log_interval_s < 0:
             raise ConfigError(f"log_interval_s (KVCONNECT_LOG_INTERVAL_S) must be >= 0, got {self.log_interval_s}")
         if self.eviction not in EVICTION_POLICIES:

@@ -104,6 +104,13 @@ CATALOGUE: dict[str, Metric] = {m.name: m for m in (
     Metric("kvconnect_save_failures_total", COUNTER, "saves that raised (a future miss)"),
     Metric("kvconnect_step_save_wait_seconds_total", COUNTER,
            "engine-step time spent waiting for earlier saves to land (preemptions, window layouts, backlog)"),
+    # -- vLLM adapter, prefill/decode disaggregation (kvconnect/integrations/vllm/pd.py) ---------
+    Metric("kvconnect_pd_remote_decode_prefills_total", COUNTER, "prefills for a remote decode whose stored tokens were named"),
+    Metric("kvconnect_pd_remote_prefills_total", COUNTER, "decode requests whose kv_transfer_params named a producer's chunks"),
+    Metric("kvconnect_pd_remote_prefill_ready_total", COUNTER, "... whose chunks were all found in the shared tier"),
+    Metric("kvconnect_pd_remote_prefill_timeouts_total", COUNTER, "... not all found within pd_wait_timeout_s (recomputed)"),
+    Metric("kvconnect_pd_remote_prefill_rejected_total", COUNTER, "... whose params were unusable or named another prompt"),
+    Metric("kvconnect_pd_remote_prefill_wait_seconds_total", COUNTER, "time decode requests waited for a producer's chunks"),
     # -- node cache server ------------------------------------------------------------------
     Metric("kvconnect_server_used_bytes", GAUGE, "shared pool bytes in use"),
     Metric("kvconnect_server_capacity_bytes", GAUGE, "shared pool size"),

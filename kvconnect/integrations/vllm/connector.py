@@ -16,6 +16,9 @@ r > 0 uses ``<url>-dp<r>`` / the port block after lower ranks' workers) and
 
 Nothing is patched in vLLM. Calls from vLLM never raise for cache trouble: a failed
 lookup is a miss, a failed load is reported so vLLM recomputes, a failed save is counted.
+
+``kv_role`` is followed (roles.py: a producer only stores, a consumer only loads) and vLLM's
+prefill/decode protocol is spoken through ``kv_transfer_params`` (pd.py, transfer_params.py).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from kvconnect.errors import LayoutError
 
 from kvconnect.metrics import ReportGate
 
-from . import kv_events, logs, stats, translate
+from . import kv_events, logs, pd, roles, stats, translate
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
 from .scheduler import KVConnectScheduler
@@ -77,6 +80,10 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         config = Config.from_dict(extra, source="kv_connector_extra_config", base=Config.from_env())
         if not config.model_name:
             config = dataclasses.replace(config, model_name=translate.model_identity(vllm_config))
+        # --- P/D roles (roles.py): a bad role or a role without a shared tier fails here, at start
+        self._role = roles.role_policy(getattr(vllm_config.kv_transfer_config, "kv_role", None), config)
+        self._pd: Optional[pd.PDScheduler] = None
+        # --- end P/D roles
         self._config = config
         channel = adapter.get("lookup_url") or translate.default_channel_address(vllm_config)
         # every data-parallel rank is an engine of its own: its own sockets, given address or not
@@ -96,10 +103,17 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                                                  save_unfull_chunk=config.save_unfull_chunk,
                                                  save_decode_cache=config.save_decode_cache,
                                                  min_load_tokens=config.effective_min_load_tokens,
-                                                 log_interval_s=config.log_interval_s)
+                                                 log_interval_s=config.log_interval_s, role=self._role,
+                                                 tail_align_tokens=pd.engine_block_tokens(vllm_config, kv_cache_config))
+            self._pd = pd.PDScheduler(self._scheduler, self._role, pd.ServerIdentity(
+                chunk_tokens=config.chunk_size, tp_size=ranks.tp_size, model=config.model_name,
+                engine_id=str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")),
+                wait_timeout_s=config.pd_wait_timeout_s, poll_interval_s=config.pd_poll_interval_s)
         else:
             self._ranks = translate.parallel_ranks(vllm_config, in_worker=True)
-            self._worker = KVConnectWorker(config, rank_address(channel, self._ranks.worker_index))
+            # the scheduler hands the worker a partial last chunk only to store it (P/D prefills)
+            worker_config = dataclasses.replace(config, save_unfull_chunk=True) if self._role.stores_prompt else config
+            self._worker = KVConnectWorker(worker_config, rank_address(channel, self._ranks.worker_index))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -196,8 +210,9 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
     # scheduler side
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        try:
-            return self._scheduler.num_new_matched_tokens(translate.request_view(request), num_computed_tokens)
+        try:  # P/D (pd.py): None while a producer's chunks are not yet in the shared tier
+            return self._pd.num_new_matched_tokens(translate.request_view(request), num_computed_tokens,
+                                                   getattr(request, "kv_transfer_params", None))
         except Exception:
             logger.warning("kvconnect: lookup failed; treating it as a miss", exc_info=True)
             return 0, False
@@ -227,7 +242,13 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         self._requests.pop(request.request_id, None)
-        return self._scheduler.request_finished(request.request_id), None
+        params = None
+        try:  # P/D: a prefill for a remote decode names what it stored (pd.py)
+            params = self._pd.request_finished(translate.request_view(request), getattr(request, "kv_transfer_params", None))
+        except Exception:
+            logger.warning("kvconnect: P/D: cannot name the stored prefill of %s; its decode will recompute",
+                           request.request_id, exc_info=True)
+        return self._scheduler.request_finished(request.request_id), params
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.request_finished(request, [])
@@ -239,7 +260,9 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             if self._worker is not None:
                 return stats.worker_stats(self._worker, str(self._ranks.worker_index), self._stats_gate)
-            return stats.scheduler_stats(self._scheduler.hits, self._stats_gate) if self._scheduler is not None else None
+            if self._scheduler is None:
+                return None
+            return stats.scheduler_stats(self._scheduler.hits, self._stats_gate, self._pd.counters)
         except Exception:  # figures must never break a step
             logger.debug("kvconnect: stats failed", exc_info=True)
             return None

@@ -246,20 +246,24 @@ class LookupClient:
                                len(waiting), len(self._socks), msg.get("op"), self.timeout_s)
             return replies
 
-    def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int:
-        """Tokens every worker can restore from token 0 (0 if any worker fails or is silent)."""
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True) -> int:
+        """Tokens every worker can restore from token 0 (0 if any worker fails or is silent).
+
+        ``count=False``: a probe (P/D waits, pd.py) left out of the lookup figures."""
         msg = {"op": "lookup", "tokens": np.ascontiguousarray(tokens, dtype="<i8").tobytes()}
         if namespace:
             msg["ns"] = bytes(namespace)
-        self.num_lookups += 1  # figures for kvconnect.metrics (the scheduler calls from one thread)
-        self.requested_tokens += len(tokens)
+        if count:
+            self.num_lookups += 1  # figures for kvconnect.metrics (the scheduler calls from one thread)
+            self.requested_tokens += len(tokens)
         hits = []
         for reply in self._ask(msg):
             hit = reply.get("hit") if reply else None
             if not isinstance(hit, int) or hit < 0:
                 return 0
             hits.append(hit)
-        self.hit_tokens += min(hits)
+        if count:
+            self.hit_tokens += min(hits)
         return min(hits)
 
     def stats(self) -> list[Optional[dict]]:

@@ -22,6 +22,10 @@ between steps, so a chunk is never saved later than the step that computes it. W
 prompt: a chunk that generated tokens complete is saved in the decode step that computes
 its last token, under the key chain of prompt + outputs, so a next turn that sends the
 conversation back hits it. Token ids are read (``tokens_of``) only when a chunk completes.
+
+Roles (roles.py): a ``kv_producer`` never looks up; a ``kv_consumer`` stores no prompt chunk
+(with ``save_decode_cache`` only those generated tokens complete). P/D (pd.py) marks a
+prefill for a remote decode with ``store_whole_prompt`` and asks with ``remote_prefill``.
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ import numpy as np
 
 from .metadata import SAVE_SLACK_STEPS, BlockIds, LoadJob, RequestView, SaveJob, StepPlan
 from .logs import Periodic
+from .roles import BOTH, RolePolicy
 
 logger = logging.getLogger(__name__)
 
 
 class HitSource(Protocol):
-    def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int: ...
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True) -> int: ...
     def clear(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -50,12 +55,18 @@ class _Tracked:
     prompt: np.ndarray
     stored_tokens: int  # prefix already stored or held by vLLM: chunk-aligned, or the prompt with its partial tail
     namespace: bytes = b""
+    store_tail: bool = False  # P/D: also store the prompt's partial last chunk (a prefill for a remote decode), to tail_end
 
 
 class KVConnectScheduler:
     def __init__(self, hits: HitSource, *, chunk_tokens: int, save_unfull_chunk: bool = False,
-                 save_decode_cache: bool = False, min_load_tokens: int = 0, log_interval_s: float = 0.0) -> None:
+                 save_decode_cache: bool = False, min_load_tokens: int = 0, log_interval_s: float = 0.0,
+                 role: RolePolicy = BOTH, tail_align_tokens: int = 1) -> None:
         self.hits = hits
+        # P/D tails end on a multiple of this (vLLM's block size): a restore of a paged layout resumes
+        # only on a block edge, and the decode side then computes at most one block of the prompt
+        self.tail_align_tokens = max(1, tail_align_tokens)
+        self.role = role  # kv_role (roles.py): whether this server looks up, stores prompts, stores decode chunks
         self.min_load_tokens = min_load_tokens
         # lookups: requests asked about; hits: loads offered; small_hits: hits below min_load_tokens
         self.lookup_stats = dict.fromkeys(("lookups", "prompt_tokens", "hits", "hit_tokens", "small_hits", "small_hit_tokens",
@@ -70,18 +81,26 @@ class KVConnectScheduler:
         self._step = 0  # plans built so far (the latest plan's number)
         self._last_save: dict[str, int] = {}  # request -> the plan of its latest save
         self._finished: list[str] = []  # kept by vLLM until the workers report them (next plan)
+        self._whole_prompt: set[str] = set()  # P/D prefills for a remote decode (store_whole_prompt)
 
     # -- new requests ------------------------------------------------------------------
-    def num_new_matched_tokens(self, req: RequestView, num_computed: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(self, req: RequestView, num_computed: int, *, remote_prefill_tokens: int = 0) -> tuple[int, bool]:
+        """``remote_prefill_tokens``: a P/D decode whose first that many prompt tokens a producer
+        stored (pd.py): they are looked up as stored (their partial last chunk included), and a
+        hit under ``min_load_tokens`` is loaded too (the point is not to prefill here)."""
+        remote_prefill = remote_prefill_tokens > 0
         self._queries[req.req_id] = (num_computed, 0)
         prompt = req.prompt_tokens
-        if not req.cacheable or (len(prompt) < self.chunk_tokens and not self.save_unfull_chunk):
+        if not self.role.loads:  # kv_producer: never looks up
+            return 0, False
+        if not req.cacheable or (len(prompt) < self.chunk_tokens and not self.save_unfull_chunk and not remote_prefill):
             # below one chunk nothing can be stored; exactly one chunk can (and loads all but its last token)
             return 0, False
         if num_computed >= len(prompt) - 1:
             return 0, False
         start = time.perf_counter()
-        boundary = self.hits.lookup(prompt, req.namespace)
+        # a P/D producer's last chunk ends where it stored the prompt (tail_end), not at its end
+        boundary = self.hits.lookup(prompt[:remote_prefill_tokens] if remote_prefill else prompt, req.namespace)
         self.lookup_stats["lookup_us"] += int((time.perf_counter() - start) * 1e6)
         # vLLM must compute at least one token itself to produce logits.
         end = min(boundary, req.num_tokens - 1, len(prompt))
@@ -91,7 +110,7 @@ class KVConnectScheduler:
         self.summary.dirty = True
         if end <= num_computed:
             return 0, False
-        if end - num_computed < self.min_load_tokens:
+        if end - num_computed < self.min_load_tokens and not remote_prefill:
             stats["small_hits"] += 1
             stats["small_hit_tokens"] += end - num_computed
             logger.debug("kvconnect: %s: not loading %d tokens beyond vLLM's %d (< min_load_tokens %d)",
@@ -113,6 +132,8 @@ class KVConnectScheduler:
             self._queries.pop(req.req_id, None)
             return
         present, boundary = self._queries.pop(req.req_id, (num_computed, 0))
+        whole_prompt = req.req_id in self._whole_prompt
+        self._whole_prompt.discard(req.req_id)
         done = present
         if num_external > 0:
             end = present + num_external
@@ -122,7 +143,29 @@ class KVConnectScheduler:
                 boundary = end // self.chunk_tokens * self.chunk_tokens
             self._loads.append(LoadJob(req.req_id, req.prompt_tokens[:boundary], block_ids, present, end, req.namespace))
             done = end
-        self._tracked[req.req_id] = _Tracked(req.prompt_tokens, done // self.chunk_tokens * self.chunk_tokens, req.namespace)
+        stored = done // self.chunk_tokens * self.chunk_tokens
+        if whole_prompt:  # every chunk must reach the shared tier, those vLLM held locally too (roles.py)
+            stored = 0
+        elif not self.role.stores_prompt:  # kv_consumer: the producer stored the prompt
+            stored = max(stored, len(req.prompt_tokens) // self.chunk_tokens * self.chunk_tokens)
+        if self.role.stores:
+            self._tracked[req.req_id] = _Tracked(req.prompt_tokens, stored, req.namespace, store_tail=whole_prompt)
+
+    def store_whole_prompt(self, req_id: str) -> None:
+        """P/D: the request is a prefill for a remote decode; store all of its prompt, the partial
+        last chunk included, whatever vLLM's own prefix cache held. Call before ``after_alloc``."""
+        if self.role.stores_prompt:
+            self._whole_prompt.add(req_id)
+
+    def tail_end(self, prompt_tokens: int) -> int:
+        """Where a P/D prefill's stored prompt ends: the last block edge, or the last chunk end above it."""
+        return max(prompt_tokens // self.tail_align_tokens * self.tail_align_tokens,
+                   prompt_tokens // self.chunk_tokens * self.chunk_tokens)
+
+    def planned_tokens(self, req_id: str) -> int:
+        """Prompt tokens whose saves are planned for a running request (0 if none / untracked)."""
+        tracked = self._tracked.get(req_id)
+        return min(tracked.stored_tokens, len(tracked.prompt)) if tracked is not None else 0
 
     # -- every step ------------------------------------------------------------------
     def build_plan(
@@ -167,7 +210,7 @@ class KVConnectScheduler:
             if computed // self.chunk_tokens * self.chunk_tokens <= tracked.stored_tokens:
                 return None  # no chunk completes this step: do not read the token ids
             tokens = tokens_of(req_id)
-        end = self._storable_end(tokens, computed, len(tracked.prompt))
+        end = self._storable_end(tokens, computed, len(tracked.prompt), tracked.store_tail)
         if end <= tracked.stored_tokens:
             return None
         block_ids = block_ids_of(req_id)
@@ -176,12 +219,15 @@ class KVConnectScheduler:
         # a stored partial prompt tail is a chunk of its own: the full chunk over it is new
         stored = tracked.stored_tokens // self.chunk_tokens * self.chunk_tokens
         job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace)
-        tracked.stored_tokens = end if end == len(tracked.prompt) else end // self.chunk_tokens * self.chunk_tokens
+        tail = end == len(tracked.prompt) or (tracked.store_tail and end == self.tail_end(len(tracked.prompt)))
+        tracked.stored_tokens = end if tail else end // self.chunk_tokens * self.chunk_tokens
         return job
 
-    def _storable_end(self, tokens: np.ndarray, computed: int, prompt_tokens: int) -> int:
+    def _storable_end(self, tokens: np.ndarray, computed: int, prompt_tokens: int, tail: bool = False) -> int:
         """Tokens whose chunks are complete once ``computed`` tokens are (only ids known count)."""
         computed = min(computed, len(tokens))
+        if computed == prompt_tokens and tail:
+            return self.tail_end(computed)
         if computed == prompt_tokens and self.save_unfull_chunk:
             return computed
         return computed // self.chunk_tokens * self.chunk_tokens
@@ -206,6 +252,7 @@ class KVConnectScheduler:
         """
         self._tracked.pop(req_id, None)
         self._queries.pop(req_id, None)
+        self._whole_prompt.discard(req_id)
         last = self._last_save.pop(req_id, None)
         if last is not None and last > self._step + 1 - SAVE_SLACK_STEPS:
             self._finished.append(req_id)

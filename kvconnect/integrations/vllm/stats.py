@@ -109,9 +109,12 @@ def worker_stats(worker: Any, rank: str, gate: metrics.ReportGate) -> Any:
     return KVConnectStats(data=metrics.vllm_payload(rank, figures))
 
 
-def scheduler_stats(client: Any, gate: metrics.ReportGate) -> Any:
-    """The lookup figures as the scheduler saw them, or None when nothing changed."""
-    signature = (client.num_lookups, client.requested_tokens, client.hit_tokens, client.num_timeouts)
+def scheduler_stats(client: Any, gate: metrics.ReportGate, pd_counters: Optional[dict[str, int]] = None) -> Any:
+    """The lookup figures as the scheduler saw them, plus the P/D counters (pd.COUNTERS), or
+    None when nothing changed."""
+    pd_counters = pd_counters or {}
+    signature = (client.num_lookups, client.requested_tokens, client.hit_tokens, client.num_timeouts,
+                 tuple(pd_counters.values()))
     if KVConnectorStats is None or not gate.ready(signature):
         return None
     figures = metrics.Figures()
@@ -119,4 +122,9 @@ def scheduler_stats(client: Any, gate: metrics.ReportGate) -> Any:
     figures.set("kvconnect_lookup_requested_tokens_total", client.requested_tokens)
     figures.set("kvconnect_lookup_hit_tokens_total", client.hit_tokens)
     figures.set("kvconnect_lookup_timeouts_total", client.num_timeouts)
+    for name, value in pd_counters.items():  # P/D (pd.py): kvconnect_pd_<counter>_total
+        if name.endswith("_us"):
+            figures.set(f"kvconnect_pd_{name[:-3]}_seconds_total", value / 1e6)
+        else:
+            figures.set(f"kvconnect_pd_{name}_total", value)
     return KVConnectStats(data=metrics.vllm_payload("scheduler", figures))

@@ -1,0 +1,183 @@
+"""Prefill/decode disaggregation on the scheduler side: vLLM's P/D protocol over a shared tier.
+
+The connector routes its scheduler calls through ``PDScheduler`` (which wraps
+``KVConnectScheduler``); the worker side has nothing to do with P/D (it stores and loads what
+the plans say). Per request, in vLLM's order:
+
+    num_new_matched_tokens(req, num_computed, params) -> (tokens | None, async)
+    request_finished(req, params) -> kv_transfer_params | None    (before the scheduler's own)
+
+Producer side (``kv_producer``, or ``kv_both`` acting as one): a request whose params carry
+``do_remote_decode`` is marked so that every prompt token is stored, the partial last chunk
+included, and its ``request_finished`` returns ``transfer_params.StoredPrefill`` params naming
+them — only when the whole prompt's saves were planned (an aborted prefill names nothing, and
+the decode side then recomputes). A producer never looks anything up.
+
+Decode side (``kv_consumer`` or ``kv_both``) with such params: the producer's saves land in the
+shared tier asynchronously (the prefill response may reach the decode server first), so the
+request waits — vLLM's "ask later", ``None`` from ``get_num_new_matched_tokens`` — probing the
+tier at most once per ``pd_poll_interval_s``, until every named token is restorable; then it is
+an ordinary load (small hits and partial chunks included). Past ``pd_wait_timeout_s`` it takes
+what the tier holds (vLLM recomputes the rest). Params that are malformed or name another
+prompt, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
+are counted (``counters``) and logged at most once per ``WARN_INTERVAL_S``. Without params the
+decode side does a plain lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .metadata import RequestView
+from .roles import Role, RolePolicy
+from .scheduler import KVConnectScheduler
+from .transfer_params import StoredPrefill, TransferParamsError, mismatch, prompt_digest, remote_prefill, wants_remote_decode
+
+logger = logging.getLogger(__name__)
+
+WARN_INTERVAL_S = 30.0
+
+COUNTERS = (
+    "remote_decode_prefills",  # producer: prefills for a remote decode whose stored tokens were named
+    "remote_prefills",  # decode side: requests whose params named a producer's chunks
+    "remote_prefill_ready",  # ... found complete in the shared tier (loaded)
+    "remote_prefill_timeouts",  # ... not complete within pd_wait_timeout_s (the rest recomputed)
+    "remote_prefill_rejected",  # ... params unusable or naming another prompt / chunk size / TP size
+    "remote_prefill_wait_us",  # time such requests waited for the producer's chunks
+)
+
+
+@dataclass(frozen=True)
+class ServerIdentity:
+    """What the producer names and the decode side checks besides the prompt."""
+
+    chunk_tokens: int
+    tp_size: int
+    model: str = ""
+    engine_id: str = ""
+
+
+def engine_block_tokens(vllm_config: Any, kv_cache_config: Any = None) -> int:
+    """vLLM's block size (the least common multiple over KV-cache groups with the hybrid
+    allocator): where a P/D prefill's stored prompt ends (``KVConnectScheduler.tail_end``)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    sizes = [int(g.kv_cache_spec.block_size) for g in groups if getattr(getattr(g, "kv_cache_spec", None), "block_size", 0)]
+    if not sizes:
+        sizes = [int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 1)]
+    return math.lcm(*sizes)
+
+
+class _RateLimitedWarning:
+    """A warning logged at once, then at most once per interval with the count it held back."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+        self.interval_s, self._clock = interval_s, clock
+        self._last: Optional[float] = None
+        self._held = 0
+
+    def __call__(self, message: str, *args: Any) -> None:
+        now = self._clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            self._held += 1
+            return
+        held, self._held, self._last = self._held, 0, now
+        logger.warning(message + (f" ({held} more since the last such message)" if held else ""), *args)
+
+
+@dataclass
+class _Waiting:
+    stored: StoredPrefill
+    since: float
+    probed: float
+
+
+class PDScheduler:
+    def __init__(self, scheduler: KVConnectScheduler, role: RolePolicy, identity: ServerIdentity, *,
+                 wait_timeout_s: float, poll_interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.scheduler = scheduler
+        self.role = role
+        self.identity = identity
+        self.wait_timeout_s = wait_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._clock = clock
+        self._waiting: dict[str, _Waiting] = {}
+        self._warn = _RateLimitedWarning(WARN_INTERVAL_S, clock)
+
+    # -- new requests ------------------------------------------------------------------
+    def num_new_matched_tokens(self, req: RequestView, num_computed: int, params: Any) -> tuple[Optional[int], bool]:
+        if wants_remote_decode(params) and req.cacheable:
+            self.scheduler.store_whole_prompt(req.req_id)  # no-op on a server that stores no prompts
+        if not self.role.loads:
+            return 0, False  # kv_producer
+        waiting = self._waiting.get(req.req_id)
+        if waiting is None:
+            stored = self._remote_prefill(req, params)
+            if stored is None:
+                return self.scheduler.num_new_matched_tokens(req, num_computed)
+            now = self._clock()
+            waiting = self._waiting[req.req_id] = _Waiting(stored, now, now - self.poll_interval_s)
+            self.counters["remote_prefills"] += 1
+        now = self._clock()
+        expired = now - waiting.since >= self.wait_timeout_s
+        if not expired and now - waiting.probed < self.poll_interval_s:
+            return None, False  # ask later, without touching the tier
+        waiting.probed = now
+        needed = waiting.stored.tokens  # <= the prompt (transfer_params.mismatch)
+        if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False) < needed and not expired:
+            return None, False
+        del self._waiting[req.req_id]
+        self.counters["remote_prefill_wait_us"] += int((now - waiting.since) * 1e6)
+        if expired:
+            self.counters["remote_prefill_timeouts"] += 1
+            self._warn("kvconnect: P/D: the producer's chunks of %s were not all in the shared tier after %.1f s; "
+                       "loading what is there, vLLM recomputes the rest (KVCONNECT_PD_WAIT_TIMEOUT_S)",
+                       req.req_id, self.wait_timeout_s)
+        else:
+            self.counters["remote_prefill_ready"] += 1
+        return self.scheduler.num_new_matched_tokens(req, num_computed, remote_prefill_tokens=needed)
+
+    def _remote_prefill(self, req: RequestView, params: Any) -> Optional[StoredPrefill]:
+        """The producer's stored prefill this request may wait for, or None (plain lookup)."""
+        try:
+            stored = remote_prefill(params)
+        except TransferParamsError as exc:
+            self.counters["remote_prefill_rejected"] += 1
+            self._warn("kvconnect: P/D: ignoring the kv_transfer_params of %s (a plain lookup instead): %s", req.req_id, exc)
+            return None
+        if stored is None or not req.cacheable:
+            return None
+        why = mismatch(stored, prompt=req.prompt_tokens, namespace=req.namespace,
+                       chunk_tokens=self.identity.chunk_tokens, tp_size=self.identity.tp_size)
+        if why is not None:
+            self.counters["remote_prefill_rejected"] += 1
+            self._warn("kvconnect: P/D: cannot use the producer's chunks for %s (a plain lookup instead): %s", req.req_id, why)
+            return None
+        return stored
+
+    # -- finished ----------------------------------------------------------------------
+    def request_finished(self, req: RequestView, params: Any) -> Optional[dict[str, Any]]:
+        """The params a prefill for a remote decode returns (call before the scheduler's own
+        ``request_finished``, which forgets the request), or None."""
+        self._waiting.pop(req.req_id, None)  # aborted while waiting
+        if not wants_remote_decode(params) or not self.role.stores_prompt or not req.cacheable:
+            return None
+        planned = self.scheduler.planned_tokens(req.req_id)
+        if planned < self.scheduler.tail_end(len(req.prompt_tokens)) or planned == 0:
+            return None  # the prompt was not all computed here (aborted): name nothing, decode recomputes
+        self.counters["remote_decode_prefills"] += 1
+        return StoredPrefill(tokens=planned, chunk_tokens=self.identity.chunk_tokens, tp_size=self.identity.tp_size,
+                             prompt_digest=prompt_digest(req.prompt_tokens, req.namespace), model=self.identity.model,
+                             engine_id=self.identity.engine_id).to_params()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role.role is Role.PRODUCER

