@@ -60,7 +60,13 @@ def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
             from .disk import DiskTier
 
             tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync))
-    if config.remote_url:
+    if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
+        from .mooncake_config import make_spec
+        from .mooncake_tier import MooncakeTier
+
+        spec = make_spec(config.remote_url, config.mooncake_config_path, has_node_server=bool(config.server_url))
+        tiers.append(MooncakeTier(spec, fingerprint, timeout_s=config.remote_timeout_s))
+    elif config.remote_url:
         from .redis_tier import RedisTier
 
         tiers.append(RedisTier(config.remote_url, fingerprint, timeout_s=config.remote_timeout_s))
@@ -85,6 +91,9 @@ class StorageManager:
         self._counter_lock = threading.Lock()
         self.meter = TierMeter()  # per-tier hits, misses and call latency (kvconnect.metrics)
         self.tiers = list(tiers)
+        for tier in self.tiers:  # tiers that move bytes zero-copy register the pool's buffer
+            if hasattr(tier, "attach_pool"):
+                tier.attach_pool(pool)
         if max_pending_write_bytes is None:
             pool_bytes = pool.num_slots * pool.slot_bytes or 4 * MAX_PENDING_WRITE_BYTES  # 0: size not known yet
             max_pending_write_bytes = max(pool.slot_bytes, min(MAX_PENDING_WRITE_BYTES, pool_bytes // 4))
