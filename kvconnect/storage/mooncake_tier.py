@@ -38,6 +38,7 @@ Needs Mooncake (``pip install mooncake-transfer-engine-non-cuda`` and ``libibver
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 HEADER_SLOT_BYTES = 16 << 10  # room for one header: 88 + 8 x planes (up to ~2000 planes)
 BATCH_KEYS = 64  # keys per Mooncake call (bounds the header scratch)
+KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
 NOT_FOUND = -704
 LEASED = -706
 BUFFER_TOO_SMALL = -600
@@ -158,6 +160,8 @@ class MooncakeTier(LowerTier):
         self._read_scratch = _Registered(1)
         self._write_scratch = _Registered(BATCH_KEYS)
         self._read_lock = threading.Lock()
+        self._known: "collections.OrderedDict[ChunkKey, int]" = collections.OrderedDict()
+        self._known_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._lookups = _Worker("kvconnect-mooncake-lookup")
         self.counters = {"connect_polls": 0, "connected": 0, "timeouts": 0, "rpc_failures": 0,
@@ -295,30 +299,66 @@ class MooncakeTier(LowerTier):
         return out
 
     def _read_headers(self, store, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
-        """Group masks from one batched header read per BATCH_KEYS keys (lookup worker thread)."""
+        """Group masks per key, on the lookup worker thread (it owns one in-flight mark).
+
+        One ``batch_is_exist`` over the header objects per BATCH_KEYS keys; the masks of keys
+        present come from the masks this process has seen (its writes and reads), and a
+        second, batched read of the headers fetches those it has not. A remembered mask is
+        a hint, as every lookup is: ``read_into`` returns the stored header, and the engine
+        restores by what it actually acquired.
+        """
         out: list[Optional[int]] = []
         try:
-            scratch = self._lookup_scratch
             for start in range(0, len(keys), BATCH_KEYS):
-                batch = keys[start : start + BATCH_KEYS]
-                names = [self.object_keys(k)[0] for k in batch]
-                codes = store.batch_get_into(names, [scratch.ptr(i) for i in range(len(batch))],
-                                             [HEADER_SLOT_BYTES] * len(batch))
-                self._outcome(codes)
-                bad = []
-                for i, (key, code) in enumerate(zip(batch, codes)):
-                    mask = peek_mask(scratch.view(i, code), self.fingerprint, key) if code > 0 else None
-                    if code > 0 and mask is None or code == BUFFER_TOO_SMALL:
-                        bad.append(key)  # something else under a kvconnect name
-                    elif code < 0 and code not in (NOT_FOUND, RPC_FAIL, TRANSFER_FAIL):
-                        self._count(errors=1)
-                    out.append(mask)
-                if bad:
-                    self._count(errors=len(bad), corrupt=len(bad))
-                    self._remove(store, bad)
+                out.extend(self._read_header_batch(store, keys[start : start + BATCH_KEYS]))
         finally:
             self._exit()
         return out
+
+    def _read_header_batch(self, store, batch: Sequence[ChunkKey]) -> list[Optional[int]]:
+        names = [self.object_keys(k)[0] for k in batch]
+        exist = store.batch_is_exist(names)
+        if any(e < 0 for e in exist):  # the master did not answer for them
+            self._breaker.failure()
+            self._count(errors=1)
+            with self._stats_lock:
+                self.counters["rpc_failures"] += 1
+        with self._known_lock:
+            out = [self._known.get(k) if e == 1 else None for k, e in zip(batch, exist)]
+            for k, e in zip(batch, exist):
+                if e == 0:
+                    self._known.pop(k, None)
+        unknown = [i for i, (m, e) in enumerate(zip(out, exist)) if e == 1 and m is None]
+        if not unknown:
+            return out
+        scratch = self._lookup_scratch
+        codes = store.batch_get_into([names[i] for i in unknown], [scratch.ptr(j) for j in range(len(unknown))],
+                                     [HEADER_SLOT_BYTES] * len(unknown))
+        self._outcome(codes)
+        bad = []
+        for j, (i, code) in enumerate(zip(unknown, codes)):
+            mask = peek_mask(scratch.view(j, code), self.fingerprint, batch[i]) if code > 0 else None
+            if code > 0 and mask is None or code == BUFFER_TOO_SMALL:
+                bad.append(batch[i])  # something else under a kvconnect name
+            elif code < 0 and code not in (NOT_FOUND, RPC_FAIL, TRANSFER_FAIL):
+                self._count(errors=1)
+            out[i] = mask
+            self._remember(batch[i], mask)
+        if bad:
+            self._count(errors=len(bad), corrupt=len(bad))
+            self._remove(store, bad)
+        return out
+
+    def _remember(self, key: ChunkKey, mask: Optional[int]) -> None:
+        """Note (or, with None, forget) the group mask stored under ``key``; bounded, oldest out."""
+        with self._known_lock:
+            if mask is None:
+                self._known.pop(key, None)
+                return
+            self._known[key] = mask
+            self._known.move_to_end(key)
+            while len(self._known) > KNOWN_MASKS:
+                self._known.popitem(last=False)
 
     def read_into(self, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
         self._count(gets=1)
@@ -359,6 +399,7 @@ class MooncakeTier(LowerTier):
             self._remove(store, [key])
             return None
         self._count(get_hits=1, bytes_read=header_len + payload_len)
+        self._remember(key, header.group_mask)
         return header
 
     def _read_copy(self, store, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
@@ -470,20 +511,20 @@ class MooncakeTier(LowerTier):
             slots.append((i, len(header)))
         if not slots:
             return ok
+        # one call, payloads then headers; a reader that meets a header of one write over the
+        # payload of another finds the checksum wrong: a checked miss
+        header_names = [self.object_keys(batch[i].key)[0] for i, _ in slots]
         try:
-            codes = store.batch_upsert_from(payload_names, payload_ptrs, payload_sizes)
+            codes = store.batch_upsert_from(payload_names + header_names,
+                                            payload_ptrs + [scratch.ptr(i) for i, _ in slots],
+                                            payload_sizes + [n for _, n in slots])
         finally:
             for address in temporary:
                 store.unregister_buffer(address)
         self._outcome(codes)
-        stored = [(i, n) for (i, n), code in zip(slots, codes) if code == 0]
-        if not stored:
-            return ok
-        codes = store.batch_upsert_from([self.object_keys(batch[i].key)[0] for i, _ in stored],
-                                        [scratch.ptr(i) for i, _ in stored], [n for _, n in stored])
-        self._outcome(codes)
-        for (i, _), code in zip(stored, codes):
-            ok[i] = code == 0
+        for j, (i, _) in enumerate(slots):
+            ok[i] = codes[j] == 0 and codes[len(slots) + j] == 0
+            self._remember(batch[i].key, batch[i].header.group_mask if ok[i] else None)
         return ok
 
     def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -502,6 +543,8 @@ class MooncakeTier(LowerTier):
         """Forced removes (a lease never blocks a delete), header first; True where a header was there."""
         if not keys:
             return []
+        for key in keys:
+            self._remember(key, None)
         names = [self.object_keys(k) for k in keys]
         headers = store.batch_remove([h for h, _ in names], True)
         store.batch_remove([p for _, p in names], True)

@@ -176,14 +176,23 @@ def test_absent_master_start_is_immediate_and_joins_later(tmp_path):
 
 
 def test_killed_segment_owner_is_a_miss(stored, master, tmp_path):
-    _, _, engine, tokens, *_ = _reader(master, tmp_path)
+    """The process holding the data dies: reads fail at once (a miss, nothing written into the
+    engine's memory); the master drops its keys a few seconds later and lookups say so."""
+    case, dst, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
     try:
         assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
         stored.kill()
+        before = dst.snapshot()
+        tables = zoo.random_tables(case, HYBRID_TOKENS, rng, keep=zoo.restore_keep(case, 3 * HYBRID_CHUNK))
         start = time.monotonic()
-        engine.storage.pool.clear()
-        assert engine.lookup(tokens) == 0
+        assert engine.retrieve(tokens, tables) == 0
         assert time.monotonic() - start < 3.0
+        assert dst.same_bytes(before)
+        assert _tier(engine).counters["transfer_failures"] >= 1
+        deadline = time.monotonic() + 40.0
+        while engine.lookup(tokens) and time.monotonic() < deadline:  # the lookup's hint clears too
+            time.sleep(0.5)
+        assert engine.lookup(tokens) == 0
     finally:
         engine.close()
 
