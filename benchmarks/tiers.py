@@ -82,11 +82,10 @@ class MooncakeForBench:
 
     def __init__(self, workdir: Path, segment_bytes: int) -> None:
         import json
-        import subprocess
 
         here = Path(__file__).resolve().parents[1]
         sys.path.insert(0, str(here / "tests" / "storage"))
-        from mooncake_master import MooncakeMaster, client_env, mooncake_available
+        from mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
 
         reason = mooncake_available()
         if reason:
@@ -94,19 +93,16 @@ class MooncakeForBench:
         os.environ.update({k: v for k, v in client_env().items() if k.startswith(("MC_", "GLOG_"))})
         self.master = MooncakeMaster(workdir).start()
         self.url = self.master.url
-        env = client_env(LMCACHE_REMOTE_URL=self.url, PYTHONPATH=str(here))
-        self.holder = subprocess.Popen(
-            [sys.executable, "-m", "kvconnect.cli", "server", "--url", f"ipc://{workdir}/kvc.sock", "--size-gb", "0.01",
-             "--mooncake-segment-gb", str(segment_bytes / (1 << 30))],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        for _ in range(2):
-            self.holder.stdout.readline()
+        try:
+            self.holder = NodeHolder(self.master, workdir / "node", segment_bytes / (1 << 30), repo=here)
+        except Exception:
+            self.master.stop()
+            raise
         self.config_path = workdir / "mooncake.json"
         self.config_path.write_text(json.dumps({"global_segment_size": 0}))  # this process holds nothing
 
     def close(self) -> None:
-        self.holder.terminate()
-        self.holder.wait(30)
+        self.holder.stop()
         self.master.stop()
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 STORAGE = Path(__file__).resolve().parents[1] / "storage"
 sys.path.insert(0, str(STORAGE))
 
-from mooncake_master import MooncakeMaster, client_env, mooncake_available  # noqa: E402
+from mooncake_master import MooncakeMaster, NodeHolder, mooncake_available  # noqa: E402
 
 _REASON = mooncake_available()
 pytestmark = [
@@ -41,22 +40,14 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 @pytest.fixture
 def mooncake_node(tmp_path):
     """A master and a node server holding 256 MB for it; yields the engines' extra config."""
-    root = Path(__file__).resolve().parents[2]
     with MooncakeMaster(tmp_path / "master") as master:
-        holder = subprocess.Popen(
-            [sys.executable, "-m", "kvconnect.cli", "server", "--url", f"ipc://{tmp_path}/node.sock", "--size-gb", "0.01",
-             "--mooncake-segment-gb", "0.25"],
-            env=client_env(LMCACHE_REMOTE_URL=master.url, PYTHONPATH=str(root)), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+        holder = NodeHolder(master, tmp_path / "node", 0.25)
         try:
-            lines = [holder.stdout.readline() for _ in range(2)]
-            assert "Mooncake segment" in "".join(lines), lines
             path = tmp_path / "mooncake.json"
             path.write_text(json.dumps({"global_segment_size": 0, "protocol": "tcp", "local_hostname": "127.0.0.1"}))
             yield {"remote_url": master.url, "mooncake_config_path": str(path)}
         finally:
-            holder.terminate()
-            holder.wait(30)
+            holder.stop()
 
 
 def test_second_engine_process_hits_what_the_first_stored(mooncake_node, tiny_models, run_vllm, tmp_path):

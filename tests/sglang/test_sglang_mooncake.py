@@ -14,7 +14,6 @@ segment), so what the second process finds can only have come through Mooncake.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -25,7 +24,7 @@ pytest.importorskip("transformers")
 from conftest import REPO, run_engine  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests" / "storage"))
-from mooncake_master import MooncakeMaster, client_env, mooncake_available  # noqa: E402
+from mooncake_master import MooncakeMaster, NodeHolder, mooncake_available  # noqa: E402
 
 _REASON = mooncake_available()
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -40,14 +39,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang_mooncake")
     model = tiny_models.make_llama(str(root / "llama"))
     with MooncakeMaster(root / "master") as master:
-        holder = subprocess.Popen(
-            [sys.executable, "-m", "kvconnect.cli", "server", "--url", f"ipc://{root}/node.sock", "--size-gb", "0.01",
-             "--mooncake-segment-gb", "0.25"],
-            env=client_env(LMCACHE_REMOTE_URL=master.url, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+        holder = NodeHolder(master, root / "node", 0.25)
         try:
-            lines = [holder.stdout.readline() for _ in range(2)]
-            assert "Mooncake segment" in "".join(lines), lines
             path = root / "mooncake.json"
             path.write_text(json.dumps({"global_segment_size": 0, "protocol": "tcp"}))
             tier = {"remote_url": master.url, "mooncake_config_path": str(path), "max_local_disk_size": 0}
@@ -56,8 +49,7 @@ def runs(tmp_path_factory):
                 "M2": run_engine(_spec(model, "layer_first", None, [_gen()], **tier), root / "m2"),
             }
         finally:
-            holder.terminate()
-            holder.wait(30)
+            holder.stop()
     return out
 
 

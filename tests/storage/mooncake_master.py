@@ -105,3 +105,46 @@ def client_env(**extra: str) -> dict:
     env.update(CLIENT_ENV)
     env.update(extra)
     return env
+
+
+class NodeHolder:
+    """``kvconnect server --mooncake-segment-gb`` on an ipc socket, started and stopped by a test.
+
+    Waits until the server logs that it holds its segment (mounted with the master), then
+    keeps draining its output on a thread (a full pipe would stall the server).
+    """
+
+    def __init__(self, master: MooncakeMaster, workdir: Path, segment_gb: float, *,
+                 python: str = sys.executable, repo: Optional[Path] = None) -> None:
+        import threading
+
+        repo = repo or Path(__file__).resolve().parents[2]
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [python, "-m", "kvconnect.cli", "server", "--url", f"ipc://{workdir}/node.sock", "--size-gb", "0.01",
+             "--mooncake-segment-gb", str(segment_gb)],
+            env=client_env(LMCACHE_REMOTE_URL=master.url, PYTHONPATH=str(repo)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if "holding a" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(START_TIMEOUT_S * 3) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("kvconnect server did not mount its Mooncake segment:\n" + "".join(self.lines[-40:]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import zoo
-from mooncake_master import MooncakeMaster, client_env, mooncake_available
+from mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
 from mooncake_peer import HYBRID_CHUNK, HYBRID_TOKENS, hybrid_case, hybrid_engine, wait_connected
 
 _REASON = mooncake_available()
@@ -35,12 +36,14 @@ class Peer:
     """A mooncake_peer.py child process; ``result`` is its first JSON line."""
 
     def __init__(self, *args: str) -> None:
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: Mooncake's logs never block the peer
         self.proc = subprocess.Popen([sys.executable, str(HERE / "mooncake_peer.py"), *args], env=client_env(),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait(30)
-            raise AssertionError(f"peer {args} failed:\n{self.proc.stderr.read()[-3000:]}")
+            self.log.seek(0)
+            raise AssertionError(f"peer {args} failed:\n{self.log.read()[-3000:]}")
         self.result = json.loads(line)
 
     def finish(self) -> None:
@@ -200,14 +203,9 @@ def test_killed_segment_owner_is_a_miss(stored, master, tmp_path):
 def test_node_server_holds_the_cache_across_engine_restarts(master, tmp_path):
     """``kvconnect server --mooncake-segment-gb`` holds the segment; an engine that contributes
     nothing stores and exits; a fresh engine hits every chunk."""
-    env = client_env(LMCACHE_REMOTE_URL=master.url, PYTHONPATH=str(HERE.parent.parent))
-    sock = f"ipc://{tmp_path}/kvc.sock"
-    server = subprocess.Popen([sys.executable, "-m", "kvconnect.cli", "server", "--url", sock, "--size-gb", "0.01",
-                               "--mooncake-segment-gb", "0.25"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    holder = NodeHolder(master, tmp_path / "node", 0.25)
     try:
-        lines = [server.stdout.readline() for _ in range(2)]
-        assert "holds a 0.25 GB Mooncake segment" in "".join(lines), lines
+        assert any("holds a 0.25 GB Mooncake segment" in line for line in holder.lines), holder.lines
         writer = Peer("store-hybrid", master.address, "0", str(SEED))  # contributes no segment
         assert writer.result["flushed"] and writer.result["written"] == 3, writer.result
         writer.finish()  # the storing engine exits
@@ -221,5 +219,4 @@ def test_node_server_holds_the_cache_across_engine_restarts(master, tmp_path):
         finally:
             engine.close()
     finally:
-        server.terminate()
-        server.wait(30)
+        holder.stop()
