@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -83,8 +84,18 @@ class MooncakeMaster:
             self.proc.kill()
             self.proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the master accepts connections but never answers (a stalled master)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a paused master cannot exit on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(10)

@@ -134,7 +134,9 @@ def test_foreign_values_under_kvconnect_names_are_misses(stored, master, tmp_pat
 
 
 def test_killed_master_costs_misses_not_exceptions(stored, master, tmp_path):
-    _, _, engine, tokens, *_ = _reader(master, tmp_path)
+    """A killed master: lookups miss within the timeout, then at once (breaker); nothing raises.
+    Restarted (every key lost), the clients re-register by themselves and the tier serves again."""
+    case, _, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
     try:
         assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
         master.kill()
@@ -150,10 +152,53 @@ def test_killed_master_costs_misses_not_exceptions(stored, master, tmp_path):
         tier = _tier(engine)
         assert tier.counters["timeouts"] + tier.counters["rpc_failures"] >= 1
         assert not tier.healthy()
+        assert engine.store(fresh, src_tables) == 3 * HYBRID_CHUNK  # into the pool; the tier write fails
+        assert engine.storage.flush(30)
+
+        master.start()  # same port, empty
+        deadline = time.monotonic() + 60.0
+        hit = 0
+        while hit == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            engine.storage.pool.clear()
+            engine.store(fresh, src_tables)
+            engine.storage.flush(30)
+            engine.storage.pool.clear()
+            hit = engine.lookup(fresh)
+        assert hit == 3 * HYBRID_CHUNK  # written to the store again and found there
+        assert tier.healthy()
     finally:
         start = time.monotonic()
         engine.close()
         assert time.monotonic() - start < 15.0
+
+
+def test_stalled_master_bounds_the_step(stored, master, tmp_path):
+    """A master that accepts but never answers (SIGSTOP): each lookup returns within
+    remote_timeout_s, then the breaker skips the tier; resumed, the tier serves again."""
+    _, _, engine, tokens, *_ = _reader(master, tmp_path)
+    tier = _tier(engine)
+    try:
+        engine.storage.pool.clear()
+        assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
+        engine.storage.pool.clear()
+        master.pause()
+        fresh = zoo.random_tokens(np.random.default_rng(7), HYBRID_TOKENS)
+        start = time.monotonic()
+        for _ in range(6):
+            t0 = time.monotonic()
+            assert engine.lookup(fresh) == 0
+            assert time.monotonic() - t0 < 2.0 + 1.0  # at most remote_timeout_s on the step path
+        assert time.monotonic() - start < 2.0 + 1.5  # one lookup pays the timeout, the breaker spares the rest
+        assert tier.counters["timeouts"] >= 1
+        master.resume()
+        deadline = time.monotonic() + 60.0
+        while engine.lookup(tokens) == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
+    finally:
+        master.resume()
+        engine.close()
 
 
 def test_absent_master_start_is_immediate_and_joins_later(tmp_path):
