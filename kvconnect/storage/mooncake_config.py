@@ -107,12 +107,13 @@ PROBE_EVERY_S = 0.5  # how often a client looks for an absent master
 SETUP_RETRY_S = (1.0, 30.0)  # pause after a failed setup, doubling up to the second figure
 
 
-def connect_store(spec: MooncakeSpec, store_cls, wait_stop, log) -> Optional[Any]:
+def connect_store(spec: MooncakeSpec, store_cls, wait_stop, log, on_setup=None) -> Optional[Any]:
     """A set-up store, or None when ``wait_stop(seconds)`` (waits, True = give up) says stop.
 
     Runs on a background thread: probes the master until it listens, then calls ``setup``
     (which blocks while it registers this client and mounts its segment); a failed setup is
-    retried after a growing pause. ``log`` is told about each failed setup.
+    retried after a growing pause. ``log`` is told about each failed setup; ``on_setup(True)``
+    / ``on_setup(False)`` mark a ``setup`` call starting (the master answered the probe) and failing.
     """
     pause = SETUP_RETRY_S[0]
     while True:
@@ -121,13 +122,17 @@ def connect_store(spec: MooncakeSpec, store_cls, wait_stop, log) -> Optional[Any
                 return None
             continue
         store = store_cls()
+        if on_setup is not None:
+            on_setup(True)
         try:
             rc = store.setup(spec.local_hostname, spec.metadata_server, spec.global_segment_bytes,
                              spec.local_buffer_bytes, spec.protocol, spec.device_name, spec.master_address)
         except Exception as exc:  # arguments the binding refuses
             rc = f"{type(exc).__name__}: {exc}"
         if rc == 0:
-            return store
+            return store  # the caller ends the setup phase once it has adopted the store
+        if on_setup is not None:
+            on_setup(False)
         log(f"kvconnect: Mooncake setup with master {spec.master_address} returned {rc}; retrying in {pause:.0f} s")
         if wait_stop(pause):
             return None

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 HEADER_SLOT_BYTES = 16 << 10  # room for one header: 88 + 8 x planes (up to ~2000 planes)
 BATCH_KEYS = 64  # keys per Mooncake call (bounds the header scratch)
+LOOKUP_THREADS = 4  # concurrent lookups (engines look up from more than one thread)
 KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
 NOT_FOUND = -704
 LEASED = -706
@@ -85,35 +86,46 @@ class _Registered:
         return memoryview(self.array[start : start + nbytes])
 
 
-class _Worker:
-    """One daemon thread running one call at a time; a caller waits at most ``timeout_s``."""
+class _Workers:
+    """Up to ``size`` daemon threads running calls; a caller waits at most ``timeout_s``.
 
-    def __init__(self, name: str) -> None:
+    Each thread owns one slot (0..size-1) that the call receives, e.g. to pick its scratch
+    buffer. When every thread is busy (stalled on a master that does not answer) a new call
+    is refused at once instead of queueing behind them.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self._name = name
         self._cond = threading.Condition()
-        self._job: Optional[Callable[[], None]] = None
-        self._busy = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._jobs: "collections.deque[Callable[[int], None]]" = collections.deque()
+        self._idle = 0
+        self._threads = 0
+        self._size = size
 
-    def run(self, fn: Callable[[], object], timeout_s: float) -> tuple[str, object]:
-        """("done", result), ("busy", None) when an earlier call still runs (``fn`` not started),
-        or ("timeout", None) when ``fn`` runs past ``timeout_s`` (it finishes on the thread)."""
+    def run(self, fn: Callable[[int], object], timeout_s: float) -> tuple[str, object]:
+        """("done", result); ("busy", None) when every thread is taken (``fn`` not started);
+        ("timeout", None) when ``fn`` runs past ``timeout_s`` (it finishes on its thread)."""
         box: dict = {}
         done = threading.Event()
 
-        def job() -> None:
+        def job(slot: int) -> None:
             try:
-                box["result"] = fn()
+                box["result"] = fn(slot)
             except Exception as exc:  # reported to the caller, never lost
                 box["error"] = exc
             finally:
                 done.set()
 
         with self._cond:
-            if self._busy:
-                return "busy", None
-            self._busy = True
-            self._job = job
+            if self._idle == 0:
+                if self._threads >= self._size:
+                    return "busy", None
+                threading.Thread(target=self._run, args=(self._threads,), name=f"{self._name}-{self._threads}",
+                                 daemon=True).start()
+                self._threads += 1
+                self._idle += 1
+            self._idle -= 1
+            self._jobs.append(job)
             self._cond.notify()
         if not done.wait(timeout_s):
             return "timeout", None
@@ -121,17 +133,17 @@ class _Worker:
             raise box["error"]
         return "done", box.get("result")
 
-    def _run(self) -> None:
+    def _run(self, slot: int) -> None:
         while True:
             with self._cond:
-                while self._job is None:
+                while not self._jobs:
                     self._cond.wait()
-                job, self._job = self._job, None
+                job = self._jobs.popleft()
             try:
-                job()
+                job(slot)
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._idle += 1
 
 
 class MooncakeTier(LowerTier):
@@ -152,18 +164,19 @@ class MooncakeTier(LowerTier):
         self._breaker = Breaker(retry_after_s, max_retry_after_s)
         self._state = threading.Condition()
         self._store = None
+        self._setting_up = False  # the master answered and setup() is running
         self._closed = False
         self._in_flight = 0
         self._regions: list[tuple[int, int]] = []  # (address, bytes) registered with the store
         self._pools: list = []  # pools whose buffers are registered on first use
-        self._lookup_scratch = _Registered(BATCH_KEYS)
+        self._lookup_scratch = [_Registered(BATCH_KEYS) for _ in range(LOOKUP_THREADS)]
         self._read_scratch = _Registered(1)
         self._write_scratch = _Registered(BATCH_KEYS)
         self._read_lock = threading.Lock()
         self._known: "collections.OrderedDict[ChunkKey, int]" = collections.OrderedDict()
         self._known_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._lookups = _Worker("kvconnect-mooncake-lookup")
+        self._lookups = _Workers("kvconnect-mooncake-lookup", LOOKUP_THREADS)
         self.counters = {"connect_polls": 0, "connected": 0, "timeouts": 0, "rpc_failures": 0,
                          "transfer_failures": 0, "lease_conflicts": 0, "registered_bytes": 0}
         self._stats.capacity_bytes = spec.global_segment_bytes
@@ -183,23 +196,30 @@ class MooncakeTier(LowerTier):
             with self._state:
                 return self._state.wait_for(lambda: self._closed, seconds)
 
+        def on_setup(running: bool) -> None:
+            with self._state:
+                self._setting_up = running
+                self._state.notify_all()
+
         while True:
-            store = connect_store(self.spec, self._store_cls, wait_stop, logger.warning)
+            store = connect_store(self.spec, self._store_cls, wait_stop, logger.warning, on_setup)
             if store is None or self._adopt(store):
                 return
 
     def _adopt(self, store) -> bool:
         """Register the scratch buffers and publish ``store``; False (store closed) when closing."""
-        for scratch in (self._lookup_scratch, self._read_scratch, self._write_scratch):
-            if store.register_buffer(scratch.base, scratch.array.nbytes) != 0:
-                logger.warning("kvconnect: Mooncake refused to register a scratch buffer; retrying setup")
-                store.close()
-                return False
+        ok = all(store.register_buffer(scratch.base, scratch.array.nbytes) == 0
+                 for scratch in (*self._lookup_scratch, self._read_scratch, self._write_scratch))
         with self._state:
-            if self._closed:
-                store.close()
-                return True
-            self._store = store
+            self._setting_up = False
+            self._state.notify_all()
+            if ok and not self._closed:
+                self._store = store
+        if not ok or self._closed:
+            if not ok:
+                logger.warning("kvconnect: Mooncake refused to register a scratch buffer; retrying setup")
+            store.close()
+            return self._closed
         self._bump("connected")
         logger.info("kvconnect: Mooncake tier connected to %s (this process contributes %d bytes)",
                     self.spec.master_address, self.spec.global_segment_bytes)
@@ -211,8 +231,16 @@ class MooncakeTier(LowerTier):
             return self._store is not None
 
     def _enter(self):
-        """The store for one call, or None when not connected, closed or backing off."""
+        """The store for one call, or None when not connected, closed or backing off.
+
+        A call that arrives while ``setup`` is running (the master answered; a fresh engine's
+        first lookups) waits for it, at most ``timeout_s``: no longer than a lookup may take.
+        With no master answering there is nothing to wait for: a miss at once.
+        """
         with self._state:
+            if self._store is None and self._setting_up and not self._closed:
+                self._state.wait_for(lambda: self._store is not None or not self._setting_up or self._closed,
+                                     self.timeout_s)
             if self._store is None or self._closed:
                 return None
             if not self._breaker.allow():
@@ -282,7 +310,7 @@ class MooncakeTier(LowerTier):
             return out
         # the job owns the in-flight mark from here (it may outlive this wait; close waits for it)
         try:
-            status, result = self._lookups.run(lambda: self._read_headers(store, keys), self.timeout_s)
+            status, result = self._lookups.run(lambda slot: self._read_headers(store, keys, slot), self.timeout_s)
         except Exception:  # a binding error: the tier's own bug, still only a miss
             logger.exception("kvconnect: Mooncake lookup failed")
             self._count(errors=1)
@@ -298,7 +326,7 @@ class MooncakeTier(LowerTier):
         self._count(lookup_hits=sum(m is not None for m in out))
         return out
 
-    def _read_headers(self, store, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
+    def _read_headers(self, store, keys: Sequence[ChunkKey], slot: int) -> list[Optional[int]]:
         """Group masks per key, on the lookup worker thread (it owns one in-flight mark).
 
         One ``batch_is_exist`` over the header objects per BATCH_KEYS keys; the masks of keys
@@ -310,12 +338,12 @@ class MooncakeTier(LowerTier):
         out: list[Optional[int]] = []
         try:
             for start in range(0, len(keys), BATCH_KEYS):
-                out.extend(self._read_header_batch(store, keys[start : start + BATCH_KEYS]))
+                out.extend(self._read_header_batch(store, keys[start : start + BATCH_KEYS], self._lookup_scratch[slot]))
         finally:
             self._exit()
         return out
 
-    def _read_header_batch(self, store, batch: Sequence[ChunkKey]) -> list[Optional[int]]:
+    def _read_header_batch(self, store, batch: Sequence[ChunkKey], scratch: _Registered) -> list[Optional[int]]:
         names = [self.object_keys(k)[0] for k in batch]
         exist = store.batch_is_exist(names)
         if any(e < 0 for e in exist):  # the master did not answer for them
@@ -331,7 +359,6 @@ class MooncakeTier(LowerTier):
         unknown = [i for i, (m, e) in enumerate(zip(out, exist)) if e == 1 and m is None]
         if not unknown:
             return out
-        scratch = self._lookup_scratch
         codes = store.batch_get_into([names[i] for i in unknown], [scratch.ptr(j) for j in range(len(unknown))],
                                      [HEADER_SLOT_BYTES] * len(unknown))
         self._outcome(codes)

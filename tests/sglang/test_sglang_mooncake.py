@@ -9,6 +9,10 @@ segment), so what the second process finds can only have come through Mooncake.
 |-----|--------|
 | M1  | serve (nothing stored anywhere yet: computed, the reference), settle (pages reach Mooncake) |
 | M2  | fresh process: serve (L3 hits from Mooncake), outputs equal M1's |
+
+M2 runs with ``--hicache-storage-prefetch-policy wait_complete`` (as a remote L3 is deployed):
+under SGLang's default ``best_effort`` a request may be scheduled before its prefetch from
+a store across the network finished, and what it then computes itself is not a hit.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ def runs(tmp_path_factory):
             tier = {"remote_url": master.url, "mooncake_config_path": str(path), "max_local_disk_size": 0}
             out = {
                 "M1": run_engine(_spec(model, "layer_first", None, [_gen(), {"op": "settle", "seconds": 4}], **tier), root / "m1"),
-                "M2": run_engine(_spec(model, "layer_first", None, [_gen()], **tier), root / "m2"),
+                "M2": run_engine({**_spec(model, "layer_first", None, [_gen()], **tier), "prefetch_policy": "wait_complete"},
+                                 root / "m2"),
             }
         finally:
             holder.stop()

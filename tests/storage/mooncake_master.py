@@ -134,7 +134,7 @@ class NodeHolder:
         self.proc = subprocess.Popen(
             [python, "-m", "kvconnect.cli", "server", "--url", f"ipc://{workdir}/node.sock", "--size-gb", "0.01",
              "--mooncake-segment-gb", str(segment_gb)],
-            env=client_env(LMCACHE_REMOTE_URL=master.url, PYTHONPATH=str(repo)),
+            env=client_env(LMCACHE_REMOTE_URL=master.url, PYTHONPATH=str(repo)), cwd=str(repo),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         ready = threading.Event()
