@@ -8,11 +8,12 @@ header (identity, group mask, plane rows, sizes, checksum over header and payloa
 planes bytes), and ``.../p``, the payload. The payload object is written straight from the
 pool slot (``batch_upsert_from``) and read straight into one (``batch_get_into``): no copy
 in kvconnect, and none in Mooncake beyond its transfer. The header object exists so a
-lookup learns group masks without moving payloads: ``masks`` is one batched read of the
-headers into a small registered scratch buffer (one round trip, like ``batch_is_exist``,
-but it also says which groups the chunk holds and whether the identity matches). Writes
-store the payload first and the header after it, so a header names a payload that was
-written; deletes go the other way.
+lookup learns group masks without moving payloads: ``masks`` is one ``batch_is_exist``
+over the header objects, masks of present chunks from what this process has seen (its
+writes and reads), and one batched read of the headers it has not seen into a small
+registered scratch buffer (which also checks their identity). A write batch is one
+``batch_upsert_from`` of the payloads and then their headers; deletes remove the header
+first.
 
 Verification. ``read_into`` reads header and payload in one call and checks them as
 ``chunk_format.decode`` does (magic, version, fingerprint, key, sizes, checksum over both):
@@ -25,8 +26,9 @@ never an error here).
 
 Failures. ``setup`` runs on a background thread (with no master it retries for ~90 s):
 until it succeeds the tier is unhealthy and every call is a quick miss or False. Lookups
-(the only calls on the engine's step path that can meet a dead master first) run on a
-worker thread and are abandoned after ``timeout_s``; a master that stopped answering makes
+(the only calls on the engine's step path that can meet a dead master first) run on up
+to LOOKUP_THREADS worker threads and are abandoned after ``timeout_s``; a lookup that
+arrives while ``setup`` runs (the master answered) waits for it, also at most ``timeout_s``; a master that stopped answering makes
 Mooncake return -900 after ~4.5 s, so -900s and timeouts open the breaker (tier.Breaker)
 and the tier is skipped while it backs off. ``read_into`` runs only after a lookup just
 answered, and it cannot be abandoned: Mooncake writes into the pool slot until it returns,
