@@ -172,7 +172,7 @@ class MooncakeTier(LowerTier):
         self._regions: list[tuple[int, int]] = []  # (address, bytes) registered with the store
         self._pools: list = []  # pools whose buffers are registered on first use
         self._lookup_scratch = [_Registered(BATCH_KEYS) for _ in range(LOOKUP_THREADS)]
-        self._read_scratch = _Registered(1)
+        self._read_scratch = _Registered(BATCH_KEYS)
         self._write_scratch = _Registered(BATCH_KEYS)
         self._read_lock = threading.Lock()
         self._known: "collections.OrderedDict[ChunkKey, int]" = collections.OrderedDict()
@@ -390,46 +390,73 @@ class MooncakeTier(LowerTier):
                 self._known.popitem(last=False)
 
     def read_into(self, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
-        self._count(gets=1)
+        return self.read_many_into([key], [out])[0]
+
+    def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[Optional[ChunkHeader]]:
+        """``read_into`` for many keys: one ``batch_get_into`` per BATCH_KEYS chunks, each payload
+        straight into its ``out`` (pool slots); a verified header per key, None for a miss."""
+        self._count(gets=len(keys))
+        result: list[Optional[ChunkHeader]] = [None] * len(keys)
         store = self._enter()
         if store is None:
             self._count(skipped_unhealthy=1)
-            return None
+            return result
         try:
-            address = view_address(out)
-            if not self._registered(store, address, len(out)):
-                return self._read_copy(store, key, out)
+            direct = []
+            for i, (key, out) in enumerate(zip(keys, outs)):
+                address = view_address(out)
+                if self._registered(store, address, len(out)):
+                    direct.append((i, address))
+                else:
+                    result[i] = self._read_copy(store, key, out)
             with self._read_lock:
-                return self._read_verified(store, key, out, address)
+                for start in range(0, len(direct), BATCH_KEYS):
+                    batch = direct[start : start + BATCH_KEYS]
+                    headers = self._read_verified(store, [keys[i] for i, _ in batch], [outs[i] for i, _ in batch],
+                                                  [a for _, a in batch])
+                    for (i, _), header in zip(batch, headers):
+                        result[i] = header
         finally:
             self._exit()
+        return result
 
-    def _read_verified(self, store, key: ChunkKey, out: memoryview, address: int) -> Optional[ChunkHeader]:
-        header_name, payload_name = self.object_keys(key)
+    def _read_verified(self, store, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
+                       addresses: Sequence[int]) -> list[Optional[ChunkHeader]]:
+        """Headers and payloads of up to BATCH_KEYS chunks in one call, each checked like decode."""
         scratch = self._read_scratch
-        codes = store.batch_get_into([header_name, payload_name], [scratch.ptr(0), address],
-                                     [HEADER_SLOT_BYTES, len(out)])
+        names = [self.object_keys(k) for k in keys]
+        n = len(keys)
+        codes = store.batch_get_into([h for h, _ in names] + [p for _, p in names],
+                                     [scratch.ptr(j) for j in range(n)] + list(addresses),
+                                     [HEADER_SLOT_BYTES] * n + [len(out) for out in outs])
         self._outcome(codes)
-        header_len, payload_len = codes
-        if header_len == NOT_FOUND or payload_len == NOT_FOUND or header_len in (RPC_FAIL, TRANSFER_FAIL) \
-                or payload_len in (RPC_FAIL, TRANSFER_FAIL):
-            self._count(errors=int(any(c in (RPC_FAIL, TRANSFER_FAIL) for c in codes)))
-            return None  # evicted or never written, master or segment owner gone: a miss
-        try:
-            if header_len < 0 or payload_len < 0:
-                raise CorruptChunkError(f"Mooncake read returned {codes}")
-            header = read_header(scratch.view(0, header_len), fingerprint=self.fingerprint, key=key,
-                                 payload_bytes=payload_len)
-            if chunk_format.compute_checksum(header, out[:payload_len]) != header.checksum:
-                raise CorruptChunkError("checksum mismatch")
-        except CorruptChunkError as exc:
-            logger.warning("kvconnect: Mooncake value under %s is not this chunk (%s); removing it", payload_name, exc)
-            self._count(errors=1, corrupt=1)
-            self._remove(store, [key])
-            return None
-        self._count(get_hits=1, bytes_read=header_len + payload_len)
-        self._remember(key, header.group_mask)
-        return header
+        out_headers: list[Optional[ChunkHeader]] = []
+        bad = []
+        for j, key in enumerate(keys):
+            header_len, payload_len = codes[j], codes[n + j]
+            if NOT_FOUND in (header_len, payload_len) or {header_len, payload_len} & {RPC_FAIL, TRANSFER_FAIL}:
+                self._count(errors=int(bool({header_len, payload_len} & {RPC_FAIL, TRANSFER_FAIL})))
+                out_headers.append(None)  # evicted or never written, master or segment owner gone: a miss
+                continue
+            try:
+                if header_len < 0 or payload_len < 0:
+                    raise CorruptChunkError(f"Mooncake read returned {header_len}, {payload_len}")
+                header = read_header(scratch.view(j, header_len), fingerprint=self.fingerprint, key=key,
+                                     payload_bytes=payload_len)
+                if chunk_format.compute_checksum(header, outs[j][:payload_len]) != header.checksum:
+                    raise CorruptChunkError("checksum mismatch")
+            except CorruptChunkError as exc:
+                logger.warning("kvconnect: Mooncake value under %s is not this chunk (%s); removing it", names[j][1], exc)
+                self._count(errors=1, corrupt=1)
+                bad.append(key)
+                out_headers.append(None)
+                continue
+            self._count(get_hits=1, bytes_read=header_len + payload_len)
+            self._remember(key, header.group_mask)
+            out_headers.append(header)
+        if bad:
+            self._remove(store, bad)
+        return out_headers
 
     def _read_copy(self, store, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
         """read_into for a buffer outside every attached pool: through a registered copy."""
