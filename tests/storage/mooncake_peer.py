@@ -42,7 +42,7 @@ def hybrid_case(seed: int):
     return case, tokens, bounds, tables, rng
 
 
-def hybrid_engine(case, remote_url: str, segment_bytes: int, tmp: str, *, model: str = ""):
+def hybrid_engine(case, remote_url: str, segment_bytes: int, tmp: str, *, model: str = "", timeout_s: float = 5.0):
     """An engine with a small private pool and the Mooncake tier (segment of ``segment_bytes``)."""
     import os
 
@@ -54,7 +54,7 @@ def hybrid_engine(case, remote_url: str, segment_bytes: int, tmp: str, *, model:
     with open(path, "w") as f:
         json.dump({"global_segment_size": segment_bytes, "protocol": "tcp"}, f)
     layout = case.layout(model_name=model) if model else case.layout()
-    config = zoo.small_config(HYBRID_CHUNK, remote_url=remote_url, mooncake_config_path=path, remote_timeout_s=2.0)
+    config = zoo.small_config(HYBRID_CHUNK, remote_url=remote_url, mooncake_config_path=path, remote_timeout_s=timeout_s)
     return KVCacheEngine(layout, config)
 
 

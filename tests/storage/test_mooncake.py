@@ -72,11 +72,11 @@ def stored(master):
     peer.kill()
 
 
-def _reader(master, tmp_path, *, model: str = "", segment: int = 0):
+def _reader(master, tmp_path, *, model: str = "", segment: int = 0, timeout_s: float = 5.0):
     """An engine in this process with an empty pool whose tier contributes ``segment`` bytes."""
     case, tokens, bounds, src_tables, rng = hybrid_case(SEED)
     dst = case.clone(fill=0)
-    engine = hybrid_engine(dst, master.url, segment, str(tmp_path), model=model)
+    engine = hybrid_engine(dst, master.url, segment, str(tmp_path), model=model, timeout_s=timeout_s)
     assert wait_connected(engine.storage.tiers[0])
     return case, dst, engine, tokens, bounds, src_tables, rng
 
@@ -136,7 +136,7 @@ def test_foreign_values_under_kvconnect_names_are_misses(stored, master, tmp_pat
 def test_killed_master_costs_misses_not_exceptions(stored, master, tmp_path):
     """A killed master: lookups miss within the timeout, then at once (breaker); nothing raises.
     Restarted (every key lost), the clients re-register by themselves and the tier serves again."""
-    case, _, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
+    case, _, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path, timeout_s=2.0)
     try:
         assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
         master.kill()
@@ -176,7 +176,7 @@ def test_killed_master_costs_misses_not_exceptions(stored, master, tmp_path):
 def test_stalled_master_bounds_the_step(stored, master, tmp_path):
     """A master that accepts but never answers (SIGSTOP): each lookup returns within
     remote_timeout_s, then the breaker skips the tier; resumed, the tier serves again."""
-    _, _, engine, tokens, *_ = _reader(master, tmp_path)
+    _, _, engine, tokens, *_ = _reader(master, tmp_path, timeout_s=2.0)
     tier = _tier(engine)
     try:
         engine.storage.pool.clear()
@@ -207,7 +207,7 @@ def test_absent_master_start_is_immediate_and_joins_later(tmp_path):
     master = MooncakeMaster(tmp_path / "master", port=free_port())
     case, tokens, *_ = hybrid_case(SEED)
     start = time.monotonic()
-    engine = hybrid_engine(case.clone(fill=0), master.url, SEGMENT, str(tmp_path))
+    engine = hybrid_engine(case.clone(fill=0), master.url, SEGMENT, str(tmp_path), timeout_s=2.0)
     assert time.monotonic() - start < 5.0
     tier = _tier(engine)
     try:
