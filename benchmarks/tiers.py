@@ -13,10 +13,15 @@ chunk). For each tier an engine is built with only that tier below its CPU pool,
   i.e. one batched existence query against the tier.
 
 Tiers: pool, disk (``--disk-dir``, default a temp dir), redis (``--redis-url``, default: a
-redis-server started here on a loopback port). The node-level cache server is a pool, not a
-lower tier: ``benchmarks/server_bench.py`` measures it against the private pool.
+redis-server started here on a loopback port), mooncake (a ``mooncake_master`` started here
+on loopback and a ``kvconnect server --mooncake-segment-gb`` holding the segment in ANOTHER
+process; this process contributes nothing, so every byte crosses Mooncake's TCP transfer
+engine), and mooncake-raw: Mooncake's own zero-copy ``batch_put_from`` / ``batch_get_into``
+of the same number of objects of the same payload sizes, between a registered buffer here
+and the same holder (one call per prompt; no kvconnect code: the ceiling of the mooncake
+row). The node-level cache server as a pool is measured by ``benchmarks/server_bench.py``.
 
-Run: python benchmarks/tiers.py [--tokens 8192] [--repeats 3] [--tiers pool,disk,redis] [--cold]
+Run: python benchmarks/tiers.py [--tokens 8192] [--repeats 3] [--tiers pool,disk,redis,mooncake,mooncake-raw] [--cold]
 """
 
 from __future__ import annotations
@@ -70,6 +75,82 @@ class RedisForBench:
 
     def close(self) -> None:
         self.node.stop()
+
+
+class MooncakeForBench:
+    """A loopback mooncake_master and a node server holding the segment, both started here."""
+
+    def __init__(self, workdir: Path, segment_bytes: int) -> None:
+        import json
+
+        here = Path(__file__).resolve().parents[1]
+        sys.path.insert(0, str(here / "tests" / "storage"))
+        from mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
+
+        reason = mooncake_available()
+        if reason:
+            raise RuntimeError(reason)
+        os.environ.update({k: v for k, v in client_env().items() if k.startswith(("MC_", "GLOG_"))})
+        self.master = MooncakeMaster(workdir).start()
+        self.url = self.master.url
+        try:
+            self.holder = NodeHolder(self.master, workdir / "node", segment_bytes / (1 << 30), repo=here)
+        except Exception:
+            self.master.stop()
+            raise
+        self.config_path = workdir / "mooncake.json"
+        self.config_path.write_text(json.dumps({"global_segment_size": 0}))  # this process holds nothing
+
+    def close(self) -> None:
+        self.holder.stop()
+        self.master.stop()
+
+
+def wait_tier(engine: KVCacheEngine, timeout_s: float = 60.0) -> None:
+    tier = engine.storage.tiers[0]
+    deadline = time.monotonic() + timeout_s
+    while not tier.connected:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Mooncake tier did not connect")
+        time.sleep(0.05)
+
+
+def bench_mooncake_raw(mc: MooncakeForBench, num_objects: int, object_bytes: int, args) -> dict:
+    """Mooncake's zero-copy batch calls on the same object count and sizes as one prompt."""
+    from kvconnect.storage.mooncake_config import MooncakeSpec, import_store
+
+    store = import_store(MooncakeSpec(master_address=mc.master.address))()
+    if store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", mc.master.address) != 0:
+        raise RuntimeError("raw Mooncake client setup failed")
+    src = np.random.default_rng(1).integers(0, 256, num_objects * object_bytes, dtype=np.uint8)
+    dst = np.ones_like(src)  # pages faulted in now, as the pool's are: first-touch cost is not Mooncake's
+    for a in (src, dst):
+        assert store.register_buffer(a.ctypes.data, a.nbytes) == 0
+    sizes = [object_bytes] * num_objects
+    put_s, get_s, lookups = [], [], []
+    for r in range(args.repeats):
+        keys = [f"raw/{r}/{i}" for i in range(num_objects)]
+        t0 = time.perf_counter()
+        codes = store.batch_put_from(keys, [src.ctypes.data + i * object_bytes for i in range(num_objects)], sizes)
+        put_s.append(time.perf_counter() - t0)
+        assert all(c == 0 for c in codes), codes
+    for r in range(args.repeats):
+        keys = [f"raw/{r}/{i}" for i in range(num_objects)]
+        t0 = time.perf_counter()
+        codes = store.batch_get_into(keys, [dst.ctypes.data + i * object_bytes for i in range(num_objects)], sizes)
+        get_s.append(time.perf_counter() - t0)
+        assert all(c == object_bytes for c in codes), codes
+    assert np.array_equal(src, dst)
+    for i in range(args.lookups):
+        keys = [f"raw/{i % args.repeats}/{j}" for j in range(num_objects)]
+        t0 = time.perf_counter()
+        store.batch_is_exist(keys)
+        lookups.append(time.perf_counter() - t0)
+    store.close()
+    nbytes = num_objects * object_bytes
+    return {"tier": "mc-raw", "MB": nbytes / 1e6, "store_GBps": nbytes / statistics.median(put_s) / 1e9,
+            "step_ms": float("nan"), "retrieve_GBps": nbytes / statistics.median(get_s) / 1e9,
+            "lookup_p50_us": percentile_us(lookups, 50), "lookup_p99_us": percentile_us(lookups, 99)}
 
 
 def bench_tier(name: str, layout: KVLayout, engine: KVCacheEngine, args, rng: np.random.Generator) -> dict:
@@ -151,33 +232,53 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvc-tiers-"))
     args.disk_dir = args.disk_dir or str(tmp / "disk")
     redis: Optional[RedisForBench] = None
+    mooncake: Optional[MooncakeForBench] = None
     rows = []
     rng = np.random.default_rng(0)
-    for name in tqdm(args.tiers.split(","), desc="tiers", unit="tier", leave=False):
-        cfg = None
-        if name == "pool":
-            cfg = base
-        elif name == "disk":
-            cfg = Config(**{**vars(base), "local_disk": args.disk_dir, "max_local_disk_size": base.max_local_cpu_size})
-        elif name == "redis":
-            url = args.redis_url
-            if url is None:
-                try:
-                    redis = RedisForBench(tmp / "redis")
-                except RuntimeError as exc:
-                    print(f"  redis: skipped ({exc})")
+    try:
+        for name in tqdm(args.tiers.split(","), desc="tiers", unit="tier", leave=False):
+            cfg = None
+            if name == "pool":
+                cfg = base
+            elif name == "disk":
+                cfg = Config(**{**vars(base), "local_disk": args.disk_dir, "max_local_disk_size": base.max_local_cpu_size})
+            elif name == "redis":
+                url = args.redis_url
+                if url is None:
+                    try:
+                        redis = RedisForBench(tmp / "redis")
+                    except RuntimeError as exc:
+                        print(f"  redis: skipped ({exc})")
+                        continue
+                    url = redis.url
+                cfg = Config(**{**vars(base), "remote_url": url, "remote_timeout_s": 30.0})
+            elif name in ("mooncake", "mooncake-raw"):
+                if mooncake is None:
+                    try:  # every prompt of both rows, with slack
+                        mooncake = MooncakeForBench(tmp / "mooncake", int(prompt_gb * 1e9 * args.repeats * 2 * 1.15) + (256 << 20))
+                    except RuntimeError as exc:
+                        print(f"  mooncake: skipped ({exc})")
+                        continue
+                if name == "mooncake-raw":
+                    num_chunks = args.tokens // CHUNK_TOKENS
+                    rows.append(bench_mooncake_raw(mooncake, num_chunks, chunk_bytes, args))
                     continue
-                url = redis.url
-            cfg = Config(**{**vars(base), "remote_url": url, "remote_timeout_s": 30.0})
-        else:
-            raise SystemExit(f"unknown tier {name!r}")
-        engine = KVCacheEngine(layout, cfg)
-        try:
-            rows.append(bench_tier(name, layout, engine, args, rng))
-        finally:
-            engine.close()
-    if redis is not None:
-        redis.close()
+                cfg = Config(**{**vars(base), "remote_url": mooncake.url, "remote_timeout_s": 30.0,
+                                "mooncake_config_path": str(mooncake.config_path)})
+            else:
+                raise SystemExit(f"unknown tier {name!r}")
+            engine = KVCacheEngine(layout, cfg)
+            if name == "mooncake":
+                wait_tier(engine)
+            try:
+                rows.append(bench_tier(name, layout, engine, args, rng))
+            finally:
+                engine.close()
+    finally:  # servers started here never outlive the run
+        if redis is not None:
+            redis.close()
+        if mooncake is not None:
+            mooncake.close()
 
     print(f"{'tier':<8}{'MB':>8}{'store GB/s':>12}{'step ms':>10}{'retrieve GB/s':>15}{'lookup p50 us':>15}{'p99 us':>10}")
     for r in rows:

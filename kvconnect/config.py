@@ -13,7 +13,8 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | LMCACHE_LOCAL_DISK             | local_disk           | str   | none    | disk tier directory (``file://`` optional) |
 | LMCACHE_MAX_LOCAL_DISK_SIZE    | max_local_disk_size  | float | 0.0     | disk tier size, GB |
 | KVCONNECT_LOCAL_DISK_FSYNC     | local_disk_fsync     | bool  | false   | fsync each disk-tier file before its rename (survives power loss) |
-| LMCACHE_REMOTE_URL             | remote_url           | str   | none    | remote tier (``redis://``, ``rediss://``, ``unix://``, ``redis-cluster://``) |
+| LMCACHE_REMOTE_URL             | remote_url           | str   | none    | remote tier (``redis://``, ``rediss://``, ``unix://``, ``redis-cluster://``, or ``mooncakestore://HOST:PORT``: a Mooncake master) |
+| MOONCAKE_CONFIG_PATH           | mooncake_config_path | str   | none    | Mooncake client settings (JSON, Mooncake's own keys; kvconnect/storage/mooncake_config.py) |
 | LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
 | LMCACHE_SAVE_DECODE_CACHE      | save_decode_cache    | bool  | false   | engine adapters also store the chunks generated tokens complete |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
@@ -85,6 +86,7 @@ class Config:
     pool_prefault: bool = True
     pd_wait_timeout_s: float = 5.0
     pd_poll_interval_s: float = 0.005
+    mooncake_config_path: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -158,6 +160,8 @@ class Config:
             if var.startswith(("LMCACHE_", "KVCONNECT_")) and var != "LMCACHE_CONFIG_FILE"
             and var.lower().removeprefix("lmcache_").removeprefix("kvconnect_") in names
         }
+        if env.get("MOONCAKE_CONFIG_PATH"):  # Mooncake's own variable, read as its integrations read it
+            overrides["mooncake_config_path"] = env["MOONCAKE_CONFIG_PATH"]
         return cls.from_dict(overrides, source="environment", base=config) if overrides else config
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Optional
 
 from .. import sizing
 from ..config import Config
@@ -59,8 +60,27 @@ def report(args: argparse.Namespace) -> dict:
     }
 
 
+def mooncake_report(config: Config, tier_bytes: int) -> Optional[dict]:
+    """Who holds the Mooncake segment and how much, for a ``mooncakestore://`` remote_url."""
+    from ..storage.mooncake_config import is_mooncake_url, make_spec
+
+    if not is_mooncake_url(config.remote_url):
+        return None
+    spec = make_spec(config.remote_url, config.mooncake_config_path, has_node_server=bool(config.server_url))
+    if spec.global_segment_bytes:
+        holder = "this engine process: its share leaves with it"
+    elif config.server_url:
+        holder = "the node server (kvconnect server --mooncake-segment-gb)"
+    else:
+        holder = "another process (kvconnect server --mooncake-segment-gb or mooncake_client)"
+    return {"master": spec.master_address, "protocol": spec.protocol, "local_hostname": spec.local_hostname,
+            "engine_segment_bytes": spec.global_segment_bytes, "holder": holder,
+            "segments_needed_bytes": int(tier_bytes * 1.1)}
+
+
 def run(args: argparse.Namespace, config: Config) -> int:
     r = report(args)
+    r["mooncake"] = mooncake_report(config, r["tier_bytes"])
     print(json.dumps(r, indent=2) if args.json else human(r))
     return 0
 
@@ -88,6 +108,11 @@ def human(r: dict) -> str:
     lines.append(f"{r['tokens']:,} tokens  {r['chunks']:,} chunks: payload {human_bytes(r['stored_bytes'])}; "
                  f"CPU pool {human_bytes(r['pool_bytes'])} (LMCACHE_MAX_LOCAL_CPU_SIZE={r['pool_bytes'] / (1 << 30):.2f}); "
                  f"disk / remote {human_bytes(r['tier_bytes'])}")
+    mc = r.get("mooncake")
+    if mc:
+        lines.append(f"mooncake    master {mc['master']} ({mc['protocol']}, as {mc['local_hostname']}); this engine contributes "
+                     f"{human_bytes(mc['engine_segment_bytes'])}; holder: {mc['holder']}; segments for these tokens: "
+                     f"{human_bytes(mc['segments_needed_bytes'])} (payload + headers + 10% for the master's eviction)")
     aligned = "" if r["restore_asked"] == r["restore_at"] else f" (asked {r['restore_asked']:,}; a hit covers whole chunks)"
     lines.append(f"restore at P={r['restore_at']:,}{aligned}: loads {human_bytes(r['restore_bytes'])} from {r['restore_chunks']:,} chunks")
     return "\n".join(lines)

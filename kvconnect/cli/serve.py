@@ -30,6 +30,10 @@ def add_parsers(sub, config: Config) -> None:
     serve.add_argument("--allow-remote", action="store_true", help="allow a non-loopback tcp:// address (needs a token)")
     serve.add_argument("--metrics-port", type=int, default=config.server_metrics_port,
                        help="Prometheus exporter port (default KVCONNECT_SERVER_METRICS_PORT; 0: off), on KVCONNECT_METRICS_HOST")
+    serve.add_argument("--mooncake-segment-gb", type=float, default=None,
+                       help="hold this much of the node's memory for the Mooncake Store named by LMCACHE_REMOTE_URL="
+                            "mooncakestore://HOST:PORT (default: global_segment_size of MOONCAKE_CONFIG_PATH, else 1 GB; "
+                            "0: hold nothing). Engines using this server contribute nothing themselves")
     info = sub.choices["info"]
     info.add_argument("--timeout-s", type=float, default=2.0)
     info.add_argument("--json", action="store_true", help="machine-readable counters")
@@ -55,6 +59,7 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
         args.url, int(args.size_gb * GB), page_bytes=args.page_kb * 1024, token=_token(args, config),
         allow_remote=args.allow_remote, lease_s=args.lease_s, eviction=config.eviction,
     )
+    holder = _mooncake_holder(args, config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -67,12 +72,40 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
     if args.metrics_port:
         metrics.collector().add(lambda: _server_figures(server), "server")
         metrics.start_exporter(dataclasses.replace(config, metrics_port=args.metrics_port))
+    if holder is not None:
+        h = holder.status()
+        print(f"kvconnect server holds a {h['segment_bytes'] / GB:.2f} GB Mooncake segment for master {h['master']} "
+              f"({h['protocol']}, as {h['local_hostname']})", flush=True)
     print(f"kvconnect server ready on {server.url}", flush=True)
     try:
         server.serve(stop)
     finally:
         server.close()
+        if holder is not None:
+            holder.close()
     return 0
+
+
+def _mooncake_holder(args: argparse.Namespace, config: Config):
+    """The node's Mooncake segment holder when LMCACHE_REMOTE_URL names a Mooncake master."""
+    from ..storage.mooncake_config import DEFAULT_SEGMENT_BYTES, is_mooncake_url, make_spec, read_config_file
+
+    if not is_mooncake_url(config.remote_url):
+        if args.mooncake_segment_gb:
+            raise SystemExit("--mooncake-segment-gb needs LMCACHE_REMOTE_URL=mooncakestore://HOST:PORT")
+        return None
+    spec = make_spec(config.remote_url, config.mooncake_config_path, has_node_server=False)
+    if args.mooncake_segment_gb is not None:
+        segment = int(args.mooncake_segment_gb * GB)
+    elif "global_segment_size" in read_config_file(config.mooncake_config_path):
+        segment = spec.global_segment_bytes
+    else:
+        segment = DEFAULT_SEGMENT_BYTES
+    if segment <= 0:
+        return None
+    from ..server.mooncake_holder import MooncakeHolder
+
+    return MooncakeHolder(spec.with_segment(segment))
 
 
 def _server_figures(server) -> Optional[metrics.Figures]:

@@ -60,7 +60,13 @@ def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
             from .disk import DiskTier
 
             tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync))
-    if config.remote_url:
+    if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
+        from .mooncake_config import make_spec
+        from .mooncake_tier import MooncakeTier
+
+        spec = make_spec(config.remote_url, config.mooncake_config_path, has_node_server=bool(config.server_url))
+        tiers.append(MooncakeTier(spec, fingerprint, timeout_s=config.remote_timeout_s))
+    elif config.remote_url:
         from .redis_tier import RedisTier
 
         tiers.append(RedisTier(config.remote_url, fingerprint, timeout_s=config.remote_timeout_s))
@@ -85,6 +91,9 @@ class StorageManager:
         self._counter_lock = threading.Lock()
         self.meter = TierMeter()  # per-tier hits, misses and call latency (kvconnect.metrics)
         self.tiers = list(tiers)
+        for tier in self.tiers:  # tiers that move bytes zero-copy register the pool's buffer
+            if hasattr(tier, "attach_pool"):
+                tier.attach_pool(pool)
         if max_pending_write_bytes is None:
             pool_bytes = pool.num_slots * pool.slot_bytes or 4 * MAX_PENDING_WRITE_BYTES  # 0: size not known yet
             max_pending_write_bytes = max(pool.slot_bytes, min(MAX_PENDING_WRITE_BYTES, pool_bytes // 4))
@@ -136,8 +145,14 @@ class StorageManager:
                 continue
             if tier.reads_into:
                 present = self._call(tier, tier.masks, [keys[i] for i in missing]) or []
-                for i, mask in zip(missing, present):
-                    if mask is not None:
+                found = [i for i, mask in zip(missing, present) if mask is not None]
+                if hasattr(tier, "read_many_into"):  # one batched read for all of them
+                    for start in range(0, len(found), self._fetch_batch):
+                        batch = found[start : start + self._fetch_batch]
+                        for i, entry in zip(batch, self._promote_many_into([keys[i] for i in batch], level)):
+                            entries[i] = entry
+                else:
+                    for i in found:
                         entries[i] = self._promote_into(keys[i], level)
                 missing = [i for i in missing if entries[i] is None]
                 continue
@@ -191,6 +206,32 @@ class StorageManager:
             self.pool.abort(slots)
             return None
         return self._publish(key, header, slots[0], level)
+
+    def _promote_many_into(self, keys: Sequence[ChunkKey], level: int) -> list[Optional[PoolEntry]]:
+        """``_promote_into`` for many keys with one ``read_many_into`` call of tier ``level``."""
+        tier = self.tiers[level]
+        slots = self.pool.reserve(len(keys))
+        if len(slots) < len(keys):
+            with self._counter_lock:
+                self.promotion_failures += len(keys) - len(slots)
+        outs = [memoryview(self.pool.slot_view(slot).numpy()) for slot in slots]
+        start = time.perf_counter()
+        try:
+            headers = tier.read_many_into(keys[: len(slots)], outs)
+            self.meter.timed(tier.name, "read_into", time.perf_counter() - start)
+        except Exception:
+            logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
+            self.meter.raised(tier.name)
+            with self._counter_lock:
+                self.tier_failures += 1
+            headers = [None] * len(slots)
+        out: list[Optional[PoolEntry]] = [None] * len(keys)
+        for j, (key, slot, header) in enumerate(zip(keys, slots, headers)):
+            if header is None:
+                self.pool.abort([slot])
+            else:
+                out[j] = self._publish(key, header, slot, level)
+        return out
 
     def _publish(self, key: ChunkKey, header: chunk_format.ChunkHeader, slot: int, level: int) -> Optional[PoolEntry]:
         """Commit a promoted chunk, pin it for the caller, queue it for the tiers above ``level``."""

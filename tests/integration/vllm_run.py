@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--save-delay-ms", type=float, default=0.0,
                         help="TEST HARNESS: every kvconnect save sleeps this long before it reads vLLM's blocks, "
                              "so saves still run when later steps reuse blocks (in-process worker only)")
+    parser.add_argument("--extra-config", default="{}",
+                        help="JSON object merged into kv_connector_extra_config (e.g. remote_url for a lower tier)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -67,7 +69,8 @@ def main() -> None:
                                        "max_local_cpu_size": 0.25, "lookup_timeout_s": 10.0,
                                        "save_decode_cache": args.save_decode_cache,
                                        **({"local_disk": args.local_disk, "max_local_disk_size": 0.25} if args.local_disk else {}),
-                                       **({} if args.min_load_tokens is None else {"min_load_tokens": args.min_load_tokens})},
+                                       **({} if args.min_load_tokens is None else {"min_load_tokens": args.min_load_tokens}),
+                                       **json.loads(args.extra_config)},
         )
     llm = LLM(
         model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,

@@ -36,6 +36,8 @@ def run(spec: dict) -> dict:
         )
         if spec.get("hicache_ratio"):
             kwargs["hicache_ratio"] = spec["hicache_ratio"]
+        if spec.get("prefetch_policy"):  # best_effort (SGLang's default), wait_complete or timeout
+            kwargs["hicache_storage_prefetch_policy"] = spec["prefetch_policy"]
         backend = spec.get("backend")
         if backend:
             kwargs["hicache_storage_backend"] = backend
