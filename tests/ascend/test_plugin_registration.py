@@ -83,3 +83,24 @@ def test_a_model_the_connector_cannot_serve_logs_one_warning_and_stays_off(tmp_p
         assert worker._worker.lookup(np.arange(600, dtype=np.int64)) == 0
     finally:
         worker.shutdown()
+
+
+def test_kv_events_take_vllm_023s_event_shapes():
+    """vLLM 0.23 (vLLM-Ascend's base) has no ``MEDIUM_CPU`` and no ``ownership`` field: the
+    connector's events are built from the fields this release declares."""
+    import harness  # noqa: F401  (vLLM-Ascend's import stand-ins)
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    from kvconnect.events import ChunkEvent
+    from kvconnect.integrations.vllm import kv_events
+
+    events = kv_events.to_vllm([
+        ChunkEvent("stored", b"\x01" * 16, None, (5, 6, 7), "cpu"),
+        ChunkEvent("stored", b"\x02" * 16, b"\x01" * 16, (8, 9, 10), "disk"),
+        ChunkEvent("removed", b"\x01" * 16, None, (), "cpu"),
+        ChunkEvent("cleared", b"", None, (), "cpu"),
+    ])
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved, AllBlocksCleared]
+    assert events[0].token_ids == [5, 6, 7] and events[0].block_size == 3 and events[0].medium == "CPU"
+    assert events[0].parent_block_hash is None and events[1].parent_block_hash == events[0].block_hashes[0]
+    assert events[1].medium == "STORAGE" and events[2].medium == "CPU"

@@ -27,8 +27,6 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 from vllm.distributed.kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -44,6 +42,20 @@ except ImportError:  # pragma: no cover - older vLLM
 
     def maybe_convert_block_hash(h):
         return h
+
+
+# vLLM's medium names (``MEDIUM_CPU`` / ``MEDIUM_STORAGE`` from vLLM 0.32; vLLM 0.23 defines only
+# ``MEDIUM_GPU`` and takes any string): the values, so every release gets the same events.
+MEDIUM_CPU, MEDIUM_STORAGE = "CPU", "STORAGE"
+
+
+def _event(cls, **fields):
+    """``cls(**fields)`` with only the fields this vLLM release's event declares (vLLM 0.23's
+    events lack ``ownership``; newer ones add optional fields with defaults)."""
+    declared = getattr(cls, "__struct_fields__", None)
+    if declared is not None:
+        fields = {k: v for k, v in fields.items() if k in declared}
+    return cls(**fields)
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -87,11 +99,12 @@ def to_vllm(events: Iterable[ChunkEvent]) -> list[KVCacheEvent]:
         medium = MEDIUM_CPU if e.medium == "cpu" else MEDIUM_STORAGE
         owner = f"kvconnect-{e.medium}"
         if e.kind == "stored":
-            out.append(BlockStored(block_hashes=[_hash(e.key)], parent_block_hash=_hash(e.parent) if e.parent else None,
-                                   token_ids=list(e.token_ids), block_size=len(e.token_ids), lora_id=None,
-                                   medium=medium, lora_name=None, ownership=owner))
+            out.append(_event(BlockStored, block_hashes=[_hash(e.key)],
+                              parent_block_hash=_hash(e.parent) if e.parent else None,
+                              token_ids=list(e.token_ids), block_size=len(e.token_ids), lora_id=None,
+                              medium=medium, lora_name=None, ownership=owner))
         elif e.kind == "removed":
-            out.append(BlockRemoved(block_hashes=[_hash(e.key)], medium=medium, ownership=owner))
+            out.append(_event(BlockRemoved, block_hashes=[_hash(e.key)], medium=medium, ownership=owner))
         elif e.kind == "cleared":
             out.append(AllBlocksCleared())
     return out
