@@ -142,7 +142,8 @@ def test_generated_tokens_come_back_in_the_next_turn(tiny_models, run_vllm, tmp_
 def test_saves_overlapping_preemptions_restore_exactly(tiny_models, run_vllm, tmp_path):
     """A KV cache of 24 blocks for six 220-token prompts generating 40 tokens: vLLM preempts
     running requests (frees their blocks and hands them to others in the same step) while
-    kvconnect's saves of earlier steps still run (the harness delays every save by 50 ms): the
+    kvconnect's saves of earlier steps still run (the harness delays every save by 200 ms, long
+    enough to outlast a step on a loaded 2-core machine; 50 ms did not always): the
     worker sees vLLM's real preemption plans and lands pending saves there. Each prompt then
     restores its chunks alone (one request per phase, no preemption) and generates exactly what
     an engine with a large cache and no connector generates. vLLM hands a preempted request's
@@ -156,7 +157,7 @@ def test_saves_overlapping_preemptions_restore_exactly(tiny_models, run_vllm, tm
     model = tiny_models("llama")
 
     plain = run_vllm(model, phases, **opts)  # vLLM's default cache: no preemption
-    cached = run_vllm(model, phases, connector=f"ipc://{tmp_path}/kvc", num_gpu_blocks_override=24, save_delay_ms=50,
+    cached = run_vllm(model, phases, connector=f"ipc://{tmp_path}/kvc", num_gpu_blocks_override=24, save_delay_ms=200,
                       **opts)
 
     first = cached["stats"][0][0]

@@ -195,8 +195,11 @@ def test_roles_hold_producer_loads_nothing_consumer_stores_nothing(pd_llama):
 
 
 def test_producer_killed_between_prefill_and_decode(pd_llama):
-    """The router's two stages by hand, with the producer SIGKILLed between them: the chunks it
-    stored live in the node server, so the decode still loads them and answers right. (Runs last:
+    """The router's two stages by hand, with the producer SIGKILLed between them: the decode
+    answers right either way. The prefill's response can leave before its saves reach the node
+    server (vLLM answers when the request finishes; the saves land asynchronously), so the kill
+    races them: chunks that landed outlive the producer and are loaded (no timeout); chunks that
+    did not are waited for until the timeout, then vLLM recomputes what is missing. (Runs last:
     the module's producer is gone afterwards.)"""
     c = pd_llama
     (p,) = KILLED
@@ -208,9 +211,14 @@ def test_producer_killed_between_prefill_and_decode(pd_llama):
     c.procs["producer"].kill()
     before = scrape(c, "consumer")
     assert completion(c.consumer_url, c.model, p, kv_transfer_params=params) == c.reference[tuple(p)]
-    d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] > before["kvconnect_retrieved_tokens_total"]), before)
-    assert d["kvconnect_retrieved_tokens_total"] == len(p) // BLOCK * BLOCK
-    assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 0
+    named = len(p) // BLOCK * BLOCK
+    d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] - before["kvconnect_retrieved_tokens_total"] == named
+                     or f["kvconnect_pd_remote_prefill_timeouts_total"] > before["kvconnect_pd_remote_prefill_timeouts_total"]), before)
+    if d["kvconnect_pd_remote_prefill_timeouts_total"] == 0:  # every save landed before the kill
+        assert d["kvconnect_retrieved_tokens_total"] == named
+    else:  # the kill beat some saves: waited once, then loaded what was there (a block-aligned prefix)
+        assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 1
+        assert d["kvconnect_retrieved_tokens_total"] <= named and d["kvconnect_retrieved_tokens_total"] % BLOCK == 0
 
 
 def test_a_consumer_without_a_shared_tier_fails_at_start_with_one_clear_error(tmp_path, tiny_models):
