@@ -229,8 +229,8 @@ def test_consumer_asks_later_until_the_producers_chunks_land_then_loads_them(cap
 
 def test_a_waiting_decode_probes_less_often_the_longer_it_waits():
     """The probe interval doubles after each miss, up to MAX_POLL_INTERVAL_S: a remote store's
-    master is not flooded by waiting requests (5 ms probes starved Mooncake's master of the
-    producer's writes), and a request never waits more than that past its chunks landing."""
+    master is not flooded by waiting requests (hundreds of RPCs a second at a fixed 5 ms), and
+    a request never waits more than that past its chunks landing."""
     server, _, hits, clock = make("kv_consumer", timeout_s=10.0, poll_s=0.005)
     req, params = view(), stored().to_params()
     probes_at = []

@@ -18,8 +18,8 @@ shared tier asynchronously (the prefill response may reach the decode server fir
 request waits — vLLM's "ask later", ``None`` from ``get_num_new_matched_tokens`` — probing the
 tier first after ``pd_poll_interval_s``, the interval doubling after every probe that finds the
 chunks missing up to ``MAX_POLL_INTERVAL_S`` (a remote store's master answers every probe: at a
-fixed 5 ms, a few waiting requests kept Mooncake's master so busy that the producer's writes
-failed), until every named token is restorable; then it is
+fixed 5 ms a few waiting requests sent a Mooncake master hundreds of RPCs a second, competing with
+the producer's writes), until every named token is restorable; then it is
 an ordinary load (small hits and partial chunks included). Past ``pd_wait_timeout_s`` it takes
 what the tier holds (vLLM recomputes the rest). Params that are malformed or name another
 prompt, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
