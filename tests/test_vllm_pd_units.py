@@ -227,6 +227,40 @@ def test_consumer_asks_later_until_the_producers_chunks_land_then_loads_them(cap
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_a_waiting_decode_probes_less_often_the_longer_it_waits():
+    """The probe interval doubles after each miss, up to MAX_POLL_INTERVAL_S: a remote store's
+    master is not flooded by waiting requests (hundreds of RPCs a second at a fixed 5 ms), and
+    a request never waits more than that past its chunks landing."""
+    server, _, hits, clock = make("kv_consumer", timeout_s=10.0, poll_s=0.005)
+    req, params = view(), stored().to_params()
+    probes_at = []
+    for _ in range(2000):  # 2 s of scheduler steps, one per millisecond
+        before = len(hits.calls)
+        assert server.num_new_matched_tokens(req, 0, params) == (None, False)
+        if len(hits.calls) > before:
+            probes_at.append(round(clock.t - 100.0, 3))
+        clock.t += 0.001
+    gaps = [round(b - a, 3) for a, b in zip(probes_at, probes_at[1:])]
+    assert gaps[:4] == [0.01, 0.02, 0.04, 0.05]  # the first at once, then 2 x 5 ms, doubling, capped
+    assert set(gaps[3:]) == {pd.MAX_POLL_INTERVAL_S}
+    assert len(probes_at) <= 2 / pd.MAX_POLL_INTERVAL_S + 5  # ~40, not 400
+    hits.restorable = 288
+    clock.t += pd.MAX_POLL_INTERVAL_S
+    assert server.num_new_matched_tokens(req, 0, params) == (288, True)  # at most one interval late
+
+
+def test_a_poll_interval_longer_than_the_cap_is_kept():
+    server, _, hits, clock = make("kv_consumer", timeout_s=10.0, poll_s=0.2)
+    req, params = view(), stored().to_params()
+    server.num_new_matched_tokens(req, 0, params)
+    clock.t += 0.199
+    server.num_new_matched_tokens(req, 0, params)
+    assert len(hits.calls) == 1
+    clock.t += 0.001
+    server.num_new_matched_tokens(req, 0, params)
+    assert len(hits.calls) == 2
+
+
 def test_a_producer_that_never_stores_costs_the_timeout_then_a_recompute(caplog):
     server, _, hits, clock = make("kv_consumer", timeout_s=2.0)
     params = stored().to_params()

