@@ -65,6 +65,8 @@ HEADER_SLOT_BYTES = 16 << 10  # room for one header: 88 + 8 x planes (up to ~200
 BATCH_KEYS = 64  # keys per Mooncake call (bounds the header scratch)
 LOOKUP_THREADS = 4  # concurrent lookups (engines look up from more than one thread)
 KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
+FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures", "lease_conflicts",
+                 "values_not_fitting", "unknown_codes", "parts_missing", "cut_short")
 
 
 def view_address(view) -> int:
@@ -531,6 +533,12 @@ class MooncakeTier(LowerTier):
                 "local_hostname": self.spec.local_hostname, "segment_bytes": self.spec.global_segment_bytes,
                 "connected": self.connected, "healthy": self.healthy(), "connect_polls": self._link.connect_polls,
                 "connects": self._link.connects, **counters}
+
+    def failure_counts(self) -> dict[str, int]:
+        """Mooncake's failures by kind (``mooncake_codes``) plus lookups abandoned and batches
+        cut short: what ``kvconnect_tier_failures_total`` exports beside ``tier_errors``."""
+        with self._stats_lock:
+            return {name: self.counters[name] for name in FAILURE_KINDS}
 
     def _bump(self, name: str, delta: int = 1) -> None:
         with self._stats_lock:

@@ -20,6 +20,8 @@ in ``stats()``. Methods, in the order a caller uses them:
     delete(keys)  -> True per key that was present
     healthy()     -> False while the tier is known to be failing (callers may skip it)
     stats()       -> TierStats counters
+    failure_counts() -> the store's own failure counters by kind (e.g. Mooncake's RPC
+                     timeouts), beside ``stats().errors``; empty by default
     close()       -> release files, sockets, threads
 
 Tiers are thread-safe: the engine's thread reads while a write-behind thread writes.
@@ -130,6 +132,10 @@ class LowerTier(abc.ABC):
     def stats(self) -> TierStats:
         with self._stats_lock:
             return dataclasses.replace(self._stats)
+
+    def failure_counts(self) -> dict[str, int]:
+        """Failures by kind, as the store reports them (cumulative); none by default."""
+        return {}
 
     def close(self) -> None:
         pass

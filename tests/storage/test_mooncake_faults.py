@@ -206,3 +206,44 @@ def test_closing_the_tier_stops_its_threads_and_frees_it(master, tmp_path):
     assert ours() == []
     gc.collect()
     assert all(tier() is None and buffer() is None for tier, buffer in refs)
+
+
+def test_writes_refused_while_the_master_stalls_are_retried_not_dropped(master, tmp_path):
+    """A producer stores while the master is stalled: its write-behind puts fail (the breaker
+    opens) and are queued again, still pinned; once the master answers they land, and a reader
+    in another engine finds every chunk. Mooncake's own failure kinds reach the metrics."""
+    from kvconnect import metrics
+
+    case, tokens, bounds, tables, _ = hybrid_case(SEED)
+    producer = hybrid_engine(case, master.url, SEGMENT, str(tmp_path), timeout_s=1.0)
+    tier = _tier(producer)
+    assert wait_connected(tier)
+    writer = producer.storage.writers[0]
+    try:
+        master.pause()
+        try:
+            assert producer.store(tokens, tables) == 3 * HYBRID_CHUNK  # into the pool at once
+            deadline = time.monotonic() + 20.0
+            while writer.stats().retried == 0:  # the first put failed on the stalled master
+                assert time.monotonic() < deadline, writer.stats()
+                time.sleep(0.05)
+        finally:
+            master.resume()
+        assert producer.storage.flush(30)
+        stats = writer.stats()
+        assert stats.written == 3 and stats.failed == 0 and stats.retried >= 1, stats
+        assert tier.counters["rpc_timeouts"] + tier.counters["rpc_failures"] >= 1
+        figures = metrics.engine_figures(producer)
+        assert figures.get("kvconnect_write_retries_total", "mooncake") == stats.retried
+        assert figures.get("kvconnect_tier_failures_total", "mooncake", "rpc_timeouts") == tier.counters["rpc_timeouts"]
+        assert sum(figures.get("kvconnect_tier_failures_total", "mooncake", kind)
+                   for kind in ("rpc_timeouts", "rpc_failures")) >= 1
+        reader = hybrid_engine(case.clone(fill=0), master.url, 0, str(tmp_path), timeout_s=5.0)
+        try:
+            assert wait_connected(_tier(reader))
+            assert reader.lookup(tokens) == 3 * HYBRID_CHUNK
+        finally:
+            reader.close()
+    finally:
+        master.resume()
+        producer.close()
