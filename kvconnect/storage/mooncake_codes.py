@@ -10,6 +10,7 @@ read it from here.
 | >= 0                          | OK        | use the bytes (reads still verify them) |
 | -704 object not found, -710 replica not found, -712 replica gone | ABSENT | a miss; a chunk with one part absent is removed whole (its other part is useless) |
 | -703 replica not ready, -706 lease, -707 lease expired, -708, -714 (a write or replication in flight) | IN_USE | a miss, counted; never removed |
+| -200 no available handle (the segments are full) | NO_SPACE | a failed write, counted; not a breaker event (the master answered) |
 | -600 buffer too small / invalid params | NOT_FITTING | a miss, counted; never removed (no bytes were read) |
 | -800..-899 transfer (a segment owner gone) | TRANSFER | a miss, counted, a breaker event |
 | -900 RPC failed               | RPC       | a miss, counted, a breaker event |
@@ -29,6 +30,7 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable
 
+NO_AVAILABLE_HANDLE = -200
 NOT_FOUND = -704
 ABSENT_CODES = (NOT_FOUND, -710, -712)
 IN_USE_CODES = (-703, -706, -707, -708, -714)
@@ -42,6 +44,7 @@ class Meaning(enum.Enum):
     OK = "ok"
     ABSENT = "absent"
     IN_USE = "in_use"
+    NO_SPACE = "no_space"
     NOT_FITTING = "not_fitting"
     TRANSFER = "transfer"
     RPC = "rpc"
@@ -62,6 +65,8 @@ def meaning(code: int) -> Meaning:
         return Meaning.ABSENT
     if code in IN_USE_CODES:
         return Meaning.IN_USE
+    if code == NO_AVAILABLE_HANDLE:
+        return Meaning.NO_SPACE
     if code == BUFFER_TOO_SMALL:
         return Meaning.NOT_FITTING
     if -899 <= code <= -800:
@@ -74,7 +79,7 @@ def meaning(code: int) -> Meaning:
 
 
 # the counters (MooncakeTier.counters) each meaning adds to; OK and ABSENT count nothing here
-COUNTER_OF = {Meaning.IN_USE: "lease_conflicts", Meaning.NOT_FITTING: "values_not_fitting",
+COUNTER_OF = {Meaning.IN_USE: "lease_conflicts", Meaning.NO_SPACE: "no_space", Meaning.NOT_FITTING: "values_not_fitting",
               Meaning.TRANSFER: "transfer_failures", Meaning.RPC: "rpc_failures", Meaning.TIMEOUT: "rpc_timeouts",
               Meaning.OTHER: "unknown_codes"}
 

@@ -65,8 +65,8 @@ HEADER_SLOT_BYTES = 16 << 10  # room for one header: 88 + 8 x planes (up to ~200
 BATCH_KEYS = 64  # keys per Mooncake call (bounds the header scratch)
 LOOKUP_THREADS = 4  # concurrent lookups (engines look up from more than one thread)
 KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
-FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures", "lease_conflicts",
-                 "values_not_fitting", "unknown_codes", "parts_missing", "cut_short")
+FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures", "lease_conflicts", "no_space",
+                 "values_not_fitting", "unknown_codes", "parts_missing", "half_written", "cut_short")
 
 
 def view_address(view) -> int:
@@ -114,9 +114,8 @@ class MooncakeTier(LowerTier):
         self._known_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._lookups = Workers("kvconnect-mooncake-lookup", LOOKUP_THREADS)
-        self.counters = {"timeouts": 0, "rpc_failures": 0, "rpc_timeouts": 0, "transfer_failures": 0,
-                         "lease_conflicts": 0, "values_not_fitting": 0, "unknown_codes": 0, "parts_missing": 0,
-                         "cut_short": 0, "registered_bytes": 0}
+        self.counters = {name: 0 for name in FAILURE_KINDS}
+        self.counters["registered_bytes"] = 0
         self._stats.capacity_bytes = spec.global_segment_bytes
         scratch = (*self._lookup_scratch, self._read_scratch, self._write_scratch)
         self._link = MooncakeLink(spec, name="tier", timeout_s=timeout_s, retry_after_s=retry_after_s,
@@ -494,10 +493,16 @@ class MooncakeTier(LowerTier):
         finally:
             for address in temporary:
                 store.unregister_buffer(address)
-        self._judge(codes)
+        meanings = self._judge(codes)
+        half = []
         for j, (i, _) in enumerate(slots):
             ok[i] = codes[j] == 0 and codes[len(slots) + j] == 0
             self._remember(batch[i].key, batch[i].header.group_mask if ok[i] else None)
+            if not ok[i] and Meaning.OK in (meanings[j], meanings[len(slots) + j]):
+                half.append(batch[i].key)  # one part landed (e.g. the segments filled up in between)
+        if half:  # a payload alone wastes space; a header alone would be offered by every lookup
+            self._bump("half_written", len(half))
+            self._remove(store, half)
         return ok
 
     def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
