@@ -241,7 +241,7 @@ class MooncakeTier(LowerTier):
     def _read_header_batch(self, store, batch: Sequence[ChunkKey], scratch: _Registered) -> list[Optional[int]]:
         names = [self.object_keys(k)[0] for k in batch]
         exist = store.batch_is_exist(names)  # 1 present, 0 absent, < 0 an error code
-        self._judge([e for e in exist if e < 0])
+        self._judge([min(e, 0) for e in exist])  # an answer closes the breaker, a failure code opens it
         with self._known_lock:
             out = [self._known.get(k) if e == 1 else None for k, e in zip(batch, exist)]
             for k, e in zip(batch, exist):
