@@ -107,6 +107,7 @@ def test_identity_checks():
     ok = dict(prompt=PROMPT, namespace=b"", chunk_tokens=CHUNK, tp_size=1, model="m")
     assert tp.mismatch(stored(), **ok) is None
     assert "model 'other-model'" in tp.mismatch(stored(model="other-model"), **ok)
+    assert tp.mismatch(stored(model=""), **ok) is None  # params naming no model: not checked on it
     assert "128-token" in tp.mismatch(stored(chunk_tokens=128), **ok)
     assert "same TP size" in tp.mismatch(stored(tp_size=2), **ok)
     assert "another prompt" in tp.mismatch(stored(), **{**ok, "prompt": PROMPT[::-1].copy()})

@@ -116,9 +116,10 @@ def mismatch(stored: StoredPrefill, *, prompt: np.ndarray, namespace: bytes, chu
 
     Chunk keys fold in the model, the chunk size and the TP shard: a producer serving another
     model (or revision), chunk size or TP size stored chunks this server can never find, so
-    waiting for them would only cost the wait.
+    waiting for them would only cost the wait. Params that name no model (built by hand or by
+    another proxy) are not checked on it: at worst they cost the bounded wait.
     """
-    if stored.model != model:
+    if stored.model and model and stored.model != model:
         return f"the producer serves model {stored.model!r}, this server {model!r}"
     if stored.chunk_tokens != chunk_tokens:
         return f"the producer stores {stored.chunk_tokens}-token chunks, this server {chunk_tokens}-token ones"
