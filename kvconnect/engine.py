@@ -77,8 +77,8 @@ class EngineStats:
 
 class KVCacheEngine:
     def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None) -> None:
-        self.layout = layout
         self.config = config or Config.from_env()
+        self.layout = layout = _named(layout, self.config.model_name)
         check_chunk_size(layout, self.config.chunk_size)
         if backend is None:  # an explicit backend wins over KVCONNECT_TRANSFER_ROUTE
             backend = transfer.route_backend(layout, self.config.transfer_route)
@@ -331,6 +331,17 @@ class KVCacheEngine:
         metrics.unregister(self.metrics_instance)
         self.storage.close()
         close_pool(self.pool)
+
+
+def _named(layout: KVLayout, model_name: str) -> KVLayout:
+    """``layout`` with the configured model name (KVCONNECT_MODEL_NAME) folded into its
+    fingerprint, so chunks of a base model and its fine-tune never meet: as the layout's model
+    name when it has none (the adapters' fingerprint), else as one more identity string."""
+    if not model_name or model_name == layout.model_name:
+        return layout
+    if not layout.model_name:
+        return layout.with_identity(model_name=model_name)
+    return layout.with_identity(identity={"config_model_name": model_name})
 
 
 def _identity(chunk: Chunk, prompt) -> tuple[bytes, Optional[bytes], np.ndarray]:

@@ -44,6 +44,7 @@ class KVLayout:
     tp_rank: int
     tp_size: int
     fingerprint: Fingerprint
+    identity: tuple[tuple[str, str], ...] = ()  # the extra identity strings, sorted
 
     @classmethod
     def from_tensors(
@@ -156,7 +157,18 @@ class KVLayout:
             tp_rank=tp_rank,
             tp_size=tp_size,
             fingerprint=fingerprint,
+            identity=tuple(sorted(identity.items())),
         )
+
+    def with_identity(self, *, model_name: Optional[str] = None,
+                      identity: Optional[Mapping[str, str]] = None) -> "KVLayout":
+        """This layout under another model name and/or more identity strings (its fingerprint,
+        and so every chunk key, changes): the fingerprint ``from_tensors`` gives for them."""
+        name = self.model_name if model_name is None else model_name
+        extra = {**dict(self.identity), **(identity or {})}
+        if name == self.model_name and extra == dict(self.identity):
+            return self
+        return self._assemble(self.groups, self.planes, self.tensors, self.dcp, name, self.tp_rank, self.tp_size, extra)
 
     @property
     def device(self) -> torch.device:

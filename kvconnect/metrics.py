@@ -98,6 +98,11 @@ CATALOGUE: dict[str, Metric] = {m.name: m for m in (
     Metric("kvconnect_write_queue_depth", GAUGE, "chunks queued or in flight to a lower tier", ("tier",)),
     Metric("kvconnect_write_queue_dropped_total", COUNTER, "lower-tier writes dropped", ("tier", "reason")),
     Metric("kvconnect_remote_breaker_open", GAUGE, "1 while a tier's circuit breaker skips it", ("tier",)),
+    Metric("kvconnect_tier_failures_total", COUNTER,
+           "a tier's failures by the store's own kind (Mooncake: rpc_timeouts, rpc_failures, parts_missing, ...)",
+           ("tier", "kind")),
+    Metric("kvconnect_write_retries_total", COUNTER, "lower-tier writes queued again after failing on an unhealthy tier",
+           ("tier",)),
     # -- vLLM adapter -----------------------------------------------------------------------
     Metric("kvconnect_lookup_timeouts_total", COUNTER, "lookup-channel calls a worker did not answer in time (a miss)"),
     Metric("kvconnect_load_failures_total", COUNTER, "planned loads that restored less than promised (vLLM recomputes)"),
@@ -260,6 +265,9 @@ def storage_figures(storage: StorageLike, out: Optional[Figures] = None) -> Figu
         f.set("kvconnect_write_queue_dropped_total", ws.evicted_before_write, tier.name, "evicted_before_write")
         f.set("kvconnect_write_queue_dropped_total", ws.dropped_closed, tier.name, "closed")
         f.set("kvconnect_remote_breaker_open", int(not tier.healthy()), tier.name)
+        f.set("kvconnect_write_retries_total", ws.retried, tier.name)
+        for kind, count in sorted(tier.failure_counts().items()):
+            f.set("kvconnect_tier_failures_total", count, tier.name, kind)
     return f
 
 

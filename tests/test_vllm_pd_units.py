@@ -104,8 +104,10 @@ def test_only_do_remote_decode_true_asks_for_a_prefill():
 
 
 def test_identity_checks():
-    ok = dict(prompt=PROMPT, namespace=b"", chunk_tokens=CHUNK, tp_size=1)
+    ok = dict(prompt=PROMPT, namespace=b"", chunk_tokens=CHUNK, tp_size=1, model="m")
     assert tp.mismatch(stored(), **ok) is None
+    assert "model 'other-model'" in tp.mismatch(stored(model="other-model"), **ok)
+    assert tp.mismatch(stored(model=""), **ok) is None  # params naming no model: not checked on it
     assert "128-token" in tp.mismatch(stored(chunk_tokens=128), **ok)
     assert "same TP size" in tp.mismatch(stored(tp_size=2), **ok)
     assert "another prompt" in tp.mismatch(stored(), **{**ok, "prompt": PROMPT[::-1].copy()})
@@ -228,9 +230,10 @@ def test_consumer_asks_later_until_the_producers_chunks_land_then_loads_them(cap
 
 
 def test_a_waiting_decode_probes_less_often_the_longer_it_waits():
-    """The probe interval doubles after each miss, up to MAX_POLL_INTERVAL_S: a remote store's
-    master is not flooded by waiting requests (hundreds of RPCs a second at a fixed 5 ms), and
-    a request never waits more than that past its chunks landing."""
+    """The probe interval doubles after each miss, up to MAX_POLL_INTERVAL_S, and past that is
+    PROBE_GROWTH of the time waited: a remote store's master is not flooded by waiting requests
+    (hundreds of RPCs a second at a fixed 5 ms), and a request waits at most one interval past
+    its chunks landing."""
     server, _, hits, clock = make("kv_consumer", timeout_s=10.0, poll_s=0.005)
     req, params = view(), stored().to_params()
     probes_at = []
@@ -242,10 +245,11 @@ def test_a_waiting_decode_probes_less_often_the_longer_it_waits():
         clock.t += 0.001
     gaps = [round(b - a, 3) for a, b in zip(probes_at, probes_at[1:])]
     assert gaps[:4] == [0.01, 0.02, 0.04, 0.05]  # the first at once, then 2 x 5 ms, doubling, capped
-    assert set(gaps[3:]) == {pd.MAX_POLL_INTERVAL_S}
-    assert len(probes_at) <= 2 / pd.MAX_POLL_INTERVAL_S + 5  # ~40, not 400
+    for at, gap in zip(probes_at[1:], gaps[1:]):
+        assert gap <= max(pd.MAX_POLL_INTERVAL_S, pd.PROBE_GROWTH * at) + 0.0015, (at, gap)
+    assert len(probes_at) <= 25  # ~20 in 2 s, not 40 (or 400 at a fixed 5 ms)
     hits.restorable = 288
-    clock.t += pd.MAX_POLL_INTERVAL_S
+    clock.t += pd.PROBE_GROWTH * 2.0
     assert server.num_new_matched_tokens(req, 0, params) == (288, True)  # at most one interval late
 
 
@@ -383,3 +387,33 @@ def test_engine_block_tokens_from_vllms_groups():
 
     assert pd.engine_block_tokens(VllmConfig(), KVConfig()) == 64
     assert pd.engine_block_tokens(VllmConfig(), None) == 16
+
+
+# --- params a decode server must not wait on (issue 26, item 5) ------------------------------------
+def test_params_of_a_producer_serving_another_model_are_rejected_at_once(caplog):
+    """Chunk keys fold in the model: a producer serving another model stored chunks this server
+    can never find. Its params are a plain lookup at once, never a wait of pd_wait_timeout_s."""
+    server, _, hits, clock = make("kv_consumer", timeout_s=5.0)
+    hits.restorable = 0
+    with caplog.at_level(logging.WARNING, logger="kvconnect"):
+        assert server.num_new_matched_tokens(view(), 0, stored(model="other-model").to_params()) == (0, False)
+    assert server.counters["remote_prefill_rejected"] == 1 and server.num_waiting == 0
+    assert hits.calls == [(len(PROMPT), True)]  # one plain lookup
+    assert "serves model 'other-model'" in caplog.records[-1].getMessage()
+
+
+def test_params_naming_a_prompt_never_stored_cost_a_bounded_number_of_probes():
+    """Anyone can compute a prompt's digest: params naming a prompt no producer stored must not
+    buy a tier lookup every few scheduler steps for the whole wait."""
+    server, _, hits, clock = make("kv_consumer", timeout_s=5.0, poll_s=0.005)
+    req, params = view(), stored().to_params()
+    steps = 0
+    while True:
+        got = server.num_new_matched_tokens(req, 0, params)
+        steps += 1
+        if got != (None, False):
+            break
+        clock.t += 0.001
+    assert got == (0, False) and server.counters["remote_prefill_timeouts"] == 1
+    assert steps >= 5000
+    assert len(hits.calls) <= 34, len(hits.calls)  # ~32 probes and the final lookup for a 5 s wait (it was ~100)

@@ -20,10 +20,10 @@ server's own start never waits for the master, and retries until the master answ
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Optional
 
-from ..storage.mooncake_config import MooncakeSpec, connect_store, import_store
+from ..storage.mooncake_config import MooncakeSpec
+from ..storage.mooncake_link import MooncakeLink
 
 logger = logging.getLogger(__name__)
 
@@ -33,51 +33,28 @@ class MooncakeHolder:
         """Contribute ``spec.global_segment_bytes`` to the store at ``spec.master_address``.
 
         Raises StorageError when Mooncake is not installed (a start-up configuration error).
+        The connection is the tier's (``MooncakeLink``): same probing, setup retries and close.
         """
         self.spec = spec
-        self._cls = import_store(spec)
-        self._cond = threading.Condition()
-        self._store = None
-        self._closed = False
-        self.attempts = 0
-        self._thread = threading.Thread(target=self._connect, name="kvconnect-mooncake-holder", daemon=True)
-        self._thread.start()
+        self._link = MooncakeLink(spec, name="segment holder", adopt=self._adopt)
 
-    def _connect(self) -> None:
-        def wait_stop(seconds: float) -> bool:
-            with self._cond:
-                self.attempts += 1
-                return self._cond.wait_for(lambda: self._closed, seconds)
-
-        store = connect_store(self.spec, self._cls, wait_stop, logger.warning)
-        if store is None:
-            return
-        with self._cond:
-            if self._closed:
-                store.close()
-                return
-            self._store = store
-            self._cond.notify_all()
+    def _adopt(self, store) -> bool:
         logger.info("kvconnect server: holding a %d-byte Mooncake segment for master %s",
                     self.spec.global_segment_bytes, self.spec.master_address)
+        return True
+
+    @property
+    def attempts(self) -> int:
+        return self._link.connect_polls
 
     def wait_connected(self, timeout_s: Optional[float] = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._store is not None or self._closed, timeout_s) and self._store is not None
+        return self._link.wait_connected(timeout_s)
 
     def status(self) -> dict:
-        with self._cond:
-            connected = self._store is not None
-            attempts = self.attempts
         return {"master": self.spec.master_address, "protocol": self.spec.protocol,
                 "local_hostname": self.spec.local_hostname, "segment_bytes": self.spec.global_segment_bytes,
-                "connected": connected, "connect_polls": attempts}
+                "connected": self._link.connected, "connect_polls": self._link.connect_polls}
 
     def close(self) -> None:
         """Withdraw the segment (its objects vanish from the store) and stop connecting."""
-        with self._cond:
-            self._closed = True
-            store, self._store = self._store, None
-            self._cond.notify_all()
-        if store is not None:
-            store.close()
+        self._link.close()

@@ -31,10 +31,13 @@ from typing import Optional
 
 import torch
 
+from ..errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, kernel 5.14+
 PAGE_BYTES = 4096
+GIB = 1 << 30
 SLICE_BYTES = 32 << 20  # populated per call: a stop request waits at most one slice
 STOP_WAIT_S = 10.0  # bound on joining a stopped population (one slice takes milliseconds)
 
@@ -101,6 +104,38 @@ def _stop_all() -> None:
         running = list(_running)
     for job in running:
         job.stop()
+
+
+def physical_memory_bytes() -> Optional[int]:
+    """This host's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_host(requested_bytes: int, what: str) -> None:
+    """ConfigError when ``requested_bytes`` of host memory can never be had on this host.
+
+    ``what`` names the setting, e.g. ``"max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE) = 70 GB"``.
+    """
+    host = physical_memory_bytes()
+    if host is not None and requested_bytes > host:
+        raise ConfigError(f"{what} asks for {requested_bytes / GIB:.1f} GiB of host memory, but this host has "
+                          f"{host / GIB:.1f} GiB; set it below that (leave room for the engine and the OS)")
+
+
+def allocate(num_bytes: int, *, pin_memory: bool, what: str) -> torch.Tensor:
+    """A uint8 host buffer of ``num_bytes``; ConfigError (what was asked, what the host has,
+    what to set) when this host cannot give it, instead of the allocator's RuntimeError."""
+    check_fits_host(num_bytes, what)
+    try:
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+    except (RuntimeError, MemoryError) as exc:
+        host = physical_memory_bytes()
+        have = f"this host has {host / GIB:.1f} GiB in all" if host else "this host could not give it"
+        raise ConfigError(f"{what} asks for {num_bytes / GIB:.1f} GiB of {'pinned ' if pin_memory else ''}host memory; "
+                          f"{have} and the allocation failed ({str(exc).splitlines()[0][:200]}); set it lower") from exc
 
 
 def _libc_madvise():

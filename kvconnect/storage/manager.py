@@ -92,8 +92,7 @@ class StorageManager:
         self.meter = TierMeter()  # per-tier hits, misses and call latency (kvconnect.metrics)
         self.tiers = list(tiers)
         for tier in self.tiers:  # tiers that move bytes zero-copy register the pool's buffer
-            if hasattr(tier, "attach_pool"):
-                tier.attach_pool(pool)
+            tier.attach_pool(pool)
         if max_pending_write_bytes is None:
             pool_bytes = pool.num_slots * pool.slot_bytes or 4 * MAX_PENDING_WRITE_BYTES  # 0: size not known yet
             max_pending_write_bytes = max(pool.slot_bytes, min(MAX_PENDING_WRITE_BYTES, pool_bytes // 4))
@@ -146,14 +145,10 @@ class StorageManager:
             if tier.reads_into:
                 present = self._call(tier, tier.masks, [keys[i] for i in missing]) or []
                 found = [i for i, mask in zip(missing, present) if mask is not None]
-                if hasattr(tier, "read_many_into"):  # one batched read for all of them
-                    for start in range(0, len(found), self._fetch_batch):
-                        batch = found[start : start + self._fetch_batch]
-                        for i, entry in zip(batch, self._promote_many_into([keys[i] for i in batch], level)):
-                            entries[i] = entry
-                else:
-                    for i in found:
-                        entries[i] = self._promote_into(keys[i], level)
+                for start in range(0, len(found), self._fetch_batch):
+                    batch = found[start : start + self._fetch_batch]
+                    for i, entry in zip(batch, self._promote_into([keys[i] for i in batch], level)):
+                        entries[i] = entry
                 missing = [i for i in missing if entries[i] is None]
                 continue
             for start in range(0, len(missing), self._fetch_batch):
@@ -183,32 +178,9 @@ class StorageManager:
         view.numpy()[:] = memoryview(data).cast("B")[header.header_bytes :]
         return self._publish(key, header, slots[0], level)
 
-    def _promote_into(self, key: ChunkKey, level: int) -> Optional[PoolEntry]:
-        """Have tier ``level`` read ``key`` straight into a pool slot; the pinned entry or None."""
-        tier = self.tiers[level]
-        slots = self.pool.reserve(1)
-        if not slots:
-            with self._counter_lock:
-                self.promotion_failures += 1
-            return None
-        out = memoryview(self.pool.slot_view(slots[0]).numpy())
-        start = time.perf_counter()
-        try:
-            header = tier.read_into(key, out)
-            self.meter.timed(tier.name, "read_into", time.perf_counter() - start)
-        except Exception:
-            logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
-            self.meter.raised(tier.name)
-            with self._counter_lock:
-                self.tier_failures += 1
-            header = None
-        if header is None:
-            self.pool.abort(slots)
-            return None
-        return self._publish(key, header, slots[0], level)
-
-    def _promote_many_into(self, keys: Sequence[ChunkKey], level: int) -> list[Optional[PoolEntry]]:
-        """``_promote_into`` for many keys with one ``read_many_into`` call of tier ``level``."""
+    def _promote_into(self, keys: Sequence[ChunkKey], level: int) -> list[Optional[PoolEntry]]:
+        """Have tier ``level`` read ``keys`` straight into pool slots (one ``read_many_into``
+        call); the pinned entry per key, None for a miss or when no slot was free."""
         tier = self.tiers[level]
         slots = self.pool.reserve(len(keys))
         if len(slots) < len(keys):

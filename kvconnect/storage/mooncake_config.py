@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError, StorageError
+from .host_memory import check_fits_host
 
 SCHEME = "mooncakestore"
+MAX_SIZE_BYTES = 1 << 50  # 1 PiB: a size past it is a typo, never a host's memory
 DEFAULT_SEGMENT_BYTES = 1 << 30
 PROTOCOLS = ("tcp", "rdma", "ascend")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -79,11 +82,16 @@ def parse_bytes(value: Any, what: str) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a size, got {value!r}")
     if isinstance(value, (int, float)) and value >= 0:
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{what}: expected a size such as 4294967296 or '4 GB', got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        number, unit = value, 1
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{what}: expected a size such as 4294967296 or '4 GB', got {value!r}")
+        number, unit = float(m.group(1)), _UNITS[m.group(2).lower()]
+    if not math.isfinite(number) or number * unit > MAX_SIZE_BYTES:
+        raise ConfigError(f"{what}: {value!r} is beyond any host (at most {MAX_SIZE_BYTES >> 40} TiB); "
+                          "give the bytes this process should use, e.g. '4 GB'")
+    return int(number * unit)
 
 
 def master_listening(address: str, timeout_s: float = 0.5) -> bool:
@@ -103,6 +111,7 @@ def master_listening(address: str, timeout_s: float = 0.5) -> bool:
         return False
 
 
+MIN_RPC_TIMEOUT_S = 0.5  # floor of the RPC bound kvconnect gives Mooncake (MC_RPC_TIMEOUT_MS)
 PROBE_EVERY_S = 0.5  # how often a client looks for an absent master
 SETUP_RETRY_S = (1.0, 30.0)  # pause after a failed setup, doubling up to the second figure
 
@@ -164,6 +173,7 @@ def make_spec(url: str, config_path: Optional[str], *, has_node_server: bool) ->
         raise ConfigError(f"{where}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     if "global_segment_size" in data:
         segment = parse_bytes(data["global_segment_size"], f"{where}: global_segment_size")
+        check_fits_host(segment, f"{where}: global_segment_size = {data['global_segment_size']!r}")
     else:
         segment = 0 if has_node_server else DEFAULT_SEGMENT_BYTES
     local_hostname = str(data.get("local_hostname", "127.0.0.1")) or "127.0.0.1"
@@ -178,9 +188,13 @@ def make_spec(url: str, config_path: Optional[str], *, has_node_server: bool) ->
     )
 
 
-def import_store(spec: Optional[MooncakeSpec] = None):
-    """``mooncake.store.MooncakeDistributedStore``; StorageError saying how to install it."""
-    _bind_transfer_engine(spec)
+def import_store(spec: Optional[MooncakeSpec] = None, *, rpc_timeout_s: Optional[float] = None):
+    """``mooncake.store.MooncakeDistributedStore``; StorageError saying how to install it.
+
+    ``rpc_timeout_s`` bounds each of the client's RPCs to the master (see
+    ``_bind_transfer_engine``); None leaves Mooncake's default (30 s).
+    """
+    _bind_transfer_engine(spec, rpc_timeout_s)
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:  # also raised when libibverbs1 is missing
@@ -191,7 +205,7 @@ def import_store(spec: Optional[MooncakeSpec] = None):
     return MooncakeDistributedStore
 
 
-def _bind_transfer_engine(spec: Optional[MooncakeSpec]) -> None:
+def _bind_transfer_engine(spec: Optional[MooncakeSpec], rpc_timeout_s: Optional[float] = None) -> None:
     """Bind Mooncake's TCP listener to ``local_hostname`` unless the operator chose an address.
 
     Mooncake's transfer engine reads ``MC_TCP_BIND_ADDRESS`` (its own variable, not
@@ -208,4 +222,11 @@ def _bind_transfer_engine(spec: Optional[MooncakeSpec]) -> None:
         host = "127.0.0.1"  # a DNS name: bind loopback unless MC_TCP_BIND_ADDRESS says otherwise
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    if rpc_timeout_s is not None:
+        # Mooncake waits 30 s for a master that stopped answering, then returns -901; an
+        # engine's step must not: each RPC is bounded by the tier's remote_timeout_s (at
+        # least MIN_RPC_TIMEOUT_S, so a loaded master is not taken for a dead one). Read by
+        # Mooncake when a client is created: the first tier of a process sets it.
+        timeout_ms = int(max(MIN_RPC_TIMEOUT_S, rpc_timeout_s) * 1000)
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(timeout_ms))
 

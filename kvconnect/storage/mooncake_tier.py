@@ -12,28 +12,29 @@ lookup learns group masks without moving payloads: ``masks`` is one ``batch_is_e
 over the header objects, masks of present chunks from what this process has seen (its
 writes and reads), and one batched read of the headers it has not seen into a small
 registered scratch buffer (which also checks their identity). A write batch is one
-``batch_upsert_from`` of the payloads and then their headers; deletes remove the header
-first.
+``batch_upsert_from`` of the payloads and then their headers.
 
 Verification. ``read_into`` reads header and payload in one call and checks them as
 ``chunk_format.decode`` does (magic, version, fingerprint, key, sizes, checksum over both):
 a value written by something else, a damaged one, or a header of one write over the
-payload of another is a miss, counted as ``corrupt``, and removed.
+payload of another is a miss, counted as ``corrupt``, and removed. Only bytes that were
+read and failed these checks are ever removed; a return code never removes anything
+(``mooncake_codes`` decides what each code means), with one exception: the two objects
+are evicted independently, so a read that finds one part of a chunk absent removes the
+other part (counted in ``parts_missing``), and lookups stop offering the chunk.
 
 Semantics. Writes are upserts (Mooncake's ``put`` keeps an old value); removes are forced
 (an unforced remove fails for 10 s after any read: a lease, which is Mooncake's business,
 never an error here).
 
-Failures. ``setup`` runs on a background thread (with no master it retries for ~90 s):
-until it succeeds the tier is unhealthy and every call is a quick miss or False. Lookups
-(the only calls on the engine's step path that can meet a dead master first) run on up
-to LOOKUP_THREADS worker threads and are abandoned after ``timeout_s``; a lookup that
-arrives while ``setup`` runs (the master answered) waits for it, also at most ``timeout_s``; a master that stopped answering makes
-Mooncake return -900 after ~4.5 s, so -900s and timeouts open the breaker (tier.Breaker)
-and the tier is skipped while it backs off. ``read_into`` runs only after a lookup just
-answered, and it cannot be abandoned: Mooncake writes into the pool slot until it returns,
-and the slot must not be reused before. A dead segment owner fails a transfer at once
-(-800): a miss. Writes run on the write-behind thread and may take their time.
+Failures. The connection, its breaker and the count of calls in flight are
+``mooncake_link.MooncakeLink``'s. Lookups (the calls on the engine's step path that meet a
+stalled master first) run on up to LOOKUP_THREADS worker threads (``mooncake_workers``) and
+are abandoned after ``timeout_s``. ``read_into`` cannot be abandoned (Mooncake writes into
+the pool slot until it returns), so it is bounded otherwise: each Mooncake RPC returns -901
+after ``timeout_s`` (``MC_RPC_TIMEOUT_MS``), and a read of many chunks stops between
+batches once ``timeout_s`` has passed or the breaker opened; what it did not read is a
+miss. Writes run on the write-behind thread and stop between batches the same way.
 
 Needs Mooncake (``pip install mooncake-transfer-engine-non-cuda`` and ``libibverbs1``).
 """
@@ -44,7 +45,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -52,8 +53,11 @@ from .. import chunk_format
 from ..chunk_format import ChunkHeader
 from ..errors import CorruptChunkError
 from ..spec import ChunkKey, Fingerprint
-from .mooncake_config import MooncakeSpec, connect_store, import_store
-from .tier import Breaker, LowerTier, StoreItem, peek_mask, read_header
+from .mooncake_codes import Meaning, Tally, meaning
+from .mooncake_config import MooncakeSpec
+from .mooncake_link import MooncakeLink
+from .mooncake_workers import Workers
+from .tier import LowerTier, StoreItem, peek_mask, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +65,8 @@ HEADER_SLOT_BYTES = 16 << 10  # room for one header: 88 + 8 x planes (up to ~200
 BATCH_KEYS = 64  # keys per Mooncake call (bounds the header scratch)
 LOOKUP_THREADS = 4  # concurrent lookups (engines look up from more than one thread)
 KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
-NOT_FOUND = -704
-LEASED = -706
-BUFFER_TOO_SMALL = -600
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
+FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures", "lease_conflicts", "no_space",
+                 "values_not_fitting", "unknown_codes", "parts_missing", "half_written", "cut_short")
 
 
 def view_address(view) -> int:
@@ -88,66 +89,6 @@ class _Registered:
         return memoryview(self.array[start : start + nbytes])
 
 
-class _Workers:
-    """Up to ``size`` daemon threads running calls; a caller waits at most ``timeout_s``.
-
-    Each thread owns one slot (0..size-1) that the call receives, e.g. to pick its scratch
-    buffer. When every thread is busy (stalled on a master that does not answer) a new call
-    is refused at once instead of queueing behind them.
-    """
-
-    def __init__(self, name: str, size: int) -> None:
-        self._name = name
-        self._cond = threading.Condition()
-        self._jobs: "collections.deque[Callable[[int], None]]" = collections.deque()
-        self._idle = 0
-        self._threads = 0
-        self._size = size
-
-    def run(self, fn: Callable[[int], object], timeout_s: float) -> tuple[str, object]:
-        """("done", result); ("busy", None) when every thread is taken (``fn`` not started);
-        ("timeout", None) when ``fn`` runs past ``timeout_s`` (it finishes on its thread)."""
-        box: dict = {}
-        done = threading.Event()
-
-        def job(slot: int) -> None:
-            try:
-                box["result"] = fn(slot)
-            except Exception as exc:  # reported to the caller, never lost
-                box["error"] = exc
-            finally:
-                done.set()
-
-        with self._cond:
-            if self._idle == 0:
-                if self._threads >= self._size:
-                    return "busy", None
-                threading.Thread(target=self._run, args=(self._threads,), name=f"{self._name}-{self._threads}",
-                                 daemon=True).start()
-                self._threads += 1
-                self._idle += 1
-            self._idle -= 1
-            self._jobs.append(job)
-            self._cond.notify()
-        if not done.wait(timeout_s):
-            return "timeout", None
-        if "error" in box:
-            raise box["error"]
-        return "done", box.get("result")
-
-    def _run(self, slot: int) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    self._cond.wait()
-                job = self._jobs.popleft()
-            try:
-                job(slot)
-            finally:
-                with self._cond:
-                    self._idle += 1
-
-
 class MooncakeTier(LowerTier):
     name = "mooncake"
     reads_into = True
@@ -161,15 +102,9 @@ class MooncakeTier(LowerTier):
         super().__init__(fingerprint)
         self.spec = spec
         self.timeout_s = timeout_s
-        self._store_cls = import_store(spec)
         self._prefix = "kvc/" + bytes(fingerprint).hex() + "/"
-        self._breaker = Breaker(retry_after_s, max_retry_after_s)
-        self._state = threading.Condition()
-        self._store = None
-        self._setting_up = False  # the master answered and setup() is running
-        self._closed = False
-        self._in_flight = 0
         self._regions: list[tuple[int, int]] = []  # (address, bytes) registered with the store
+        self._regions_lock = threading.Lock()
         self._pools: list = []  # pools whose buffers are registered on first use
         self._lookup_scratch = [_Registered(BATCH_KEYS) for _ in range(LOOKUP_THREADS)]
         self._read_scratch = _Registered(BATCH_KEYS)
@@ -178,12 +113,15 @@ class MooncakeTier(LowerTier):
         self._known: "collections.OrderedDict[ChunkKey, int]" = collections.OrderedDict()
         self._known_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._lookups = _Workers("kvconnect-mooncake-lookup", LOOKUP_THREADS)
-        self.counters = {"connect_polls": 0, "connected": 0, "timeouts": 0, "rpc_failures": 0,
-                         "transfer_failures": 0, "lease_conflicts": 0, "registered_bytes": 0}
+        self._lookups = Workers("kvconnect-mooncake-lookup", LOOKUP_THREADS)
+        self.counters = {name: 0 for name in FAILURE_KINDS}
+        self.counters["registered_bytes"] = 0
         self._stats.capacity_bytes = spec.global_segment_bytes
-        self._connector = threading.Thread(target=self._connect_loop, name="kvconnect-mooncake-connect", daemon=True)
-        self._connector.start()
+        scratch = (*self._lookup_scratch, self._read_scratch, self._write_scratch)
+        self._link = MooncakeLink(spec, name="tier", timeout_s=timeout_s, retry_after_s=retry_after_s,
+                                  max_retry_after_s=max_retry_after_s,
+                                  adopt=lambda store: all(store.register_buffer(b.base, b.array.nbytes) == 0
+                                                          for b in scratch))
 
     # -- keys ------------------------------------------------------------------------
     def object_keys(self, key: ChunkKey) -> tuple[str, str]:
@@ -191,88 +129,38 @@ class MooncakeTier(LowerTier):
         base = self._prefix + bytes(key).hex()
         return base + "/h", base + "/p"
 
-    # -- connection ------------------------------------------------------------------
-    def _connect_loop(self) -> None:
-        def wait_stop(seconds: float) -> bool:
-            self._bump("connect_polls")
-            with self._state:
-                return self._state.wait_for(lambda: self._closed, seconds)
-
-        def on_setup(running: bool) -> None:
-            with self._state:
-                self._setting_up = running
-                self._state.notify_all()
-
-        while True:
-            store = connect_store(self.spec, self._store_cls, wait_stop, logger.warning, on_setup)
-            if store is None or self._adopt(store):
-                return
-
-    def _adopt(self, store) -> bool:
-        """Register the scratch buffers and publish ``store``; False (store closed) when closing."""
-        ok = all(store.register_buffer(scratch.base, scratch.array.nbytes) == 0
-                 for scratch in (*self._lookup_scratch, self._read_scratch, self._write_scratch))
-        with self._state:
-            self._setting_up = False
-            self._state.notify_all()
-            if ok and not self._closed:
-                self._store = store
-        if not ok or self._closed:
-            if not ok:
-                logger.warning("kvconnect: Mooncake refused to register a scratch buffer; retrying setup")
-            store.close()
-            return self._closed
-        self._bump("connected")
-        logger.info("kvconnect: Mooncake tier connected to %s (this process contributes %d bytes)",
-                    self.spec.master_address, self.spec.global_segment_bytes)
-        return True
-
+    # -- connection and codes --------------------------------------------------------
     @property
     def connected(self) -> bool:
-        with self._state:
-            return self._store is not None
+        return self._link.connected
 
-    def _enter(self):
-        """The store for one call, or None when not connected, closed or backing off.
-
-        A call that arrives while ``setup`` is running (the master answered; a fresh engine's
-        first lookups) waits for it, at most ``timeout_s``: no longer than a lookup may take.
-        With no master answering there is nothing to wait for: a miss at once.
-        """
-        with self._state:
-            if self._store is None and self._setting_up and not self._closed:
-                self._state.wait_for(lambda: self._store is not None or not self._setting_up or self._closed,
-                                     self.timeout_s)
-            if self._store is None or self._closed:
-                return None
-            if not self._breaker.allow():
-                return None
-            self._in_flight += 1
-            return self._store
-
-    def _exit(self) -> None:
-        with self._state:
-            self._in_flight -= 1
-            self._state.notify_all()
+    @property
+    def _breaker(self):
+        return self._link.breaker
 
     def healthy(self) -> bool:
-        with self._state:
-            return self._store is not None and not self._closed and self._breaker.allow()
+        return self._link.healthy()
 
-    def _outcome(self, codes: Sequence[int]) -> None:
-        """Feed the breaker and the counters from a call's return codes."""
-        rpc = sum(c == RPC_FAIL for c in codes)
-        transfer = sum(c == TRANSFER_FAIL for c in codes)
-        leased = sum(c == LEASED for c in codes)
-        if rpc:
-            self._breaker.failure()
-        else:
-            self._breaker.success()
-        if rpc or transfer or leased:
+    def _judge(self, codes: Sequence[int]) -> list[Meaning]:
+        """The meaning of each code of one call; feeds the counters and the breaker."""
+        tally = Tally.of(codes)
+        if tally.broke:
+            self._link.failure()
+        elif codes:
+            self._link.success()
+        deltas = tally.counter_deltas()
+        if deltas:
             with self._stats_lock:
-                self.counters["rpc_failures"] += rpc
-                self.counters["transfer_failures"] += transfer
-                self.counters["lease_conflicts"] += leased
+                for name, n in deltas.items():
+                    self.counters[name] += n
+        return [meaning(c) for c in codes]
+
+    def _go_on(self, deadline: float) -> bool:
+        """Whether a batched call may start its next batch (time left, breaker closed)."""
+        if time.monotonic() < deadline and self._breaker.allow():
+            return True
+        self._bump("cut_short")
+        return False
 
     # -- zero-copy buffers -----------------------------------------------------------
     def attach_pool(self, pool) -> None:
@@ -281,7 +169,7 @@ class MooncakeTier(LowerTier):
 
     def _registered(self, store, address: int, nbytes: int) -> bool:
         """Make sure [address, address + nbytes) is registered; registers a pool's whole buffer once."""
-        with self._state:
+        with self._regions_lock:
             if any(start <= address and address + nbytes <= start + size for start, size in self._regions):
                 return True
         for pool in self._pools:
@@ -297,62 +185,63 @@ class MooncakeTier(LowerTier):
         if store.register_buffer(start, size) != 0:
             self._count(errors=1)
             return False
-        with self._state:
+        with self._regions_lock:
             self._regions.append((start, size))
         self._bump("registered_bytes", size)
         return True
 
-    # -- reads -----------------------------------------------------------------------
+    # -- lookups -----------------------------------------------------------------------
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
         self._count(lookups=len(keys))
         out: list[Optional[int]] = [None] * len(keys)
-        store = self._enter()
+        store = self._link.enter()
         if store is None:
             self._count(skipped_unhealthy=1)
             return out
+        deadline = time.monotonic() + self.timeout_s
         # the job owns the in-flight mark from here (it may outlive this wait; close waits for it)
         try:
-            status, result = self._lookups.run(lambda slot: self._read_headers(store, keys, slot), self.timeout_s)
+            status, result = self._lookups.run(lambda slot: self._read_headers(store, keys, slot, deadline),
+                                               self.timeout_s)
         except Exception:  # a binding error: the tier's own bug, still only a miss
             logger.exception("kvconnect: Mooncake lookup failed")
             self._count(errors=1)
             return out
         if status == "busy":
-            self._exit()
+            self._link.exit()
         if status != "done":  # a stalled master (or a lookup still stuck from before): a miss, and back off
             self._bump("timeouts")
-            self._breaker.failure()
+            self._link.failure()
             self._count(errors=1)
             return out
         out = result
         self._count(lookup_hits=sum(m is not None for m in out))
         return out
 
-    def _read_headers(self, store, keys: Sequence[ChunkKey], slot: int) -> list[Optional[int]]:
+    def _read_headers(self, store, keys: Sequence[ChunkKey], slot: int, deadline: float) -> list[Optional[int]]:
         """Group masks per key, on the lookup worker thread (it owns one in-flight mark).
 
         One ``batch_is_exist`` over the header objects per BATCH_KEYS keys; the masks of keys
         present come from the masks this process has seen (its writes and reads), and a
         second, batched read of the headers fetches those it has not. A remembered mask is
         a hint, as every lookup is: ``read_into`` returns the stored header, and the engine
-        restores by what it actually acquired.
+        restores by what it actually acquired. Batches stop at ``deadline``.
         """
-        out: list[Optional[int]] = []
+        out: list[Optional[int]] = [None] * len(keys)
         try:
             for start in range(0, len(keys), BATCH_KEYS):
-                out.extend(self._read_header_batch(store, keys[start : start + BATCH_KEYS], self._lookup_scratch[slot]))
+                if start and not self._go_on(deadline):
+                    break
+                out[start : start + BATCH_KEYS] = self._read_header_batch(store, keys[start : start + BATCH_KEYS],
+                                                                          self._lookup_scratch[slot])
         finally:
-            self._exit()
+            self._link.exit()
         return out
 
     def _read_header_batch(self, store, batch: Sequence[ChunkKey], scratch: _Registered) -> list[Optional[int]]:
         names = [self.object_keys(k)[0] for k in batch]
-        exist = store.batch_is_exist(names)
-        if any(e < 0 for e in exist):  # the master did not answer for them
-            self._breaker.failure()
-            self._count(errors=1)
-            with self._stats_lock:
-                self.counters["rpc_failures"] += 1
+        exist = store.batch_is_exist(names)  # 1 present, 0 absent, < 0 an error code
+        self._judge([min(e, 0) for e in exist])  # an answer closes the breaker, a failure code opens it
         with self._known_lock:
             out = [self._known.get(k) if e == 1 else None for k, e in zip(batch, exist)]
             for k, e in zip(batch, exist):
@@ -363,13 +252,12 @@ class MooncakeTier(LowerTier):
             return out
         codes = store.batch_get_into([names[i] for i in unknown], [scratch.ptr(j) for j in range(len(unknown))],
                                      [HEADER_SLOT_BYTES] * len(unknown))
-        self._outcome(codes)
         bad = []
-        for j, (i, code) in enumerate(zip(unknown, codes)):
-            mask = peek_mask(scratch.view(j, code), self.fingerprint, batch[i]) if code > 0 else None
-            if code > 0 and mask is None or code == BUFFER_TOO_SMALL:
-                bad.append(batch[i])  # something else under a kvconnect name
-            elif code < 0 and code not in (NOT_FOUND, RPC_FAIL, TRANSFER_FAIL):
+        for j, (i, code, what) in enumerate(zip(unknown, codes, self._judge(codes))):
+            mask = peek_mask(scratch.view(j, code), self.fingerprint, batch[i]) if what is Meaning.OK else None
+            if what is Meaning.OK and mask is None:
+                bad.append(batch[i])  # bytes read that are not this chunk's header: something else's
+            elif what not in (Meaning.OK, Meaning.ABSENT):
                 self._count(errors=1)
             out[i] = mask
             self._remember(batch[i], mask)
@@ -389,35 +277,40 @@ class MooncakeTier(LowerTier):
             while len(self._known) > KNOWN_MASKS:
                 self._known.popitem(last=False)
 
+    # -- reads -------------------------------------------------------------------------
     def read_into(self, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
         return self.read_many_into([key], [out])[0]
 
     def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[Optional[ChunkHeader]]:
         """``read_into`` for many keys: one ``batch_get_into`` per BATCH_KEYS chunks, each payload
-        straight into its ``out`` (pool slots); a verified header per key, None for a miss."""
+        straight into its ``out`` (pool slots); a verified header per key, None for a miss.
+        Stops between batches after ``timeout_s`` or once the breaker opened (the rest miss)."""
         self._count(gets=len(keys))
         result: list[Optional[ChunkHeader]] = [None] * len(keys)
-        store = self._enter()
+        store = self._link.enter()
         if store is None:
             self._count(skipped_unhealthy=1)
             return result
+        deadline = time.monotonic() + self.timeout_s
         try:
             direct = []
             for i, (key, out) in enumerate(zip(keys, outs)):
                 address = view_address(out)
                 if self._registered(store, address, len(out)):
                     direct.append((i, address))
-                else:
+                elif self._go_on(deadline):
                     result[i] = self._read_copy(store, key, out)
             with self._read_lock:
                 for start in range(0, len(direct), BATCH_KEYS):
+                    if start and not self._go_on(deadline):
+                        break
                     batch = direct[start : start + BATCH_KEYS]
                     headers = self._read_verified(store, [keys[i] for i, _ in batch], [outs[i] for i, _ in batch],
                                                   [a for _, a in batch])
                     for (i, _), header in zip(batch, headers):
                         result[i] = header
         finally:
-            self._exit()
+            self._link.exit()
         return result
 
     def _read_verified(self, store, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
@@ -429,18 +322,21 @@ class MooncakeTier(LowerTier):
         codes = store.batch_get_into([h for h, _ in names] + [p for _, p in names],
                                      [scratch.ptr(j) for j in range(n)] + list(addresses),
                                      [HEADER_SLOT_BYTES] * n + [len(out) for out in outs])
-        self._outcome(codes)
+        meanings = self._judge(codes)
         out_headers: list[Optional[ChunkHeader]] = []
-        bad = []
+        bad, partial = [], []
         for j, key in enumerate(keys):
             header_len, payload_len = codes[j], codes[n + j]
-            if NOT_FOUND in (header_len, payload_len) or {header_len, payload_len} & {RPC_FAIL, TRANSFER_FAIL}:
-                self._count(errors=int(bool({header_len, payload_len} & {RPC_FAIL, TRANSFER_FAIL})))
-                out_headers.append(None)  # evicted or never written, master or segment owner gone: a miss
+            verdict = _chunk_verdict(meanings[j], meanings[n + j])
+            if verdict != "read":
+                if verdict == "partial":
+                    partial.append(key)
+                elif verdict == "failed":
+                    self._count(errors=1)
+                self._remember(key, None)
+                out_headers.append(None)
                 continue
             try:
-                if header_len < 0 or payload_len < 0:
-                    raise CorruptChunkError(f"Mooncake read returned {header_len}, {payload_len}")
                 header = read_header(scratch.view(j, header_len), fingerprint=self.fingerprint, key=key,
                                      payload_bytes=payload_len)
                 if chunk_format.compute_checksum(header, outs[j][:payload_len]) != header.checksum:
@@ -454,13 +350,22 @@ class MooncakeTier(LowerTier):
             self._count(get_hits=1, bytes_read=header_len + payload_len)
             self._remember(key, header.group_mask)
             out_headers.append(header)
+        self._drop_partial(store, partial)
         if bad:
             self._remove(store, bad)
         return out_headers
 
+    def _drop_partial(self, store, keys: Sequence[ChunkKey]) -> None:
+        """Remove chunks found with one part evicted: the other part alone is never a hit, and
+        lookups must not offer it again."""
+        if keys:
+            self._bump("parts_missing", len(keys))
+            self._count(errors=len(keys))
+            self._remove(store, keys)
+
     def _read_copy(self, store, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
         """read_into for a buffer outside every attached pool: through a registered copy."""
-        (data,) = self._get_many(store, [key])
+        (data,) = self._get_many(store, [key], time.monotonic() + self.timeout_s)
         if data is None:
             return None
         header = chunk_format.decode_header(data)
@@ -473,73 +378,84 @@ class MooncakeTier(LowerTier):
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
         self._count(gets=len(keys))
-        store = self._enter()
+        store = self._link.enter()
         if store is None:
             self._count(skipped_unhealthy=1)
             return [None] * len(keys)
         try:
-            out = self._get_many(store, keys)
+            out = self._get_many(store, keys, time.monotonic() + self.timeout_s)
         finally:
-            self._exit()
+            self._link.exit()
         self._count(get_hits=sum(d is not None for d in out), bytes_read=sum(len(d) for d in out if d is not None))
         return out
 
-    def _get_many(self, store, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
+    def _get_many(self, store, keys: Sequence[ChunkKey], deadline: float) -> list[Optional[bytes]]:
         """Encoded, verified chunks read into fresh buffers (export and copies; not the hot path)."""
-        out: list[Optional[bytes]] = []
+        out: list[Optional[bytes]] = [None] * len(keys)
         with self._read_lock:
-            for key in keys:
-                header_name, payload_name = self.object_keys(key)
-                (code,) = store.batch_get_into([header_name], [self._read_scratch.ptr(0)], [HEADER_SLOT_BYTES])
-                self._outcome([code])
-                if code <= 0:
-                    out.append(None)
-                    continue
-                try:
-                    header = chunk_format.decode_header(bytes(self._read_scratch.view(0, code)))
-                except CorruptChunkError:
-                    header = None
-                if header is None or header.payload_bytes > (1 << 34):
-                    self._count(errors=1, corrupt=1)
-                    self._remove(store, [key])
-                    out.append(None)
-                    continue
-                buffer = np.empty(header.header_bytes + header.payload_bytes, dtype=np.uint8)
-                buffer[: header.header_bytes] = self._read_scratch.array[: header.header_bytes]
-                payload = buffer[header.header_bytes :]
-                if payload.nbytes and store.register_buffer(payload.ctypes.data, payload.nbytes) != 0:
-                    self._count(errors=1)
-                    out.append(None)
-                    continue
-                try:
-                    (got,) = store.batch_get_into([payload_name], [payload.ctypes.data], [payload.nbytes])
-                finally:
-                    if payload.nbytes:
-                        store.unregister_buffer(payload.ctypes.data)
-                self._outcome([got])
-                if got != header.payload_bytes or not self._verify(buffer, key):
-                    if got not in (NOT_FOUND, RPC_FAIL, TRANSFER_FAIL):
-                        self._count(errors=1, corrupt=1)
-                        self._remove(store, [key])
-                    out.append(None)
-                    continue
-                out.append(buffer.tobytes())
+            for i, key in enumerate(keys):
+                if i and not self._go_on(deadline):
+                    break
+                out[i] = self._get_one(store, key)
         return out
+
+    def _get_one(self, store, key: ChunkKey) -> Optional[bytes]:
+        header_name, payload_name = self.object_keys(key)
+        (code,) = store.batch_get_into([header_name], [self._read_scratch.ptr(0)], [HEADER_SLOT_BYTES])
+        (what,) = self._judge([code])
+        if what is not Meaning.OK:
+            self._count(errors=int(what is not Meaning.ABSENT))
+            return None
+        try:
+            header = chunk_format.decode_header(bytes(self._read_scratch.view(0, code)))
+        except CorruptChunkError:
+            header = None
+        if header is None or header.payload_bytes > (1 << 34):
+            self._count(errors=1, corrupt=1)
+            self._remove(store, [key])
+            return None
+        buffer = np.empty(header.header_bytes + header.payload_bytes, dtype=np.uint8)
+        buffer[: header.header_bytes] = self._read_scratch.array[: header.header_bytes]
+        payload = buffer[header.header_bytes :]
+        if payload.nbytes and store.register_buffer(payload.ctypes.data, payload.nbytes) != 0:
+            self._count(errors=1)
+            return None
+        try:
+            (got,) = store.batch_get_into([payload_name], [payload.ctypes.data], [payload.nbytes])
+        finally:
+            if payload.nbytes:
+                store.unregister_buffer(payload.ctypes.data)
+        (what,) = self._judge([got])
+        verdict = _chunk_verdict(Meaning.OK, what)
+        if verdict == "partial":
+            self._drop_partial(store, [key])
+            return None
+        if verdict == "failed":
+            self._count(errors=1)
+            return None
+        if got != header.payload_bytes or not self._verify(buffer, key):
+            self._count(errors=1, corrupt=1)
+            self._remove(store, [key])
+            return None
+        return buffer.tobytes()
 
     # -- writes ----------------------------------------------------------------------
     def put(self, items: Sequence[StoreItem]) -> list[bool]:
         results = [False] * len(items)
-        store = self._enter()
+        store = self._link.enter()
         if store is None:
             self._count(skipped_unhealthy=1, errors=len(items))
             return results
         try:
             with self._write_lock:
                 for start in range(0, len(items), BATCH_KEYS):
+                    if start and not self._breaker.allow():
+                        self._bump("cut_short")
+                        break
                     batch = items[start : start + BATCH_KEYS]
                     results[start : start + len(batch)] = self._put_batch(store, batch)
         finally:
-            self._exit()
+            self._link.exit()
         written = [item for item, ok in zip(items, results) if ok]
         self._count(puts=len(written), errors=len(items) - len(written),
                     bytes_written=sum(i.header.header_bytes + i.header.payload_bytes for i in written))
@@ -577,34 +493,41 @@ class MooncakeTier(LowerTier):
         finally:
             for address in temporary:
                 store.unregister_buffer(address)
-        self._outcome(codes)
+        meanings = self._judge(codes)
+        half = []
         for j, (i, _) in enumerate(slots):
             ok[i] = codes[j] == 0 and codes[len(slots) + j] == 0
             self._remember(batch[i].key, batch[i].header.group_mask if ok[i] else None)
+            if not ok[i] and Meaning.OK in (meanings[j], meanings[len(slots) + j]):
+                half.append(batch[i].key)  # one part landed (e.g. the segments filled up in between)
+        if half:  # a payload alone wastes space; a header alone would be offered by every lookup
+            self._bump("half_written", len(half))
+            self._remove(store, half)
         return ok
 
     def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        store = self._enter()
+        store = self._link.enter()
         if store is None:
             self._count(skipped_unhealthy=1)
             return [False] * len(keys)
         try:
             codes = self._remove(store, keys)
         finally:
-            self._exit()
+            self._link.exit()
         self._count(deletes=sum(codes))
         return codes
 
     def _remove(self, store, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Forced removes (a lease never blocks a delete), header first; True where a header was there."""
+        """Forced removes (a lease never blocks a delete) of both parts, in one call; True where
+        a header was there."""
         if not keys:
             return []
         for key in keys:
             self._remember(key, None)
         names = [self.object_keys(k) for k in keys]
-        headers = store.batch_remove([h for h, _ in names], True)
-        store.batch_remove([p for _, p in names], True)
-        return [code == 0 for code in headers]
+        codes = store.batch_remove([h for h, _ in names] + [p for _, p in names], True)
+        self._judge([c for c in codes if meaning(c) is not Meaning.ABSENT])
+        return [code == 0 for code in codes[: len(keys)]]
 
     # -- lifecycle and figures -------------------------------------------------------
     def describe(self) -> dict:
@@ -613,25 +536,36 @@ class MooncakeTier(LowerTier):
             counters = dict(self.counters)
         return {"master": self.spec.master_address, "protocol": self.spec.protocol,
                 "local_hostname": self.spec.local_hostname, "segment_bytes": self.spec.global_segment_bytes,
-                "connected": self.connected, "healthy": self.healthy(), **counters}
+                "connected": self.connected, "healthy": self.healthy(), "connect_polls": self._link.connect_polls,
+                "connects": self._link.connects, **counters}
+
+    def failure_counts(self) -> dict[str, int]:
+        """Mooncake's failures by kind (``mooncake_codes``) plus lookups abandoned and batches
+        cut short: what ``kvconnect_tier_failures_total`` exports beside ``tier_errors``."""
+        with self._stats_lock:
+            return {name: self.counters[name] for name in FAILURE_KINDS}
 
     def _bump(self, name: str, delta: int = 1) -> None:
         with self._stats_lock:
             self.counters[name] += delta
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop connecting; close the store once no call is in flight (a closed store must not be used)."""
-        deadline = time.monotonic() + timeout_s
-        with self._state:
-            self._closed = True
-            self._state.notify_all()
-            while self._in_flight and time.monotonic() < deadline:
-                self._state.wait(deadline - time.monotonic())
-            store, self._store = self._store, None
-            stuck = self._in_flight
-        if store is None:
-            return
-        if stuck:  # a call is still inside Mooncake: leave the store open rather than crash it
-            logger.warning("kvconnect: a Mooncake call is still in flight at close; leaving the client open")
-            return
-        store.close()
+        """Stop connecting and the lookup threads; close the store once no call is in flight."""
+        self._lookups.stop()
+        self._link.close(timeout_s)
+        self._pools.clear()
+
+
+def _chunk_verdict(header: Meaning, payload: Meaning) -> str:
+    """What the two codes of one chunk's read mean together: "read" (verify the bytes),
+    "partial" (one part evicted: remove the rest), "absent", "failed" (a transport, lease or
+    other failure: a miss, nothing removed)."""
+    if header is Meaning.OK and payload is Meaning.OK:
+        return "read"
+    if Meaning.ABSENT in (header, payload):
+        other = payload if header is Meaning.ABSENT else header
+        if other is Meaning.OK:
+            return "partial"
+        if other is Meaning.ABSENT:
+            return "absent"
+    return "failed"

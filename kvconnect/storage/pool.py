@@ -30,7 +30,7 @@ import torch
 from ..chunk_format import ChunkHeader
 from ..spec import ChunkKey
 from .eviction import DEFAULT_POLICY, make_policy
-from .host_memory import prefault_in_background
+from .host_memory import allocate, prefault_in_background
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +80,19 @@ class SlotViews:
 
 class ChunkPool(SlotViews):
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False,
-                 eviction: str = DEFAULT_POLICY, prefault: bool = False) -> None:
+                 eviction: str = DEFAULT_POLICY, prefault: bool = False,
+                 what: str = "max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE)") -> None:
+        """A pool of ``capacity_bytes`` cut into ``slot_bytes`` slots.
+
+        Raises ConfigError (naming ``what``, the setting that sized it) when this host
+        cannot hold the pool.
+        """
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
         self.slot_bytes = slot_bytes
         self.num_slots = max(0, capacity_bytes // slot_bytes)
-        self.buffer = torch.empty(self.num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self.buffer = allocate(self.num_slots * slot_bytes, pin_memory=pin_memory,
+                               what=f"{what} = {capacity_bytes / (1 << 30):g} GB")
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: dict[ChunkKey, PoolEntry] = {}  # eviction order is the policy's
         self._policy = make_policy(eviction, self.num_slots)

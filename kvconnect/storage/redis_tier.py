@@ -22,6 +22,13 @@ breaker that skips the store for a short, growing while, so a dead or stalled st
 the engine at most one timeout per back-off period. The client is rebuilt after a failure,
 which is how a restarted server is picked up again.
 
+Eviction. kvconnect never expires keys itself (a ``reset`` moves to a new key generation and
+leaves the old one for the store to evict), so a store that never evicts fills up for good.
+On its first connection the tier reads ``maxmemory`` and ``maxmemory-policy`` (CONFIG GET)
+and warns once per process when keys would never be evicted: no ``maxmemory``, or a policy
+of ``noeviction`` / ``volatile-*`` (kvconnect's keys carry no TTL). A store that refuses
+CONFIG (managed services often do) is not checked. ``eviction_check`` holds the finding.
+
 Needs the ``redis`` package (``pip install 'kvconnect[redis]'``), imported only here.
 """
 
@@ -45,6 +52,18 @@ SOCKET_READ_BYTES = 1 << 20  # chunks are MBs: fewer, larger reads than the 32 K
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
 _SINGLE = ("redis", "rediss", "unix")
 _CLUSTER = ("redis-cluster", "rediss-cluster")
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(message: str) -> None:
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    logger.warning(message)
 
 
 def _import_redis():
@@ -112,6 +131,7 @@ class RedisTier(LowerTier):
         self._shard_breakers: dict[str, Breaker] = {}  # cluster primaries by "host:port"
         self._client_lock = threading.Lock()
         self._client: Any = None
+        self.eviction_check: Optional[str] = None  # "ok", "never-evicts: ...", "unknown: ..." once connected
 
     @property
     def is_cluster(self) -> bool:
@@ -139,7 +159,30 @@ class RedisTier(LowerTier):
         with self._client_lock:
             if self._client is None:
                 self._client = self._connect()
+                if self.eviction_check is None:
+                    self.eviction_check = self._check_eviction(self._client)
             return self._client
+
+    def _check_eviction(self, client: Any) -> str:
+        """Whether the store will ever evict kvconnect's keys; warns once per process when not."""
+        try:
+            reply = client.config_get("maxmemory*")
+        except Exception as exc:  # CONFIG refused (managed stores) or the store is down: not checked
+            return f"unknown: {type(exc).__name__}"
+        if self.is_cluster and reply and all(isinstance(v, dict) for v in reply.values()):
+            reply = next(iter(reply.values()))  # one answer per node: the primaries are configured alike
+        policy = str(reply.get("maxmemory-policy", ""))
+        limit = str(reply.get("maxmemory", ""))
+        if not policy:
+            return "unknown: no maxmemory-policy in CONFIG GET"
+        if limit == "0" or policy == "noeviction" or policy.startswith("volatile-"):
+            finding = f"never-evicts: maxmemory={limit} maxmemory-policy={policy}"
+            _warn_once(f"kvconnect: the Redis store at {self.url_for_logs} never evicts kvconnect's keys "
+                       f"(maxmemory {limit}, maxmemory-policy {policy}; kvconnect sets no TTL): once full, "
+                       "every write fails and old key generations stay forever. Set maxmemory and "
+                       "maxmemory-policy allkeys-lru (or allkeys-lfu).")
+            return finding
+        return "ok"
 
     def _reset_client(self, client: Any) -> None:
         with self._client_lock:

@@ -12,10 +12,16 @@ in ``stats()``. Methods, in the order a caller uses them:
     read_into(key, out) -> verified header, payload written into ``out`` (e.g. a pool
                      slot), or None; tiers that can do so without an extra copy set
                      ``reads_into = True`` (the default copies from ``get``)
+    read_many_into(keys, outs) -> ``read_into`` per key (a tier may batch it: one call
+                     to its store for many chunks, bounded by its timeout)
+    attach_pool(pool) -> the CPU pool chunks move from and to (a tier that moves bytes
+                     zero-copy registers its buffer; the default does nothing)
     put(items)    -> True per item written (header + payload; the tier encodes)
     delete(keys)  -> True per key that was present
     healthy()     -> False while the tier is known to be failing (callers may skip it)
     stats()       -> TierStats counters
+    failure_counts() -> the store's own failure counters by kind (e.g. Mooncake's RPC
+                     timeouts), beside ``stats().errors``; empty by default
     close()       -> release files, sockets, threads
 
 Tiers are thread-safe: the engine's thread reads while a write-behind thread writes.
@@ -113,12 +119,23 @@ class LowerTier(abc.ABC):
         out[: header.payload_bytes] = memoryview(data).cast("B")[header.header_bytes :]
         return header
 
+    def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[Optional[ChunkHeader]]:
+        """``read_into`` for each key and its ``out``; a miss is None (its ``out`` unusable)."""
+        return [self.read_into(key, out) for key, out in zip(keys, outs)]
+
+    def attach_pool(self, pool) -> None:
+        """Chunks of ``pool`` are what this tier writes and reads into (nothing to do by default)."""
+
     def healthy(self) -> bool:
         return True
 
     def stats(self) -> TierStats:
         with self._stats_lock:
             return dataclasses.replace(self._stats)
+
+    def failure_counts(self) -> dict[str, int]:
+        """Failures by kind, as the store reports them (cumulative); none by default."""
+        return {}
 
     def close(self) -> None:
         pass

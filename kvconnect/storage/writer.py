@@ -14,6 +14,12 @@ more keys are queued unpinned and written if still in the pool when their turn c
 (``evicted_before_write`` counts those that were not). Past both bounds a submit is dropped
 and counted (``dropped_full``): a slow tier never blocks the engine's step and never grows
 memory.
+
+Retries. A put that fails while its tier is unhealthy (a breaker open: a remote store down
+or stalled for a moment) is queued again, still pinned, up to MAX_PUT_ATTEMPTS in all; before
+each retry the thread waits (at most RETRY_WAIT_S) for the tier to become healthy again.
+``retried`` counts the re-queued puts, ``failed`` only those finally dropped. A put that
+fails while the tier is healthy (disk full, a value the store refuses) is not retried.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from .tier import LowerTier, StoreItem
 
 logger = logging.getLogger(__name__)
 
+MAX_PUT_ATTEMPTS = 3  # a put refused while its tier is unhealthy is tried this often in all
+RETRY_WAIT_S = 2.0  # before a retry, wait at most this long for the tier to be healthy again
+
 
 @dataclass
 class WriterStats:
@@ -39,7 +48,8 @@ class WriterStats:
     submitted: int = 0
     written: int = 0
     written_bytes: int = 0
-    failed: int = 0
+    failed: int = 0  # puts finally not written (after their retries)
+    retried: int = 0  # puts queued again because the tier was unhealthy when they failed
     dropped_full: int = 0  # refused at submit: the queue was at both of its bounds
     evicted_before_write: int = 0  # queued unpinned and gone from the pool when its turn came
     dropped_closed: int = 0  # still queued when the writer was closed
@@ -54,6 +64,8 @@ class _Op:
     key: ChunkKey
     entry: Optional[PoolEntry] = None  # pinned at submit; None: looked up when written
     pinned_bytes: int = 0  # counted in the writer's pending bytes until the op is done
+    attempts: int = 0  # puts of this op that failed so far
+    requeued: bool = False  # queued again by the batch that just ran (keeps its pin)
 
 
 class WriteBehind:
@@ -166,13 +178,21 @@ class WriteBehind:
             except Exception:  # a tier must not raise; if one does, the batch is failed, not the thread
                 logger.exception("kvconnect: %s writer failed a batch", self.tier.name)
                 with self._cond:
-                    self._stats.failed += sum(op.kind == "put" for op in batch)
+                    self._stats.failed += sum(op.kind == "put" and not op.requeued for op in batch)
             finally:
-                self.pool.release([op.entry for op in batch if op.entry is not None])
                 with self._cond:
-                    self._pending_bytes -= sum(op.pinned_bytes for op in batch)
+                    # retried first, in their order: a later delete of the same key stays after them;
+                    # once closing (close() took the queue already) they are dropped instead
+                    retry = [op for op in batch if op.requeued and not self._closing]
+                    self._stats.dropped_closed += sum(op.requeued for op in batch) - len(retry)
+                    for op in batch:
+                        op.requeued = False
+                    self._queue.extendleft(reversed(retry))
+                    done = [op for op in batch if op not in retry]
+                    self._pending_bytes -= sum(op.pinned_bytes for op in done)
                     self._in_flight = 0
                     self._cond.notify_all()
+                self.pool.release([op.entry for op in done if op.entry is not None])
 
     def _notify(self, listeners: list, keys: list) -> None:
         for listener in listeners if keys else ():
@@ -198,8 +218,31 @@ class WriteBehind:
         ]
         ok = self.tier.put(items) if items else []
         self._notify(self.on_written, [op.key for op, good in zip(ready, ok) if good])
+        failed = [op for op, good in zip(ready, ok) if not good]
+        retry = self._retry(failed)
         with self._cond:
             self._stats.evicted_before_write += len(batch) - len(ready)
             self._stats.written += sum(ok)
             self._stats.written_bytes += sum(op.entry.header.payload_bytes for op, good in zip(ready, ok) if good)
-            self._stats.failed += len(ok) - sum(ok)
+            self._stats.failed += len(failed) - len(retry)
+            self._stats.retried += len(retry)
+
+    def _retry(self, failed: list[_Op]) -> list[_Op]:
+        """The failed puts to queue again (marked ``requeued``): those refused while the tier is
+        unhealthy with attempts left. Waits up to RETRY_WAIT_S for the tier to recover first."""
+        for op in failed:
+            op.attempts += 1
+        if not failed or self.tier.healthy():
+            return []
+        retry = [op for op in failed if op.attempts < MAX_PUT_ATTEMPTS]
+        if not retry:
+            return []
+        deadline = time.monotonic() + RETRY_WAIT_S
+        with self._cond:
+            while not self._closing and not self.tier.healthy() and time.monotonic() < deadline:
+                self._cond.wait(0.05)
+            if self._closing:
+                return []
+        for op in retry:
+            op.requeued = True
+        return retry

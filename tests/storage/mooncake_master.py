@@ -25,8 +25,11 @@ from redis_server import free_port
 
 MASTER = shutil.which("mooncake_master")
 START_TIMEOUT_S = 20.0
-# what every Mooncake client a test starts needs: loopback only, quiet logs
-CLIENT_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "WARNING", "GLOG_minloglevel": "2"}
+# what every Mooncake client a test starts needs: loopback only, quiet logs, and each RPC to a
+# stalled master answered (-901) within 2 s rather than Mooncake's 30 s (the product sets this
+# from remote_timeout_s; the tests fix it, since one process holds tiers of several timeouts)
+CLIENT_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "WARNING", "GLOG_minloglevel": "2",
+              "MC_RPC_TIMEOUT_MS": "2000"}
 
 
 def mooncake_available() -> Optional[str]:

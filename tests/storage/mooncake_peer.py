@@ -10,6 +10,9 @@
     python mooncake_peer.py put-foreign MASTER NAME SIZE
         write SIZE bytes of 0xAB under the object NAME with a raw Mooncake client (no
         segment of its own), print {"rc": code}
+    python mooncake_peer.py remove MASTER NAME...
+        remove the objects NAME... (forced) with a raw Mooncake client, print {"rc": [codes]}:
+        what an eviction of one object does, on demand
 
 Every client binds loopback (MC_TCP_BIND_ADDRESS, set by the test's environment).
 """
@@ -95,6 +98,14 @@ def main(argv: list[str]) -> int:
                               "written": engine.storage.tier_stats()["tiers"][0]["writer"]["written"]}), flush=True)
             sys.stdin.read()
             engine.close()
+        return 0
+    if mode == "remove":
+        from kvconnect.storage.mooncake_config import MooncakeSpec, import_store
+
+        store = import_store(MooncakeSpec(master_address=master))()
+        assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == 0
+        print(json.dumps({"rc": list(store.batch_remove(argv[2:], True))}), flush=True)
+        store.close()
         return 0
     if mode == "put-foreign":
         import numpy as np

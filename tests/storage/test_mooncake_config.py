@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -76,3 +77,18 @@ def test_inspect_prints_the_holder(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "contributes 0 B" in out or "contributes 0" in out
     assert "the node server" in out
+
+
+def test_each_mooncake_rpc_is_bounded_by_the_tier_timeout(monkeypatch):
+    """Mooncake waits 30 s for a stalled master by default; kvconnect bounds each RPC by the
+    tier's remote_timeout_s (at least 0.5 s) through Mooncake's MC_RPC_TIMEOUT_MS, unless the
+    operator set it."""
+    from kvconnect.storage import mooncake_config
+
+    for given, expected in ((1.0, "1000"), (3.5, "3500"), (0.1, "500")):
+        monkeypatch.delenv("MC_RPC_TIMEOUT_MS", raising=False)
+        mooncake_config._bind_transfer_engine(None, given)
+        assert os.environ["MC_RPC_TIMEOUT_MS"] == expected
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "7000")
+    mooncake_config._bind_transfer_engine(None, 1.0)
+    assert os.environ["MC_RPC_TIMEOUT_MS"] == "7000"  # the operator's choice stays

@@ -378,3 +378,31 @@ def test_cluster_shard_killed_under_concurrent_callers(cache_cluster):
     assert reads[0] > 0
     wait_until(lambda: tier.put(versions[0]) == [True] * 24, "every shard to take writes again")
     tier.close()
+
+
+# -- eviction policy (issue 26, item 9) ------------------------------------------------
+@needs_redis
+def test_a_store_that_never_evicts_is_warned_about_once(fresh, caplog, monkeypatch):
+    """kvconnect sets no TTL and leaves old key generations to the store's eviction: a store
+    without maxmemory, or with noeviction / volatile-*, would keep them forever. The tier
+    says so once, at its first connection, with what to set."""
+    monkeypatch.setattr(redis_tier, "_warned", set())
+    items = [make_item(i) for i in range(2)]
+    for limit, policy, expected in (("0", "allkeys-lru", "never-evicts"), ("64mb", "noeviction", "never-evicts"),
+                                    ("64mb", "volatile-lru", "never-evicts"), ("64mb", "allkeys-lru", "ok")):
+        fresh.cli("config", "set", "maxmemory", limit)
+        fresh.cli("config", "set", "maxmemory-policy", policy)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvconnect.storage.redis_tier"):
+            for _ in range(2):  # two tiers in one process: one warning
+                tier = RedisTier(fresh.url, FP)
+                assert tier.put(items) == [True, True]
+                assert tier.eviction_check.startswith(expected), (limit, policy, tier.eviction_check)
+                tier.close()
+        warnings = [r.getMessage() for r in caplog.records if "never evicts" in r.getMessage()]
+        assert len(warnings) == (expected == "never-evicts"), warnings
+        if warnings:
+            assert "allkeys-lru" in warnings[0] and policy in warnings[0]
+        monkeypatch.setattr(redis_tier, "_warned", set())
+    fresh.cli("config", "set", "maxmemory", "0")
+    fresh.cli("config", "set", "maxmemory-policy", "noeviction")

@@ -19,10 +19,12 @@ request waits — vLLM's "ask later", ``None`` from ``get_num_new_matched_tokens
 tier first after ``pd_poll_interval_s``, the interval doubling after every probe that finds the
 chunks missing up to ``MAX_POLL_INTERVAL_S`` (a remote store's master answers every probe: at a
 fixed 5 ms a few waiting requests sent a Mooncake master hundreds of RPCs a second, competing with
-the producer's writes), until every named token is restorable; then it is
+the producer's writes), and past that ``PROBE_GROWTH`` of the time waited (anyone can compute a
+prompt's digest, so params naming a prompt never stored must not buy a lookup per step: one
+request's probes grow with the log of the wait), until every named token is restorable; then it is
 an ordinary load (small hits and partial chunks included). Past ``pd_wait_timeout_s`` it takes
 what the tier holds (vLLM recomputes the rest). Params that are malformed or name another
-prompt, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
+prompt, model, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
 are counted (``counters``) and logged at most once per ``WARN_INTERVAL_S``. Without params the
 decode side does a plain lookup.
 """
@@ -43,9 +45,14 @@ from .transfer_params import StoredPrefill, TransferParamsError, mismatch, promp
 logger = logging.getLogger(__name__)
 
 WARN_INTERVAL_S = 30.0
-# the longest a waiting decode goes between two probes of the shared tier (unless pd_poll_interval_s is
-# longer): bounds both the load on a remote store and the time a request waits past its chunks landing
+# the longest a waiting decode goes between two probes of the shared tier in its first ~0.4 s (unless
+# pd_poll_interval_s is longer): bounds both the load on a remote store and the time a request waits
+# past its chunks landing
 MAX_POLL_INTERVAL_S = 0.05
+# past that, the interval is this fraction of the time waited so far: the probes one request's params
+# can cost grow with the log of the wait, not linearly (~30 for a 5 s wait, not ~100), and a request
+# waits at most this fraction longer than its chunks took to land
+PROBE_GROWTH = 0.125
 
 COUNTERS = (
     "remote_decode_prefills",  # producer: prefills for a remote decode whose stored tokens were named
@@ -136,7 +143,8 @@ class PDScheduler:
         waiting.probed = now
         needed = waiting.stored.tokens  # <= the prompt (transfer_params.mismatch)
         if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False) < needed and not expired:
-            waiting.interval_s = min(2 * waiting.interval_s, max(self.poll_interval_s, MAX_POLL_INTERVAL_S))
+            waiting.interval_s = max(min(2 * waiting.interval_s, max(self.poll_interval_s, MAX_POLL_INTERVAL_S)),
+                                     PROBE_GROWTH * (now - waiting.since))
             return None, False
         del self._waiting[req.req_id]
         self.counters["remote_prefill_wait_us"] += int((now - waiting.since) * 1e6)
@@ -160,7 +168,7 @@ class PDScheduler:
         if stored is None or not req.cacheable:
             return None
         why = mismatch(stored, prompt=req.prompt_tokens, namespace=req.namespace,
-                       chunk_tokens=self.identity.chunk_tokens, tp_size=self.identity.tp_size)
+                       chunk_tokens=self.identity.chunk_tokens, tp_size=self.identity.tp_size, model=self.identity.model)
         if why is not None:
             self.counters["remote_prefill_rejected"] += 1
             self._warn("kvconnect: P/D: cannot use the producer's chunks for %s (a plain lookup instead): %s", req.req_id, why)

@@ -110,12 +110,17 @@ def _int(entry: Mapping, name: str, *, minimum: int) -> int:
     return value
 
 
-def mismatch(stored: StoredPrefill, *, prompt: np.ndarray, namespace: bytes, chunk_tokens: int, tp_size: int) -> Optional[str]:
+def mismatch(stored: StoredPrefill, *, prompt: np.ndarray, namespace: bytes, chunk_tokens: int, tp_size: int,
+             model: str = "") -> Optional[str]:
     """Why the producer's chunks cannot serve this decode server's request, or None.
 
-    Chunk keys fold in the chunk size, and every TP rank stores its own shard: a producer with
-    another chunk size or TP size stored chunks this server can never find.
+    Chunk keys fold in the model, the chunk size and the TP shard: a producer serving another
+    model (or revision), chunk size or TP size stored chunks this server can never find, so
+    waiting for them would only cost the wait. Params that name no model (built by hand or by
+    another proxy) are not checked on it: at worst they cost the bounded wait.
     """
+    if stored.model and model and stored.model != model:
+        return f"the producer serves model {stored.model!r}, this server {model!r}"
     if stored.chunk_tokens != chunk_tokens:
         return f"the producer stores {stored.chunk_tokens}-token chunks, this server {chunk_tokens}-token ones"
     if stored.tp_size != tp_size:
