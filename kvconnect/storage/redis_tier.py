@@ -45,6 +45,14 @@ SOCKET_READ_BYTES = 1 << 20  # chunks are MBs: fewer, larger reads than the 32 K
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
 _SINGLE = ("redis", "rediss", "unix")
 _CLUSTER = ("redis-cluster", "rediss-cluster")
+_LMCACHE_SCHEMES = {  # LMCache remote schemes kvconnect has no connector for: what to use instead
+    "lm": "; lm:// is LMCache's own server: kvconnect's node server is KVCONNECT_SERVER_URL (docs/server.md)",
+    "resp": "; resp:// is LMCache's RESP client: write redis://HOST:PORT (the same protocol)",
+    "resps": "; resps:// is LMCache's RESP client over TLS: write rediss://HOST:PORT",
+    "infinistore": "; infinistore:// has no kvconnect tier: use mooncakestore:// or redis://",
+    "s3": "; s3:// has no kvconnect tier: use the disk tier (LMCACHE_LOCAL_DISK) or a shared Redis / Mooncake tier",
+    "mooncakestore": "",
+}
 
 
 def _import_redis():
@@ -65,9 +73,11 @@ def parse_url(url: str) -> tuple[str, str]:
     scheme, sep, rest = url.partition("://")
     scheme = _ALIASES.get(scheme.lower(), scheme.lower())
     if not sep or scheme not in _SINGLE + _CLUSTER:
+        hint = _LMCACHE_SCHEMES.get(scheme, "")
         raise ConfigError(
             f"remote_url (LMCACHE_REMOTE_URL) {url!r}: expected redis://, rediss://, unix://, "
-            "redis-cluster://host:port[,host:port...] or a valkey spelling of these"
+            "redis-cluster://host:port[,host:port...], a valkey spelling of these, or mooncakestore://HOST:PORT "
+            f"(a Mooncake master){hint}"
         )
     return scheme, f"{scheme}://{rest}"
 
@@ -102,8 +112,8 @@ class RedisTier(LowerTier):
         Raises ConfigError for an unsupported URL and StorageError when ``redis`` is missing.
         """
         super().__init__(fingerprint)
+        self.scheme, self.url = parse_url(url)  # an unsupported URL is named before a missing package
         self._redis = _import_redis()
-        self.scheme, self.url = parse_url(url)
         if self.scheme in _CLUSTER:
             cluster_nodes(self.url)  # validate now, not on first use
         self.timeout_s = timeout_s
