@@ -119,6 +119,16 @@ INSTEAD: dict[str, str] = {
     "offload_rpc_port": "no offload RPC server: the engine adapter moves the bytes in-process",
     "gpu_staging_buffer_bytes": "the CUDA staged route sizes its own device ring (KVCONNECT_CUDA_TRANSFER=staged; docs/gpu.md)",
     "force_skip_save": "no switch to skip saves: kv_role kv_consumer (vLLM) never saves",
+    # -- keys LMCache-Ascend adds to LMCache's (lmcache_ascend/__init__.py; its example configs use them)
+    "p2p_use_npu": _SHARE, "p2p_npu_buffer_size": _SHARE, "p2p_pull_mode": _SHARE, "p2p_delay_pull": _SHARE,
+    "p2p_pull_pending_ttl": _SHARE, "p2p_sync_lookup_cache_ttl": _SHARE, "p2p_sync_lookup_cache_max_entries": _SHARE,
+    "pd_pull_mode": _PD, "pd_delay_pull": _PD, "pd_pull_done_port": _PD, "pd_use_cpu_offload": _PD,
+    "pd_cpu_buffer_size": _PD, "pd_pull_pending_ttl": _PD, "pd_alloc_fail_backoff_ttl": _PD,
+    "pd_pull_backpressure_reserve_pct": _PD,
+    "enable_chunk_hashes_return": "lookups return token counts; chunk keys are internal (kvconnect/keys.py)",
+    "lookup_hashes_cache_size": "lookups return token counts; chunk keys are internal (kvconnect/keys.py)",
+    "store_async": "stores to the disk and remote tiers are always asynchronous (write-behind, bounded; docs/storage.md)",
+    "store_async_max_queue_size": "the write-behind queue is bounded by bytes and items per tier (kvconnect/storage/writer.py)",
     # -- LMCache-Ascend's DeepSeek V4 connector (seed 003)
     "ascend_bundle_multi_spec": "kvconnect moves every plane of every layer in one launch per batch; nothing to choose",
     "ascend_flatten_multi_spec": "multi-group layouts are kvconnect's native model; nothing to flatten",
@@ -129,11 +139,40 @@ INSTEAD: dict[str, str] = {
 }
 
 # keys of LMCache's extra_config mapping (LMCACHE_EXTRA_CONFIG, a JSON object)
+_FIRST_RANK = ("read, not needed: KV replicated over tensor-parallel ranks (MLA) is written by one rank and read "
+               "by all where the adapter knows it is replicated (SGLang today; vLLM: issue 25)")
+_BACKEND = "an option of an LMCache backend kvconnect does not have"
+_AUDIT = "no audit backend: every chunk carries a checksum that is verified on every read"
+_FS = "kvconnect's disk tier (LMCACHE_LOCAL_DISK) writes whole files and renames them into place (docs/storage.md)"
 EXTRA_CONFIG: dict[str, str] = {
-    "save_only_first_rank": ("read, not needed: KV replicated over tensor-parallel ranks (MLA) is written by one rank "
-                             "and read by all where the adapter knows it is replicated (SGLang today; vLLM: issue 25)"),
+    "save_only_first_rank": _FIRST_RANK, "remote_enable_mla_worker_id_as0": _FIRST_RANK,
+    "first_rank_max_local_cpu_size": "every rank's pool is LMCACHE_MAX_LOCAL_CPU_SIZE",
+    "audit_actual_remote_url": _AUDIT, "audit_backend_enabled": _AUDIT, "audit_calc_checksum": _AUDIT,
+    "audit_exclude_cmds": _AUDIT, "audit_verify_checksum": _AUDIT,
+    "chunk_statistics_async_preprocess_chunks": _STATS, "chunk_statistics_async_queue_capacity": _STATS,
+    "chunk_statistics_file_max_count": _STATS, "chunk_statistics_file_output_dir": _STATS,
+    "chunk_statistics_file_rotation_size": _STATS, "chunk_statistics_mem_bf_expected_chunks": _STATS,
+    "chunk_statistics_mem_bf_false_positive_rate": _STATS, "enable_cache_usage_details_in_response": _STATS,
+    "enable_nixl_storage": _BACKEND, "nixl_backend": _BACKEND, "nixl_pool_size": _BACKEND,
+    "enable_sparse": "no sparse KV: a hit restores every token of the prefix",
+    "force_store_wait": "stores never block the engine: a full write-behind queue drops and counts (docs/storage.md)",
+    "fs_connector_read_ahead_size": _FS, "fs_connector_relative_tmp_dir": _FS, "fs_connector_use_odirect": _FS,
+    "use_odirect": _FS, "gds_io_threads": _GDS,
+    "full_sync_batch_interval_ms": _SHARE, "full_sync_batch_size": _SHARE, "full_sync_max_poll_attempts": _SHARE,
+    "full_sync_max_retry_count": _SHARE, "full_sync_retry_delay_s": _SHARE, "full_sync_startup_delay_s": _SHARE,
+    "full_sync_status_poll_interval_s": _SHARE, "heartbeat_url": _SHARE, "kv_msg_batch_size": _SHARE,
+    "kv_msg_batch_timeout": _SHARE, "lookup_backoff_time": _SHARE, "p2p_max_retry_count": _SHARE,
+    "p2p_socket_recv_timeout_ms": _SHARE, "p2p_socket_send_timeout_ms": _SHARE,
+    "worker_socket_recv_timeout_ms": _SHARE, "worker_socket_send_timeout_ms": _SHARE,
+    "gpu_to_numa_mapping": INSTEAD["numa_mode"],
+    "hf3fs_base_path": _BACKEND, "hf3fs_mount_point": _BACKEND, "infinistore_link_type": _BACKEND,
+    "rust_raw_block.io_engine": _BACKEND, "rust_raw_block.use_iouring": _BACKEND, "rust_raw_block.use_uring": _BACKEND,
+    "internal_api_server_access_log": _API, "internal_api_server_log_level": _API,
+    "save_chunk_meta": "every chunk carries its own header (layout fingerprint, groups, checksum; kvconnect/chunk_format.py)",
+    "shm_name": "the node server's shared memory is named by kvconnect server --url (docs/server.md)",
+    "use_exists_sync": "lookups in every tier are batched and bounded by KVCONNECT_REMOTE_TIMEOUT_S",
 }
-EXTRA_CONFIG_OTHER = "an option of an LMCache backend kvconnect does not have; ignored"
+EXTRA_CONFIG_OTHER = "an option of an LMCache backend kvconnect does not have (not in LMCache " + LMCACHE_RELEASE + "'s own code)"
 
 ENV_PREFIXES: dict[str, str] = {
     "LMCACHE_EC_": "no encoder cache: kvconnect caches the KV of token prefixes only",
