@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .. import chunk_format
 from ..errors import ConfigError, StorageError
+from ..repeat_warning import RepeatingWarning
 from ..spec import ChunkKey, Fingerprint
 from .tier import Breaker, LowerTier, StoreItem, peek_mask
 
@@ -119,6 +120,7 @@ class RedisTier(LowerTier):
         self.timeout_s = timeout_s
         self._prefix = KEY_PREFIX + bytes(fingerprint).hex().encode() + b":"
         self._breaker = Breaker(retry_after_s, max_retry_after_s)
+        self._down = RepeatingWarning(logger.warning)  # the store does not answer: warned, not only counted
         self._shard_breakers: dict[str, Breaker] = {}  # cluster primaries by "host:port"
         self._client_lock = threading.Lock()
         self._client: Any = None
@@ -254,16 +256,19 @@ class RedisTier(LowerTier):
                 del self._shard_breakers[name]
 
     def _log_failure(self, op: str, what: str, exc: BaseException, *, quiet: bool) -> None:
-        (logger.debug if quiet else logger.warning)(
-            "kvconnect: remote tier %s: %s failed during %s (%s: %s)", self.url_for_logs, what, op, type(exc).__name__, exc)
+        """A new failure warns at once; while failures go on (``quiet``), one line a minute."""
+        if not quiet:
+            self._down.cleared()
+        self._down.failed("kvconnect: remote tier %s: %s failed during %s (%s: %s); its chunks are misses until it answers",
+                          self.url_for_logs, what, op, type(exc).__name__, exc)
 
     def _store_failed(self, op: str, exc: Optional[BaseException], client: Any) -> None:
         """The whole store failed: skip it for a while and rebuild the client next time."""
-        was_open = self._breaker.open
+        was_failing = self._breaker.failing  # failing since an earlier call: warned already (once a minute)
         self._breaker.failure()
         self._count(errors=1)
         if exc is not None:
-            self._log_failure(op, "the store", exc, quiet=was_open)
+            self._log_failure(op, "the store", exc, quiet=was_failing)
         if client is not None:
             self._reset_client(client)
 
