@@ -90,3 +90,49 @@ def test_a_redis_store_that_is_down_warns_once_then_per_interval(caplog):
     tier.close()
     warned = [r.getMessage() for r in caplog.records if "remote tier" in r.getMessage()]
     assert len(warned) == 1 and "misses until it answers" in warned[0], warned
+
+
+# -- small defects of the first hour ------------------------------------------------------
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVCONNECT_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_inspect_refuses_a_tp_that_does_not_split_the_heads(capsys):
+    assert cli_main(["inspect", "--preset", "llama-3.1-8b", "--tp", "3"]) == 2  # 8 KV heads
+    assert "tensor parallel size 3" in capsys.readouterr().err
+    assert cli_main(["inspect", "--preset", "llama-3.1-8b", "--tp", "16", "--json"]) == 0  # replicated heads: allowed
+    capsys.readouterr()
+
+
+def test_inspect_default_restore_point_is_what_128k_means(capsys):
+    assert cli_main(["inspect", "--preset", "llama-3.1-8b", "--tokens", "1M", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert cli_main(["inspect", "--preset", "llama-3.1-8b", "--tokens", "1M", "--restore-at", "128k", "--json"]) == 0
+    explicit = json.loads(capsys.readouterr().out)
+    assert default["restore_asked"] == explicit["restore_asked"] == 128_000
+
+
+def test_inspect_into_a_closed_pipe_has_no_traceback():
+    """`| true` exits before the CLI writes (`| head` does the same once its lines are read)."""
+    out = subprocess.run(["bash", "-c", f"{sys.executable} -m kvconnect.cli inspect --preset deepseek-v4-flash --json "
+                          "| true; echo ${PIPESTATUS[0]}"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+    assert out.stdout.strip() in ("0", "141")  # 0 when the write won the race with the reader's exit
+
+
+def test_tiers_benchmark_refuses_an_unknown_tier_before_benchmarking():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tiers.py"), "--tiers", "pool,server"],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert out.returncode == 2 and "unknown tier(s) 'server'" in out.stderr and "server_bench.py" in out.stderr
+    assert "tiers benchmark:" not in out.stdout  # nothing was run first
