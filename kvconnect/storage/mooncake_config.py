@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from ..errors import ConfigError, StorageError
 from ..repeat_warning import RepeatingWarning
+from ..errors import ConfigError, StorageError
 
 SCHEME = "mooncakestore"
 DEFAULT_SEGMENT_BYTES = 1 << 30
