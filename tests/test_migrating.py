@@ -193,3 +193,9 @@ def test_local_cpu_false_without_a_lower_tier_keeps_nothing_as_in_lmcache():
     engine, _ = small_engine(local_cpu=False)
     assert engine.store(list(range(128)), block_ids=[list(range(8))]) == 0 and engine.lookup(list(range(128))) == 0
     engine.close()
+
+
+def test_a_disk_directory_without_a_size_says_which_variable_is_missing(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="kvconnect")
+    assert open_tiers(Config.from_env({"LMCACHE_LOCAL_DISK": str(tmp_path)}), Fingerprint(b"\0" * 16)) == []
+    assert "LMCACHE_MAX_LOCAL_DISK_SIZE" in warnings_of(caplog)
