@@ -118,7 +118,7 @@ INSTEAD: dict[str, str] = {
     "request_telemetry_type": _STATS, "request_telemetry_endpoint": _STATS,
     "offload_rpc_port": "no offload RPC server: the engine adapter moves the bytes in-process",
     "gpu_staging_buffer_bytes": "the CUDA staged route sizes its own device ring (KVCONNECT_CUDA_TRANSFER=staged; docs/gpu.md)",
-    "force_skip_save": "no switch to skip saves: kv_role kv_consumer (vLLM) never saves",
+    "force_skip_save": "no switch to skip saves: under kv_role kv_consumer (vLLM) prompts are not saved",
     # -- keys LMCache-Ascend adds to LMCache's (lmcache_ascend/__init__.py; its example configs use them)
     "p2p_use_npu": _SHARE, "p2p_npu_buffer_size": _SHARE, "p2p_pull_mode": _SHARE, "p2p_delay_pull": _SHARE,
     "p2p_pull_pending_ttl": _SHARE, "p2p_sync_lookup_cache_ttl": _SHARE, "p2p_sync_lookup_cache_max_entries": _SHARE,
