@@ -199,3 +199,22 @@ def test_a_disk_directory_without_a_size_says_which_variable_is_missing(tmp_path
     caplog.set_level(logging.WARNING, logger="kvconnect")
     assert open_tiers(Config.from_env({"LMCACHE_LOCAL_DISK": str(tmp_path)}), Fingerprint(b"\0" * 16)) == []
     assert "LMCACHE_MAX_LOCAL_DISK_SIZE" in warnings_of(caplog)
+
+
+def test_an_lmcache_ascend_pd_config_reads_with_its_meaning(tmp_path, caplog):
+    """The keys of LMCache-Ascend's 1p1d prefiller example (examples/disagg_prefill/1p1d),
+    written out here: local_cpu False, LMCache-Ascend's own pd_* keys, save_unfull_chunk."""
+    caplog.set_level(logging.WARNING, logger="kvconnect")
+    path = tmp_path / "prefiller.yaml"
+    path.write_text("local_cpu: False\nenable_pd: True\ntransfer_channel: hccl\npd_role: sender\npd_pull_mode: False\n"
+                    "pd_delay_pull: False\npd_pull_done_port: [7600, 7601]\npd_use_cpu_offload: False\n"
+                    "pd_cpu_buffer_size: 21474836480\npd_buffer_size: 2415919104\npd_buffer_device: npu\n"
+                    "save_unfull_chunk: True\n")
+    c = Config.from_env({"LMCACHE_CONFIG_FILE": str(path), "LMCACHE_REMOTE_URL": "redis://127.0.0.1:6379"})
+    assert (c.local_cpu, c.save_unfull_chunk, c.remote_url) == (False, True, "redis://127.0.0.1:6379")
+    assert c.private_pool_bytes == c.max_local_cpu_bytes  # the remote tier is written through the pool
+    text = warnings_of(caplog)
+    for key in ("enable_pd", "pd_role", "pd_pull_mode", "pd_delay_pull", "pd_pull_done_port", "pd_use_cpu_offload",
+                "pd_cpu_buffer_size", "transfer_channel"):
+        assert f"{key} ({path})" in text, key
+    assert "ignoring" not in text  # every key is known: none is mistaken for a typo
