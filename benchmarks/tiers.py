@@ -212,17 +212,24 @@ def bench_tier(name: str, layout: KVLayout, engine: KVCacheEngine, args, rng: np
     }
 
 
+TIERS = ("pool", "disk", "redis", "mooncake", "mooncake-raw")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lookups", type=int, default=200)
     parser.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
-    parser.add_argument("--tiers", default="pool,disk,redis,server")
+    parser.add_argument("--tiers", default="pool,disk,redis", help=f"comma-separated, of: {', '.join(TIERS)} (default pool,disk,redis)")
     parser.add_argument("--disk-dir", default=None)
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--cold", action="store_true", help="drop disk files from the page cache before each read")
     args = parser.parse_args()
+    unknown = [t for t in args.tiers.split(",") if t not in TIERS]
+    if unknown:  # before minutes of benchmarking, not after
+        parser.error(f"unknown tier(s) {', '.join(map(repr, unknown))}; known: {', '.join(TIERS)} "
+                     "(the node server as a pool: benchmarks/server_bench.py)")
 
     layout, chunk_bytes, prompt_gb, base = mla_prompt_setup(args.tokens, args.repeats, args.threads, CHUNK_TOKENS)
     print(f"tiers benchmark: {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}")

@@ -18,6 +18,7 @@ from .errors import (
     TransferError,
 )
 from .layout import FORMAT_VERSION, KVLayout
+from .slots import block_ids_from_slot_mapping
 from .spec import ChunkKey, DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec
 
 __version__ = "0.1.0"
@@ -25,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockTableError", "ChunkKey", "Config", "ConfigError", "CorruptChunkError", "DCPSpec", "EngineStats",
     "FORMAT_VERSION", "Fingerprint", "GroupKind", "GroupSpec", "KVCacheEngine", "KVConnectError", "KVLayout",
-    "LayoutError", "PlaneSpec", "StorageError", "TokenError", "TransferError",
+    "LayoutError", "PlaneSpec", "StorageError", "TokenError", "TransferError", "block_ids_from_slot_mapping",
 ]

@@ -33,23 +33,39 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_POOL_PREFAULT        | pool_prefault        | bool  | true    | map the CPU pool's pages in the background after allocation, so stores do not pay first-touch page faults (kvconnect/storage/host_memory.py) |
 | KVCONNECT_PD_WAIT_TIMEOUT_S    | pd_wait_timeout_s    | float | 5.0     | P/D decode side: how long a request whose prefill a producer names waits for its chunks in the shared tier before it is recomputed (docs/vllm.md, "Prefill/decode disaggregation") |
 | KVCONNECT_PD_POLL_INTERVAL_S   | pd_poll_interval_s   | float | 0.005   | P/D decode side: at most one shared-tier lookup per waiting request per this interval |
+
+Values are parsed as LMCache parses them, or refused with a ``ConfigError``: booleans are
+``true``/``false``/``1``/``0`` (LMCache reads any other word, ``yes`` and ``on`` included, as
+false: kvconnect refuses them); an environment value in matching quotes (``"1024"``) is
+unquoted; ``local_disk`` may carry LMCache's comma-separated list when it names one
+directory (several are refused: the disk tier has one). ``local_cpu: false`` means what it
+means in LMCache: no CPU cache, the disk and remote tiers still work (the pool of
+``max_local_cpu_size`` is then only the buffer they are written and read through).
+LMCache's other names (``kvconnect/lmcache_names.py``, docs/migrating.md) are read where the
+meaning maps (``min_retrieve_tokens``, ``cache_policy``, ``lookup_timeout_ms``,
+``extra_config``) and otherwise warned about once, naming what kvconnect does instead.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from . import lmcache_names
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 GB = 1 << 30
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_TRUE = {"1", "true"}  # LMCache's _to_bool: these are true, every other word false
+_FALSE = {"0", "false", ""}
 CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
 TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.route_backend
 EVICTION_POLICIES = ("s3fifo", "arc", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
@@ -118,8 +134,8 @@ class Config:
             raise ConfigError(f"log_interval_s (KVCONNECT_LOG_INTERVAL_S) must be >= 0, got {self.log_interval_s}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
-        if self.local_disk is not None and self.local_disk.startswith("file://"):
-            object.__setattr__(self, "local_disk", self.local_disk[len("file://") :])
+        if self.local_disk is not None:
+            object.__setattr__(self, "local_disk", _one_disk_path(self.local_disk))
 
     @property
     def effective_min_load_tokens(self) -> int:
@@ -133,36 +149,157 @@ class Config:
     def max_local_disk_bytes(self) -> int:
         return int(self.max_local_disk_size * GB)
 
+    @property
+    def has_lower_tier(self) -> bool:
+        """A disk tier (a directory and a size) or a remote tier is configured."""
+        return bool(self.remote_url) or (bool(self.local_disk) and self.max_local_disk_bytes > 0)
+
+    @property
+    def private_pool_bytes(self) -> int:
+        """Bytes of an engine's private CPU pool. Every chunk passes through it: with
+        ``local_cpu`` false (LMCache: no CPU cache) it is only the buffer the disk and remote
+        tiers are written and read through, and 0 when there is no such tier (nothing is kept
+        anywhere, as in LMCache)."""
+        return self.max_local_cpu_bytes if self.local_cpu or self.has_lower_tier else 0
+
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config", base: Optional["Config"] = None) -> "Config":
-        """A Config from YAML-spelled keys; unknown keys are logged and ignored (LMCache files carry many)."""
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config", base: Optional["Config"] = None,
+                  environment: bool = False) -> "Config":
+        """A Config from YAML-spelled keys (``LMCACHE_``/``KVCONNECT_`` prefixes allowed).
+
+        LMCache's names are read where the meaning maps (``lmcache_names.ALIASES``,
+        ``extra_config``); every other name is warned about once, naming what kvconnect does
+        instead (LMCache files carry many). A kvconnect key wins over an LMCache alias of it.
+        ``environment``: values are environment strings, unquoted as LMCache unquotes them.
+        """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         updates: dict[str, Any] = {}
+        aliased: dict[str, Any] = {}
         for key, raw in values.items():
             name = key.lower().removeprefix("lmcache_").removeprefix("kvconnect_")
-            if name not in fields:
-                logger.warning("kvconnect: ignoring unknown config key %r from %s", key, source)
-                continue
-            updates[name] = _parse(name, raw, fields[name], f"{key} ({source})")
-        return dataclasses.replace(base or cls(), **updates)
+            if environment and isinstance(raw, str):
+                raw = _unquote(raw)
+            where = f"{key} ({source})"
+            if name in fields:
+                updates[name] = _parse(name, raw, fields[name], where)
+            elif name in lmcache_names.ALIASES:
+                target = lmcache_names.ALIASES[name]
+                value = _alias_value(name, raw, fields[target], where)
+                if value is not None:
+                    aliased[target] = value
+            elif name == "extra_config":
+                _read_extra_config(raw, where)
+            else:
+                _warn_unknown(key, name, source)
+        return dataclasses.replace(base or cls(), **{**aliased, **updates})
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":
+        """Defaults, then the YAML file of ``LMCACHE_CONFIG_FILE``, then ``LMCACHE_*`` /
+        ``KVCONNECT_*`` variables (and Mooncake's ``MOONCAKE_CONFIG_PATH``)."""
         env = os.environ if environ is None else environ
         config = cls()
         path = env.get("LMCACHE_CONFIG_FILE")
         if path:
             config = cls.from_dict(_read_yaml(path), source=path, base=config)
-        names = {f.name for f in dataclasses.fields(cls)}
         overrides = {
-            var: value
-            for var, value in env.items()
-            if var.startswith(("LMCACHE_", "KVCONNECT_")) and var != "LMCACHE_CONFIG_FILE"
-            and var.lower().removeprefix("lmcache_").removeprefix("kvconnect_") in names
+            var: value for var, value in env.items()
+            if var.startswith(("LMCACHE_", "KVCONNECT_")) and var not in lmcache_names.NOT_SETTINGS
         }
         if env.get("MOONCAKE_CONFIG_PATH"):  # Mooncake's own variable, read as its integrations read it
             overrides["mooncake_config_path"] = env["MOONCAKE_CONFIG_PATH"]
-        return cls.from_dict(overrides, source="environment", base=config) if overrides else config
+        if not overrides:
+            return config
+        return cls.from_dict(overrides, source="environment", base=config, environment=True)
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(topic: str, message: str, *args: Any) -> None:
+    """Log ``message`` at WARNING the first time ``topic`` comes up in this process."""
+    with _warned_lock:
+        if topic in _warned:
+            return
+        _warned.add(topic)
+    logger.warning(message, *args)
+
+
+def _warn_unknown(key: str, name: str, source: str) -> None:
+    text = lmcache_names.instead_of_variable(key) if source == "environment" else lmcache_names.instead(name)
+    if text is not None:
+        warn_once(f"name:{key}", "kvconnect: %s (%s) is an LMCache setting kvconnect does not use: %s", key, source, text)
+        return
+    known = [f.name for f in dataclasses.fields(Config)] + list(lmcache_names.ALIASES) + ["extra_config"]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    warn_once(f"name:{key}", "kvconnect: ignoring %r (%s): neither a kvconnect setting nor an LMCache %s one%s",
+              key, source, lmcache_names.LMCACHE_RELEASE, hint)
+
+
+def _unquote(text: str) -> str:
+    """LMCache's ``_parse_quoted_string``: a value in matching quotes loses them (escapes read)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        try:
+            value = ast.literal_eval(text)  # a string literal only; never evaluates code
+        except (ValueError, SyntaxError):
+            return text[1:-1]
+        return value if isinstance(value, str) else text[1:-1]
+    return text
+
+
+def _one_disk_path(value: str) -> Optional[str]:
+    """LMCache's ``local_disk``: one path or comma-separated paths, each optionally ``file://``.
+    kvconnect's disk tier has one directory: several are refused, not silently merged."""
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    paths = [p[len("file://"):] if p.startswith("file://") else p for p in parts]
+    if len(paths) > 1:
+        raise ConfigError(
+            f"local_disk (LMCACHE_LOCAL_DISK) names {len(paths)} directories {paths}: kvconnect's disk tier uses one "
+            "directory (LMCache spreads chunks over several); give one directory, e.g. a volume striped over the disks"
+        )
+    return paths[0] if paths else None
+
+
+def _alias_value(name: str, raw: Any, target: dataclasses.Field, where: str) -> Any:
+    """The kvconnect value an LMCache alias means, or None (warned) where it has none."""
+    if name == "min_retrieve_tokens":
+        tokens = _parse(target.name, raw, target, where)
+        if tokens < 0:
+            raise ConfigError(f"{where}: must be >= 0, got {tokens}")
+        return tokens or 1  # LMCache's 0 is "no minimum": every hit loads
+    if name == "lookup_timeout_ms":
+        ms = _parse(target.name, raw, target, where)
+        if ms <= 0:
+            raise ConfigError(f"{where}: must be > 0 ms, got {raw!r}")
+        return ms / 1000.0
+    if name == "cache_policy":
+        policy = str(raw).strip().lower()
+        if policy in EVICTION_POLICIES:
+            return policy
+        warn_once(f"alias:{where}", "kvconnect: %s=%r has no kvconnect policy (kvconnect has %s); the CPU pool uses "
+                  "KVCONNECT_EVICTION (default s3fifo)", where, raw, ", ".join(EVICTION_POLICIES))
+        return None
+    raise AssertionError(name)  # every ALIASES entry is converted above
+
+
+def _read_extra_config(raw: Any, where: str) -> None:
+    """LMCache's ``extra_config`` (a mapping, or JSON in ``LMCACHE_EXTRA_CONFIG``): each key is
+    read and its kvconnect meaning logged once; a malformed value is refused."""
+    if raw is None or raw == "":
+        return
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not a JSON object: {exc}") from exc
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: must be a mapping of keys (a JSON object), got {type(raw).__name__}")
+    for key, value in raw.items():
+        text = lmcache_names.EXTRA_CONFIG.get(key, lmcache_names.EXTRA_CONFIG_OTHER)
+        warn_once(f"extra:{key}", "kvconnect: extra_config %s=%r (%s): %s", key, value, where, text)
 
 
 def _read_yaml(path: str) -> Mapping[str, Any]:
@@ -195,7 +332,8 @@ def _parse(name: str, raw: Any, field: dataclasses.Field, where: str) -> Any:
                 return True
             if text in _FALSE:
                 return False
-            raise ValueError(f"not a boolean: {raw!r}")
+            raise ValueError(f"not a boolean: {raw!r}; write true or false (or 1 or 0): LMCache reads any other "
+                             "word, 'yes' and 'on' included, as false, so kvconnect refuses it rather than guess")
         if kind == "int":
             if isinstance(raw, float) and not raw.is_integer():
                 raise ValueError(f"not an integer: {raw!r}")

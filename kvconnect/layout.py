@@ -20,6 +20,7 @@ import blake3
 import msgpack
 import torch
 
+from .views import drop_aliased_views
 from .errors import LayoutError
 from .layout_detect import plane_geometry, split_planes
 from .rows import GroupGeometry
@@ -85,6 +86,7 @@ class KVLayout:
         missing = [name for name in kv_caches if name not in layer_groups]
         if missing:
             raise LayoutError(f"layers without a group in layer_groups: {missing[:5]}")
+        kv_caches, layer_groups = drop_aliased_views(kv_caches, layer_groups)  # one blob's views: stored once
 
         planes: list[PlaneSpec] = []
         tensors: list[torch.Tensor] = []

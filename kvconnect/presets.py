@@ -147,6 +147,9 @@ def gqa(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dt
     _check(engine, tp, dcp)
     if dcp.size > 1:
         raise ConfigError("decode context parallel shards MLA caches; this model has K/V heads (use --tp)")
+    if kv_heads % tp and tp % kv_heads:  # the engines' own rule: TP shards the heads or replicates them
+        raise ConfigError(f"tensor parallel size {tp} neither divides {name}'s {kv_heads} KV heads nor is a multiple of "
+                          "them; vLLM and SGLang refuse it")
     heads = max(1, kv_heads // tp)
     full = full_layers if full_layers is not None else {i for i in range(layers) if not window or (full_every and i % full_every == full_every - 1)}
     groups = [GroupSpec(block_size=block_size)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -49,6 +50,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KVConnectError as exc:
         print(f"kvconnect {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvconnect inspect --json | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail again
+        return 141  # what a shell reports for a writer killed by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -16,18 +16,21 @@ from ..config import Config
 from .model_args import add_model_args, human_bytes, model_of, parse_tokens
 
 
+DEFAULT_RESTORE_CAP = "128k"  # read as --restore-at reads it (k = 1,000)
+
+
 def add_parser(sub, config: Config) -> None:
     p = sub.add_parser("inspect", help="describe a model's KV layout and size kvconnect's storage for it")
     add_model_args(p, config)
     p.add_argument("--tokens", default="1M", help="tokens to size the pool for (e.g. 1M, 32k; default 1M)")
-    p.add_argument("--restore-at", default=None, help="prefix length P of a restore (default: --tokens, capped at 128k)")
+    p.add_argument("--restore-at", default=None, help="prefix length P of a restore (default: --tokens, capped at 128k = 128,000)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def report(args: argparse.Namespace) -> dict:
     model = model_of(args)
     tokens = parse_tokens(args.tokens)
-    asked = parse_tokens(args.restore_at) if args.restore_at else min(tokens, 131072)
+    asked = parse_tokens(args.restore_at) if args.restore_at else min(tokens, parse_tokens(DEFAULT_RESTORE_CAP))
     restore_at = asked - asked % args.chunk_size  # a hit ends on a chunk boundary (whole chunks are stored)
     layout = model.layout(0)
     s = sizing.of(layout, args.chunk_size)

@@ -122,13 +122,19 @@ def _server_figures(server) -> Optional[metrics.Figures]:
 def _info(args: argparse.Namespace, config: Config) -> int:
     from ..server.client import SharedPoolClient
 
-    client = SharedPoolClient(args.url, 1, token=_token(args, config), timeout_s=args.timeout_s)
+    token = _token(args, config)
+    client = SharedPoolClient(args.url, 1, token=token, timeout_s=args.timeout_s, warn_unreachable=False)
     try:
         stats = client.server_stats()
     finally:
         client.close()
     if stats is None:
-        print(f"no cache server answers on {args.url}", file=sys.stderr)
+        if token is None:
+            why = ("no token was given: if the server was started with one (KVCONNECT_SERVER_TOKEN, --token-file), "
+                   "pass the same; it drops frames without the right token, which looks like no answer")
+        else:
+            why = "is it running there, and is the token the server's? It drops frames with a wrong token, which looks like no answer"
+        print(f"no cache server answers on {args.url} within {args.timeout_s:g} s: {why}", file=sys.stderr)
         return 1
     print(json.dumps(stats, indent=2) if args.json else human_info(args.url, stats))
     return 0
@@ -142,7 +148,8 @@ def human_info(url: str, s: dict) -> str:
         ("pool", f"{used / GB:.2f} of {size / GB:.2f} GB used ({pct:.1f}%), {s['num_pages']} pages of {s['page_bytes'] // 1024} KiB"),
         ("chunks", f"{s['num_entries']} stored, {s['pinned_entries']} pinned by readers, {s['reserved_runs']} writes in progress"),
         ("clients", f"{s['num_clients']} connected, {s['expired_clients']} expired (lease ran out)"),
-        ("evictions", f"{s['evictions']} chunks (LRU), {s['reserve_shortfalls']} writes found no unpinned room"),
+        ("evictions", f"{s['evictions']} chunks (the server's KVCONNECT_EVICTION policy), "
+                      f"{s['reserve_shortfalls']} writes found no unpinned room"),
         ("commits", str(s["commits"])),
         ("refused", f"{s['refused_requests']} malformed or unauthenticated requests"),
     ]

@@ -26,7 +26,8 @@ __all__ = ["make_pool", "close_pool"]
 
 def make_pool(config: Config, slot_bytes: int, *, pin_memory: bool, fingerprint: Optional[Fingerprint] = None) -> Union[ChunkPool, "SharedPoolClient"]:  # noqa: F821
     """The engine's CPU pool: ``SharedPoolClient`` when ``config.server_url`` is set, else a
-    private ``ChunkPool`` of ``config.max_local_cpu_bytes`` (0 when local_cpu is off).
+    private ``ChunkPool`` of ``config.private_pool_bytes`` (with ``local_cpu`` false: only the
+    buffer the lower tiers go through, 0 without one, as in LMCache).
 
     In server mode the pool size is the server's (``--size-gb``); ``pin_memory`` page-locks
     the mapping with cudaHostRegister; every call is bounded by ``config.remote_timeout_s``.
@@ -38,8 +39,7 @@ def make_pool(config: Config, slot_bytes: int, *, pin_memory: bool, fingerprint:
             config.server_url, slot_bytes, token=config.server_token, timeout_s=config.remote_timeout_s,
             pin_memory=pin_memory, fingerprint=fingerprint,
         )
-    pool_bytes = config.max_local_cpu_bytes if config.local_cpu else 0
-    return ChunkPool(pool_bytes, slot_bytes, pin_memory=pin_memory, eviction=config.eviction,
+    return ChunkPool(config.private_pool_bytes, slot_bytes, pin_memory=pin_memory, eviction=config.eviction,
                      prefault=config.pool_prefault)
 
 

@@ -42,6 +42,7 @@ import zmq
 
 from ..chunk_format import ChunkHeader
 from ..errors import StorageError
+from ..repeat_warning import RepeatingWarning
 from ..spec import ChunkKey, Fingerprint
 from ..storage.pool import PoolEntry, PoolStats, SlotViews, notify_evicted
 from . import protocol
@@ -73,7 +74,10 @@ class SharedPoolClient(SlotViews):
         fingerprint: Optional[Fingerprint] = None,
         limits: Limits = Limits(),
         shm_dir: str = SHM_DIR,
+        warn_unreachable: bool = True,
     ) -> None:
+        """``warn_unreachable``: log a WARNING when the server does not answer (the first time,
+        then once a minute while it lasts); False for one-shot callers that report it themselves."""
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
         if timeout_s <= 0:
@@ -108,6 +112,7 @@ class SharedPoolClient(SlotViews):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.prefaulted = threading.Event()  # set once the mapping's pages are all faulted in
+        self._unreachable = RepeatingWarning(logger.warning if warn_unreachable else logger.debug)
         self._beat = self._channel()  # hello and heartbeats: __init__, then the keeper thread only
         self._try_connect()  # synchronously once, so the first store can already use the server
         self._keeper = threading.Thread(target=self._keep, name="kvconnect-server-client", daemon=True)
@@ -350,7 +355,10 @@ class SharedPoolClient(SlotViews):
         except (StorageError, ProtocolError) as exc:
             self._beat.reset()  # drop whatever is queued towards a dead peer
             self.counters["failed_hellos"] += 1
-            logger.debug("kvconnect: hello to %s failed: %s", self.url, exc)
+            self._unreachable.failed(
+                "kvconnect: no answer from the cache server %s (%s): is `kvconnect server` running there, and is "
+                "KVCONNECT_SERVER_TOKEN the server's token? (the server drops frames with a wrong or missing token, "
+                "which looks like no answer). Serving misses; retrying", self.url, exc)
             return False
         with self._lock:
             old_id, old_instance = self._client_id, self._instance
@@ -377,6 +385,7 @@ class SharedPoolClient(SlotViews):
             self.counters["connects"] += 1
         if old_id is not None:  # best effort: the old session's pins and reservations go now, not at lease end
             self._beat.post("bye", [], old_id, old_instance)
+        self._unreachable.cleared()
         logger.info("kvconnect: connected to cache server %s (%d pages of %d bytes)", self.url, info.num_pages, info.page_bytes)
         return True
 

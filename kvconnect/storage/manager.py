@@ -55,7 +55,8 @@ def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
     tiers: list[LowerTier] = []
     if config.local_disk:
         if config.max_local_disk_bytes <= 0:
-            logger.warning("kvconnect: local_disk is set but max_local_disk_size is 0 GB; the disk tier is off")
+            logger.warning("kvconnect: local_disk is set but max_local_disk_size is 0 GB; the disk tier is off (set "
+                           "LMCACHE_MAX_LOCAL_DISK_SIZE, in GB, as in LMCache)")
         else:
             from .disk import DiskTier
 

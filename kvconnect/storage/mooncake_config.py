@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from ..repeat_warning import RepeatingWarning
 from ..errors import ConfigError, StorageError
 from .host_memory import check_fits_host
 
@@ -125,11 +126,15 @@ def connect_store(spec: MooncakeSpec, store_cls, wait_stop, log, on_setup=None) 
     / ``on_setup(False)`` mark a ``setup`` call starting (the master answered the probe) and failing.
     """
     pause = SETUP_RETRY_S[0]
+    absent = RepeatingWarning(log)  # an absent master must not look like a cache that never hits
     while True:
         if not master_listening(spec.master_address):
+            absent.failed(f"kvconnect: no Mooncake master listens at {spec.master_address} (LMCACHE_REMOTE_URL); "
+                          "the Mooncake tier misses until one does (start mooncake_master, or fix the address)")
             if wait_stop(PROBE_EVERY_S):
                 return None
             continue
+        absent.cleared()
         store = store_cls()
         if on_setup is not None:
             on_setup(True)

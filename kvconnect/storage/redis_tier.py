@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .. import chunk_format
 from ..errors import ConfigError, StorageError
+from ..repeat_warning import RepeatingWarning
 from ..spec import ChunkKey, Fingerprint
 from .tier import Breaker, LowerTier, StoreItem, peek_mask
 
@@ -52,6 +53,14 @@ SOCKET_READ_BYTES = 1 << 20  # chunks are MBs: fewer, larger reads than the 32 K
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
 _SINGLE = ("redis", "rediss", "unix")
 _CLUSTER = ("redis-cluster", "rediss-cluster")
+_LMCACHE_SCHEMES = {  # LMCache remote schemes kvconnect has no connector for: what to use instead
+    "lm": "; lm:// is LMCache's own server: kvconnect's node server is KVCONNECT_SERVER_URL (docs/server.md)",
+    "resp": "; resp:// is LMCache's RESP client: write redis://HOST:PORT (the same protocol)",
+    "resps": "; resps:// is LMCache's RESP client over TLS: write rediss://HOST:PORT",
+    "infinistore": "; infinistore:// has no kvconnect tier: use mooncakestore:// or redis://",
+    "s3": "; s3:// has no kvconnect tier: use the disk tier (LMCACHE_LOCAL_DISK) or a shared Redis / Mooncake tier",
+    "mooncakestore": "",
+}
 
 
 _warned: set[str] = set()
@@ -84,9 +93,11 @@ def parse_url(url: str) -> tuple[str, str]:
     scheme, sep, rest = url.partition("://")
     scheme = _ALIASES.get(scheme.lower(), scheme.lower())
     if not sep or scheme not in _SINGLE + _CLUSTER:
+        hint = _LMCACHE_SCHEMES.get(scheme, "")
         raise ConfigError(
             f"remote_url (LMCACHE_REMOTE_URL) {url!r}: expected redis://, rediss://, unix://, "
-            "redis-cluster://host:port[,host:port...] or a valkey spelling of these"
+            "redis-cluster://host:port[,host:port...], a valkey spelling of these, or mooncakestore://HOST:PORT "
+            f"(a Mooncake master){hint}"
         )
     return scheme, f"{scheme}://{rest}"
 
@@ -121,13 +132,14 @@ class RedisTier(LowerTier):
         Raises ConfigError for an unsupported URL and StorageError when ``redis`` is missing.
         """
         super().__init__(fingerprint)
+        self.scheme, self.url = parse_url(url)  # an unsupported URL is named before a missing package
         self._redis = _import_redis()
-        self.scheme, self.url = parse_url(url)
         if self.scheme in _CLUSTER:
             cluster_nodes(self.url)  # validate now, not on first use
         self.timeout_s = timeout_s
         self._prefix = KEY_PREFIX + bytes(fingerprint).hex().encode() + b":"
         self._breaker = Breaker(retry_after_s, max_retry_after_s)
+        self._down = RepeatingWarning(logger.warning)  # the store does not answer: warned, not only counted
         self._shard_breakers: dict[str, Breaker] = {}  # cluster primaries by "host:port"
         self._client_lock = threading.Lock()
         self._client: Any = None
@@ -287,16 +299,19 @@ class RedisTier(LowerTier):
                 del self._shard_breakers[name]
 
     def _log_failure(self, op: str, what: str, exc: BaseException, *, quiet: bool) -> None:
-        (logger.debug if quiet else logger.warning)(
-            "kvconnect: remote tier %s: %s failed during %s (%s: %s)", self.url_for_logs, what, op, type(exc).__name__, exc)
+        """A new failure warns at once; while failures go on (``quiet``), one line a minute."""
+        if not quiet:
+            self._down.cleared()
+        self._down.failed("kvconnect: remote tier %s: %s failed during %s (%s: %s); its chunks are misses until it answers",
+                          self.url_for_logs, what, op, type(exc).__name__, exc)
 
     def _store_failed(self, op: str, exc: Optional[BaseException], client: Any) -> None:
         """The whole store failed: skip it for a while and rebuild the client next time."""
-        was_open = self._breaker.open
+        was_failing = self._breaker.failing  # failing since an earlier call: warned already (once a minute)
         self._breaker.failure()
         self._count(errors=1)
         if exc is not None:
-            self._log_failure(op, "the store", exc, quiet=was_open)
+            self._log_failure(op, "the store", exc, quiet=was_failing)
         if client is not None:
             self._reset_client(client)
 

@@ -104,3 +104,31 @@ def test_kv_events_take_vllm_023s_event_shapes():
     assert events[0].token_ids == [5, 6, 7] and events[0].block_size == 3 and events[0].medium == "CPU"
     assert events[0].parent_block_hash is None and events[1].parent_block_hash == events[0].block_hashes[0]
     assert events[1].medium == "STORAGE" and events[2].medium == "CPU"
+
+
+def test_v013_state_buffers_as_a_second_argument_turn_the_connector_off_without_raising(tmp_path, caplog):
+    """vLLM-Ascend releases/v0.13.0 (DeepSeek V4, #8648) calls ``register_kv_caches(kv_caches,
+    kv_states)``: its sliding-window and compressor states are per-request buffers
+    ``[(max_num_reqs + 1) * multiple, block_size, dim]`` indexed by state ids, not blocks. That
+    release does not run here (it needs vLLM 0.13), so ``kv_states`` below is a SYNTHETIC fixture
+    with its shapes for one C4 layer; the point is the call form: one WARNING, off, nothing raised."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    case = harness.deepseek_v4(device="A3", num_blocks=12)
+    worker = _create(case, KVConnectorRole.WORKER, tmp_path)
+    block_num, block_size, head_dim, index_dim = 2 * 3, 128, 512, 128
+    kv_states = {"model.layers.2.self_attn": (
+        torch.zeros(block_num, block_size, head_dim, dtype=torch.bfloat16),  # sliding window
+        torch.zeros(block_num, block_size, 2 * head_dim), torch.zeros(block_num, block_size, 2 * head_dim),  # c4 kv / score
+        torch.zeros(block_num, block_size, 2 * index_dim), torch.zeros(block_num, block_size, 2 * index_dim),  # indexer
+    )}
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvconnect"):
+            worker.register_kv_caches(case.kv_caches, kv_states)
+        lines = list({id(r): r for r in caplog.records if r.name.startswith("kvconnect") and r.levelno >= logging.WARNING}.values())
+        assert len(lines) == 1 and "per-request state buffers" in lines[0].getMessage(), [r.getMessage() for r in lines]
+        assert worker._worker.stats()["enabled"] == 0
+        assert worker._worker.lookup(np.arange(600, dtype=np.int64)) == 0
+    finally:
+        worker.shutdown()

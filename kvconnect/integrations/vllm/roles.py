@@ -75,7 +75,7 @@ def role_policy(kv_role: Optional[str], config: Config) -> RolePolicy:
         raise ConfigError(
             f"kv_role {role.value!r} needs a tier the other side of the P/D pair can read: set "
             f"{' or '.join(SHARED_TIER_FIELDS)} (KVCONNECT_SERVER_URL for the node cache server, "
-            "LMCACHE_REMOTE_URL for Redis / Valkey); with only the CPU pool nothing crosses between servers")
+            "LMCACHE_REMOTE_URL for Redis / Valkey or mooncakestore://HOST:PORT for Mooncake Store); with only the CPU pool nothing crosses between servers")
     if role is Role.PRODUCER:
         return RolePolicy(role, loads=False, stores_prompt=True, stores_decode=config.save_decode_cache)
     if role is Role.CONSUMER:

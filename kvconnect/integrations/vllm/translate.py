@@ -61,6 +61,7 @@ from kvconnect.spec import DCPSpec, GroupSpec
 from . import engine_tables
 from .engine_tables import EngineRelease
 from .metadata import BlockIds, RequestView, freeze_block_ids
+from kvconnect.views import distinct_view_indices
 
 logger = logging.getLogger(__name__)
 
@@ -162,56 +163,15 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """(storage, first byte, end byte of block 0, block stride bytes) of a ``[blocks, ...]`` view."""
-    size = t.element_size()
-    start = t.storage_offset() * size
-    span = (sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:]) if n > 0) + 1) * size
-    return t.untyped_storage().data_ptr(), start, start + span, t.stride(0) * size
-
-
 def _distinct_views(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """A layer's tensors without the views that only re-read bytes earlier tensors cover.
-
-    vLLM-Ascend on A5 registers the C4 indexer as (K, scale, K+scale as one 132-byte row) over
-    one page: storing the third would store the same bytes twice. A view that overlaps others
-    without being covered by them is refused (its rows cannot be moved independently).
-    """
-    kept: list[torch.Tensor] = []
-    extents: list[tuple[int, int, int, int, int]] = []
-    for t in tensors:
-        storage, start, end, stride = _extent(t)
-        whole_end = start + (t.shape[0] - 1) * stride + (end - start)
-        overlapping = [e for e in extents if e[0] == storage and _overlap(e, (storage, start, end, stride, whole_end))]
-        if not overlapping:
-            kept.append(t)
-            extents.append((storage, start, end, stride, whole_end))
-            continue
-        same_stride = all(e[3] == stride for e in overlapping)
-        if not (same_stride and _covers([(e[1], e[2]) for e in overlapping], start, end)):
-            raise UnsupportedLayoutError(
-                f"a {tuple(t.shape)} {t.dtype} view overlaps another tensor of the layer without being covered by it")
-    return tuple(kept)
-
-
-def _overlap(a: tuple, b: tuple) -> bool:
-    """Whether two ``[blocks, ...]`` views of one storage share a byte (per block when strided alike)."""
-    if not (a[1] < b[4] and b[1] < a[4]):
-        return False
-    if a[3] != b[3] or a[3] <= 0:
-        return True
-    stride, shift = a[3], (b[1] - a[1]) % a[3]
-    length_a, length_b = a[2] - a[1], b[2] - b[1]
-    return shift < length_a or shift + length_b > stride
-
-
-def _covers(spans: list[tuple[int, int]], start: int, end: int) -> bool:
-    position = start
-    for a, b in sorted(spans):
-        if a > position:
-            break
-        position = max(position, b)
-    return position >= end
+    """A layer's tensors without the views that only re-read bytes earlier tensors cover
+    (``kvconnect.views``: vLLM-Ascend A5 registers the C4 indexer as K, scale and a third view
+    over both). A partial overlap is refused: the connector stays off for the model."""
+    try:
+        kept = distinct_view_indices("", tensors)
+    except LayoutError as exc:
+        raise UnsupportedLayoutError(str(exc).replace("layer '': ", "")) from exc
+    return tuple(tensors[i] for i in kept)
 
 
 def _planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], logical_views: bool):

@@ -1,0 +1,85 @@
+"""LMCache's configuration names, read as DATA from an LMCache wheel (never imported).
+
+    python3 tests/lmcache_keys.py WHEEL > tests/data/lmcache_names.json   # after a pin bump
+
+Reads, with ``ast`` only:
+- ``lmcache/v1/config.py``: the keys of ``_CONFIG_DEFINITIONS`` (each is a YAML key and an
+  ``LMCACHE_<KEY>`` variable), ``_CONFIG_ALIASES`` and ``_DEPRECATED_CONFIGS`` (old names);
+- every ``.py`` of the wheel: string constants ``LMCACHE_*`` (variables read outside the
+  config module, e.g. ``LMCACHE_LOG_LEVEL``) and the keys of ``extra_config`` it reads
+  (``get_extra_config_value("k")``, ``extra_config.get("k")``, ``extra_config["k"]``).
+
+tests/test_lmcache_names.py compares the vendored list (tests/data/lmcache_names.json) with
+this extraction when the pinned wheel is in the CI cache (.ci/setup.sh downloads it).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import re
+import sys
+import zipfile
+from pathlib import Path
+
+CONFIG_MODULE = "lmcache/v1/config.py"
+_VAR = re.compile(r"^LMCACHE_[A-Z0-9_]+$")
+
+
+def _dict_keys(tree: ast.Module, name: str) -> list[str]:
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == name and isinstance(node.value, ast.Dict):
+            return [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+    raise ValueError(f"{CONFIG_MODULE} has no dict {name}: LMCache changed how it declares its configuration")
+
+
+def _extra_config_keys(tree: ast.AST) -> set[str]:
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "get_extra_config_value":
+                keys.add(node.args[0].value)
+            elif (isinstance(f, ast.Attribute) and f.attr == "get" and isinstance(f.value, ast.Attribute)
+                  and f.value.attr == "extra_config"):
+                keys.add(node.args[0].value)
+        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "extra_config"
+              and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+            keys.add(node.slice.value)
+    return keys
+
+
+def extract(wheel: Path) -> dict:
+    """The names of the LMCache release in ``wheel``, as tests/data/lmcache_names.json holds them."""
+    with zipfile.ZipFile(wheel) as z:
+        config = ast.parse(z.read(CONFIG_MODULE).decode())
+        variables: set[str] = set()
+        extra: set[str] = set()
+        for name in z.namelist():
+            if not name.endswith(".py") or not name.startswith("lmcache/"):
+                continue
+            tree = ast.parse(z.read(name).decode())
+            variables |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                          and _VAR.match(n.value)}
+            extra |= _extra_config_keys(tree)
+    version = re.match(r"lmcache-([^-]+)-", wheel.name)
+    return {
+        "release": version.group(1) if version else "",
+        "wheel": wheel.name,
+        "wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
+        "config_keys": _dict_keys(config, "_CONFIG_DEFINITIONS"),
+        "old_names": sorted(set(_dict_keys(config, "_CONFIG_ALIASES")) | set(_dict_keys(config, "_DEPRECATED_CONFIGS"))),
+        "variables": sorted(variables),
+        "extra_config_keys": sorted(extra),
+    }
+
+
+if __name__ == "__main__":
+    data = extract(Path(sys.argv[1]))
+    vendored = Path(__file__).parent / "data" / "lmcache_names.json"
+    if vendored.exists():  # the provenance text and the LMCache-Ascend part are not in LMCache's wheel: keep them
+        old = json.loads(vendored.read_text())
+        data = {"provenance": old["provenance"], **data, "lmcache_ascend": old["lmcache_ascend"]}
+    print(json.dumps(data, indent=1))
