@@ -61,7 +61,9 @@ def test_shared_prefix_comes_from_kvconnect(kind, block_size, num_groups, tiny_m
 def test_mla_prefix_restores_exactly(tiny_models, run_vllm, tmp_path):
     rng = random.Random(1)
     prefix = _tokens(rng, 8 * CHUNK)
-    opts = dict(block_size=16, chunk_size=CHUNK, max_tokens=MAX_TOKENS)
+    # vLLM picks AMX_MLA on CPUs with AMX (float32 weights refused, blocks of 32); the reference
+    # CPU_MLA backend, named, runs the same on every x86 CPU
+    opts = dict(block_size=16, chunk_size=CHUNK, max_tokens=MAX_TOKENS, attention_backend="CPU_MLA")
     model = tiny_models("deepseek_v2")
 
     plain = run_vllm(model, [[prefix]], **opts)

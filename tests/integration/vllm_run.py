@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attention-backend", default=None,
+                        help="vLLM's attention backend by name (e.g. CPU_MLA: the reference MLA backend, which vLLM "
+                             "otherwise replaces by AMX_MLA on CPUs with AMX)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--save-decode-cache", type=lambda s: s.lower() in ("1", "true"), default=False)
     parser.add_argument("--reset-between-phases", type=lambda s: s.lower() in ("1", "true"), default=True)
@@ -76,7 +79,8 @@ def main() -> None:
         model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=True, seed=0, tensor_parallel_size=tp, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        distributed_executor_backend="mp" if tp > 1 else "uni", **kwargs,
+        distributed_executor_backend="mp" if tp > 1 else "uni",
+        **({"attention_backend": args.attention_backend} if args.attention_backend else {}), **kwargs,
     )
     started = time.monotonic()
     with open(args.prompts) as f:
