@@ -28,6 +28,11 @@ Tensors (one value per layer).
 | 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
 | 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
 
+Split blocks. A cache whose blocks keep each row's fields in separate regions (vLLM's
+DeepSeek V4 ``fp8_ds_mla``: ``[rows x 576][rows x 8]``; DeepSeek indexer K: ``[rows x 128][rows x 4]``)
+is registered as rows of the fields' total width; ``engine_tables`` (``EngineRelease.split_rows``, per release)
+says which, and the layout splits those planes into one sub-plane per region.
+
 What a spec's ``block_size`` counts, and whether hybrid caches are re-split into kernel
 blocks, depends on the engine release: ``engine_tables`` holds that as data (vLLM-Ascend 0.23
 counts compressed blocks in rows and re-splits hybrid attention tensors into kernel blocks of
@@ -56,7 +61,7 @@ from kvconnect.errors import BlockTableError, LayoutError
 from kvconnect.keys import MAX_NAMESPACE_BYTES
 from kvconnect.layout import KVLayout
 from kvconnect.layout_detect import split_planes
-from kvconnect.spec import DCPSpec, GroupSpec
+from kvconnect.spec import DCPSpec, GroupSpec, RowRegions
 
 from . import engine_tables
 from .engine_tables import EngineRelease
@@ -331,6 +336,7 @@ def translate_kv_caches(
     values: dict[str, Any] = {}
     layer_groups: dict[str, Any] = {}
     hints: dict[str, Optional[str]] = {}
+    regions: dict[str, RowRegions] = {}
     seen: set[tuple] = set()
     quant: set[str] = set()
     page_backends: set[str] = set()
@@ -358,7 +364,8 @@ def translate_kv_caches(
                 value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
                 _check_blocks(value, num_blocks * split, split)
                 for tensor in value if isinstance(value, tuple) else (value,):  # shape errors name the layer
-                    split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
+                    views, _ = split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
+                layer_regions = None if is_page or isinstance(value, tuple) else _row_regions(spec, views, release)
             except LayoutError as exc:
                 raise type(exc)(f"layer {layer!r}: {exc}") from exc
             key = (vllm_group, gspec, is_page, split)
@@ -371,6 +378,8 @@ def translate_kv_caches(
             values[layer] = value
             layer_groups[layer] = tuple([g] * len(value)) if isinstance(value, tuple) else g
             hints[layer] = hint
+            if layer_regions is not None:
+                regions[layer] = layer_regions
             quant.add(f"{getattr(spec, 'cache_dtype_str', None)}:{getattr(spec, 'kv_quant_mode', None)}")
             if is_page:
                 page_backends.add(str(backend))
@@ -387,10 +396,19 @@ def translate_kv_caches(
     }
     layout = KVLayout.from_tensors(
         values, groups=group_specs, layer_groups=layer_groups, layout_hints=hints, model_name=model_name,
-        tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident,
+        tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
     )
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
                        layer_names=layer_names, kernel_splits=tuple(splits), release=release.name)
+
+
+def _row_regions(spec: Any, views: Sequence[torch.Tensor], release: EngineRelease) -> Optional[RowRegions]:
+    """The regions of a layer whose one row plane the release writes split (None: whole rows)."""
+    if len(views) != 1 or views[0].dim() < 3:
+        return None
+    view = views[0]
+    row_bytes = int(np.prod(view.shape[2:])) * view.element_size()
+    return release.row_regions(spec, str(view.dtype).removeprefix("torch."), row_bytes)
 
 
 def _check_blocks(value: Any, expected: int, split: int) -> None:
