@@ -18,10 +18,16 @@ the fields' total width; ``translate`` splits each into sub-planes (``spec.RowRe
 | cache (vLLM spec) | registered row | block as written | written by |
 |---|---|---|---|
 | DeepSeek V4 ``fp8_ds_mla`` SWA / C4 / C128 (``cache_dtype_str`` fp8_ds_mla, ``model_version`` deepseek_v4) | 584 B | ``[rows x 576][rows x 8]`` (448 fp8 NoPE + 64 bf16 RoPE; 7 UE8M0 scales + 1 pad) | CPU: ``fused_qnorm_rope_kv_insert_cpu`` (csrc/cpu store_cache.cpp), ``compress_norm_rope_store_cpu`` (compressor.cpp); CUDA: ``fused_deepseek_v4_qnorm_rope_kv_insert`` |
-| DeepSeek V3.2 / V4 indexer K (``MLAAttentionSpec``, uint8, head_size 132) | 132 B | ``[rows x 128][rows x 4]`` (fp8 values; fp32 scale) | CUDA: ``indexer_k_quant_and_cache`` (cache_kernels.cu); CPU V4: ``compress_norm_rope_store_indexer_cpu`` |
+| DeepSeek V4.1 MXFP8 record (``fp8_ds_mla`` / ``nvfp4_ds_mla`` SWA, ``model_version`` deepseek_v4) | 528 B | ``[rows x 512][rows x 16]`` (512 fp8; 16 UE8M0 scales) | vLLM's record description (``flashmla_sparse.py`` module doc: data rows first, scale rows after) |
+| DeepSeek V3.2 / V4 indexer K (``MLAAttentionSpec``, uint8, head_size 132) | 132 B | ``[rows x 128][rows x 4]`` (fp8 values; fp32 scale) | CUDA: ``indexer_k_quant_and_cache`` (cache_kernels.cu); CPU V4: ``compress_norm_rope_store_indexer_cpu``; Triton V4: ``_fused_kv_compress_norm_rope_insert_indexer_attn`` |
+| DeepSeek V4 MXFP4 indexer K (``MLAAttentionSpec``, uint8, head_size 68) | 68 B | ``[rows x 64][rows x 4]`` (e2m1 pairs; UE8M0 scales) | Triton V4: ``_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn`` |
 
-DeepSeek V3.2's main ``fp8_ds_mla`` cache (656 B: 512 fp8 + 4 fp32 scales + 64 bf16 RoPE) is
-written as one contiguous row per token (``concat_and_cache_ds_mla``): no split.
+DeepSeek V3.2's main ``fp8_ds_mla`` cache (656 B: 512 fp8 + 4 fp32 scales + 64 bf16 RoPE) and
+its ``nvfp4_ds_mla`` cache (352 B) are written as one contiguous row per token
+(``concat_and_cache_ds_mla``): no split. Any other packed (uint8) cache of a DeepSeek V4 spec
+(``model_version`` deepseek_v4), e.g. V4.1's 288-byte NVFP4 compressed record, is not in the
+table and is refused (``EngineRelease.unaudited``): its in-block layout was not checked
+against its writer, and a wrong guess would restore wrong bytes.
 
 Release detection: the spec class's top-level package (``vllm_ascend`` or ``vllm``) and, for
 vLLM-Ascend, its installed version. A caller may name a release explicitly
@@ -54,6 +60,7 @@ class EngineRelease:
     hybrid_kernel_block_tokens: Optional[int] = None
     kernel_split_specs: frozenset = frozenset()
     split_rows: tuple = ()
+    audit_required: tuple = ()  # (attr, value) pairs: packed caches of such specs must be in split_rows
 
     def __post_init__(self) -> None:
         if self.compressed_block_unit not in ("rows", "tokens"):
@@ -74,6 +81,12 @@ class EngineRelease:
             if entry.applies(spec, dtype, row_bytes):
                 return entry.regions
         return None
+
+    def unaudited(self, spec: Any, dtype: str, row_bytes: int) -> bool:
+        """Whether a packed (uint8) cache belongs to a family whose blocks are written split but
+        whose row width is not in ``split_rows`` (its layout is unknown: refuse, never guess)."""
+        return (dtype == "uint8" and self.row_regions(spec, dtype, row_bytes) is None
+                and any(getattr(spec, key, None) == value for key, value in self.audit_required))
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,14 @@ FP8_DS_MLA_V4 = SplitRows(
     regions=RowRegions(region_bytes=(576, 8), what="DeepSeek V4 fp8_ds_mla: 576 data bytes, then 8 scale bytes a row"),
     writer="csrc/cpu store_cache.cpp fused_qnorm_rope_kv_insert_cpu, compressor.cpp compress_norm_rope_store_cpu; "
            "CUDA fused_deepseek_v4_qnorm_rope_kv_insert")
+FP8_DS_MLA_V41 = SplitRows(
+    spec_classes=_MLA_SPECS, match=(("model_version", "deepseek_v4"),), dtype="uint8",
+    regions=RowRegions(region_bytes=(512, 16), what="DeepSeek V4.1 MXFP8 record: 512 data bytes, then 16 scale bytes a row"),
+    writer="vLLM v1/attention/backends/mla/flashmla_sparse.py record layout (V4 and V4.1: data rows, then scale rows)")
+DSA_INDEXER_K_MXFP4 = SplitRows(
+    spec_classes=frozenset({"MLAAttentionSpec"}), match=(("head_size", 68),), dtype="uint8",
+    regions=RowRegions(region_bytes=(64, 4), what="DeepSeek V4 MXFP4 indexer K: 64 bytes of e2m1 pairs, then 4 UE8M0 scales"),
+    writer="models/deepseek_v4/common/ops/fused_compress_quant_cache.py (MXFP4 indexer insert)")
 DSA_INDEXER_K = SplitRows(
     spec_classes=frozenset({"MLAAttentionSpec"}), match=(("head_size", 132),), dtype="uint8",
     regions=RowRegions(region_bytes=(128, 4), what="DeepSeek indexer K: 128 fp8 values, then a 4-byte fp32 scale a row"),
@@ -115,7 +136,9 @@ _ASCEND_ATTENTION_SPECS = frozenset({
     "FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec",
 })
 
-VLLM = EngineRelease("vllm", compressed_block_unit="tokens", split_rows=(FP8_DS_MLA_V4, DSA_INDEXER_K))
+VLLM = EngineRelease("vllm", compressed_block_unit="tokens",
+                     split_rows=(FP8_DS_MLA_V4, FP8_DS_MLA_V41, DSA_INDEXER_K, DSA_INDEXER_K_MXFP4),
+                     audit_required=(("model_version", "deepseek_v4"),))
 VLLM_ASCEND_0_23 = EngineRelease("vllm-ascend-0.23", compressed_block_unit="rows", hybrid_kernel_block_tokens=128,
                                  kernel_split_specs=_ASCEND_ATTENTION_SPECS)
 VLLM_ASCEND_MAIN = EngineRelease("vllm-ascend-main", compressed_block_unit="tokens", hybrid_kernel_block_tokens=128,

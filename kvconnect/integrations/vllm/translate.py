@@ -408,7 +408,13 @@ def _row_regions(spec: Any, views: Sequence[torch.Tensor], release: EngineReleas
         return None
     view = views[0]
     row_bytes = int(np.prod(view.shape[2:])) * view.element_size()
-    return release.row_regions(spec, str(view.dtype).removeprefix("torch."), row_bytes)
+    dtype = str(view.dtype).removeprefix("torch.")
+    if release.unaudited(spec, dtype, row_bytes):
+        raise UnsupportedLayoutError(
+            f"{type(spec).__name__} ({getattr(spec, 'cache_dtype_str', None)}, {row_bytes}-byte rows): a packed DeepSeek "
+            f"V4 cache whose in-block layout {release.name}'s table does not describe; kvconnect stays off rather than "
+            f"guess where each row's fields are")
+    return release.row_regions(spec, dtype, row_bytes)
 
 
 def _check_blocks(value: Any, expected: int, split: int) -> None:
