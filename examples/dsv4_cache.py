@@ -13,7 +13,8 @@ import torch
 from kvconnect import GroupSpec
 
 from kvconnect.presets import DSV4_GROUPS as GROUPS  # group name -> (spec, row bytes, dtype, page alignment)
-from kvconnect.presets import DSV4_ROW_BYTES as ROW_BYTES  # fp8_ds_mla: 448 fp8 NoPE + 16 B scales + 120 B bf16 RoPE
+from kvconnect.presets import DSV4_ROW_BYTES as ROW_BYTES  # fp8_ds_mla: 576 B data + 8 B scales a row
+from kvconnect.presets import DSV4_ROW_REGIONS as ROW_REGIONS  # vLLM writes those blocks [rows x data][rows x scales]
 from kvconnect.presets import dsv4_layer_caches as layer_caches  # layers 0-1 and MTP (43) SWA, C4 even, C128 odd
 
 GROUP_NAMES = list(GROUPS)
@@ -44,6 +45,12 @@ def build(num_layers: int, max_tokens: int) -> tuple[dict, list[GroupSpec], dict
             kv_caches[key] = _padded_plane(num_blocks, spec, row_bytes, dtype, align)
             layer_groups[key] = used.index(name)
     return kv_caches, [GROUPS[n][0] for n in used], layer_groups
+
+
+def row_regions(num_layers: int) -> dict:
+    """``row_regions`` for KVLayout.from_tensors: the caches vLLM writes split into regions."""
+    return {f"layers.{layer}.{name}": ROW_REGIONS[name]
+            for layer in range(num_layers) for name in layer_caches(layer) if name in ROW_REGIONS}
 
 
 def group_names(num_layers: int) -> list[str]:

@@ -130,7 +130,8 @@ def main() -> None:
 
     prefix_len, suffix_len = 3 * args.chunk_size, args.chunk_size
     kv_caches, groups, layer_groups = dsv4_cache.build(args.layers, max_tokens=12 * (prefix_len + suffix_len))
-    layout = KVLayout.from_tensors(kv_caches, groups=groups, layer_groups=layer_groups, model_name="dsv4-flash-mini")
+    layout = KVLayout.from_tensors(kv_caches, groups=groups, layer_groups=layer_groups, model_name="dsv4-flash-mini",
+                                   row_regions=dsv4_cache.row_regions(args.layers))
     engine = KVCacheEngine(layout, Config(chunk_size=args.chunk_size, max_local_cpu_size=0.125))
     engine.pool.buffer.zero_()  # fault the pool's pages in now, not inside the first timed store
     sim = SimulatedEngine(layout, engine)

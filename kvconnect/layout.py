@@ -4,10 +4,17 @@
 tuple of tensors) into planes, binds each plane to its group, checks every plane against
 its group's geometry, and computes the layout fingerprint that namespaces chunk keys.
 
+Sub-planes: ``row_regions`` names the layers whose blocks keep their rows' fields in
+separate regions (``spec.RowRegions``, e.g. vLLM's DeepSeek V4 ``fp8_ds_mla`` block
+``[rows x 576][rows x 8]``). Each region becomes a plane of its own, with its in-block offset
+in its base address and its own row stride, so every kernel (compiled CPU and CUDA, Triton,
+torch) moves each field from where the engine wrote it, whatever row range a copy covers.
+
 The fingerprint covers what decides a stored chunk's bytes (model, dtypes, plane row bytes
-and order, group kinds, compress ratios and windows, TP and DCP shard, format version) and
-deliberately not the engine's block size or block stride of token planes: a chunk stored
-by a deployment with block size 128 is read by one with block size 32.
+and order, group kinds, compress ratios and windows, TP and DCP shard, format version, and
+the regions of split planes) and deliberately not the engine's block size or block stride
+of token planes: a chunk stored by a deployment with block size 128 is read by one with
+block size 32.
 """
 
 from __future__ import annotations
@@ -22,14 +29,15 @@ import torch
 
 from .views import drop_aliased_views
 from .errors import LayoutError
-from .layout_detect import plane_geometry, split_planes
+from .layout_detect import plane_geometry, split_planes, split_regions
 from .rows import GroupGeometry
-from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec
+from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec, RowRegions
 
 FORMAT_VERSION = 1
 
 LayerValue = Union[torch.Tensor, Sequence[torch.Tensor]]
 GroupAssignment = Union[int, Sequence[int]]
+RegionAssignment = Union[RowRegions, Sequence[Optional[RowRegions]]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +68,7 @@ class KVLayout:
         tp_size: int = 1,
         dcp: DCPSpec = DCPSpec(),
         identity: Optional[Mapping[str, str]] = None,
+        row_regions: Optional[Mapping[str, RegionAssignment]] = None,
     ) -> "KVLayout":
         """Build a layout from ``{layer_name: tensor | tuple_of_tensors}``.
 
@@ -68,6 +77,9 @@ class KVLayout:
             value. Omitted: every layer is in group 0 (requires a single group).
         layout_hints: one hint for all layers or one per layer (see layout_detect.HINTS).
         identity: extra strings (e.g. quantisation, kv dtype flags) folded into the fingerprint.
+        row_regions: per layer, the ``RowRegions`` of its row planes (or a tuple with one
+            entry, possibly None, per tensor of a tuple value): each such plane becomes one
+            sub-plane per region, in region order.
 
         Example::
 
@@ -99,7 +111,8 @@ class KVLayout:
                     f"layer {layer_name!r}: {len(values)} tensors but {len(group_ids)} group indices"
                 )
             hint = layout_hints.get(layer_name) if isinstance(layout_hints, Mapping) else layout_hints
-            for tensor, group_index in zip(values, group_ids):
+            regions_of = _regions_per_tensor(layer_name, (row_regions or {}).get(layer_name), len(values))
+            for tensor, group_index, regions in zip(values, group_ids, regions_of):
                 if not isinstance(group_index, int) or not 0 <= group_index < len(groups):
                     raise LayoutError(f"layer {layer_name!r}: group index {group_index!r} not in [0, {len(groups)})")
                 group = groups[group_index]
@@ -107,26 +120,32 @@ class KVLayout:
                     raise LayoutError(f"layer {layer_name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
                 force_page = group.kind is GroupKind.STATE
                 views, is_page = split_planes(tensor, group.rows_per_block, "page" if force_page else hint)
+                if regions is not None and is_page:
+                    raise LayoutError(f"layer {layer_name!r}: row regions given for a page plane (pages are stored whole)")
                 for view in views:
                     where = f"layer {layer_name!r} plane {len([p for p in planes if p.layer_name == layer_name])}"
-                    geo = plane_geometry(view, is_page=is_page, where=where)
-                    if not is_page and geo["rows_per_block"] != group.rows_per_block:
-                        raise LayoutError(
-                            f"{where}: {geo['rows_per_block']} rows per block, but group {group_index} "
-                            f"(block_size {group.block_size}, compress_ratio {group.compress_ratio}) has "
-                            f"{group.rows_per_block}"
+                    subs = [view] if regions is None else split_regions(view, regions, where)
+                    for region_index, view in enumerate(subs):
+                        geo = plane_geometry(view, is_page=is_page, where=where)
+                        if not is_page and geo["rows_per_block"] != group.rows_per_block:
+                            raise LayoutError(
+                                f"{where}: {geo['rows_per_block']} rows per block, but group {group_index} "
+                                f"(block_size {group.block_size}, compress_ratio {group.compress_ratio}) has "
+                                f"{group.rows_per_block}"
+                            )
+                        planes.append(
+                            PlaneSpec(
+                                layer_name=layer_name,
+                                plane_index=len([p for p in planes if p.layer_name == layer_name]),
+                                group_index=group_index,
+                                tokens_per_row=group.block_size if is_page else group.compress_ratio,
+                                is_page=is_page,
+                                region_index=region_index,
+                                num_regions=len(subs),
+                                **geo,
+                            )
                         )
-                    planes.append(
-                        PlaneSpec(
-                            layer_name=layer_name,
-                            plane_index=len([p for p in planes if p.layer_name == layer_name]),
-                            group_index=group_index,
-                            tokens_per_row=group.block_size if is_page else group.compress_ratio,
-                            is_page=is_page,
-                            **geo,
-                        )
-                    )
-                    tensors.append(view)
+                        tensors.append(view)
         return cls._assemble(groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity or {})
 
     @classmethod
@@ -210,6 +229,17 @@ class KVLayout:
         return out
 
 
+def _regions_per_tensor(layer_name: str, given: Optional[RegionAssignment], count: int) -> list[Optional[RowRegions]]:
+    if given is None:
+        return [None] * count
+    if isinstance(given, RowRegions):
+        return [given] * count
+    out = list(given)
+    if len(out) != count or any(r is not None and not isinstance(r, RowRegions) for r in out):
+        raise LayoutError(f"layer {layer_name!r}: row_regions needs one RowRegions or None per tensor ({count}), got {given!r}")
+    return out
+
+
 def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity) -> Fingerprint:
     doc = {
         "format": FORMAT_VERSION,
@@ -223,4 +253,8 @@ def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, 
         ],
         "planes": [[p.group_index, p.dtype, p.row_bytes, p.tokens_per_row, p.is_page] for p in planes],
     }
+    if any(p.num_regions > 1 for p in planes):
+        # Chunks of split planes hold each region's rows apart; before sub-planes existed such
+        # caches were stored as wide rows (wrong bytes within a block): never match those.
+        doc["regions"] = [[p.region_index, p.num_regions] for p in planes]
     return Fingerprint(blake3.blake3(msgpack.packb(doc)).digest(16))

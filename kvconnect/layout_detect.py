@@ -15,6 +15,9 @@ Engine layouts whose first dim is not blocks are split into views that follow it
 
 Without a hint the common shapes are detected from ``rows_per_block``; an ambiguous
 shape raises ``LayoutError`` asking for a hint.
+
+``split_regions`` then splits a plane whose block keeps its rows' fields in separate regions
+(``spec.RowRegions``) into one byte sub-plane per region.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Optional
 import torch
 
 from .errors import LayoutError
+from .spec import RowRegions
 
 HINTS = ("blocks_first", "kv_first", "kv_second", "hnd_kv_first", "hnd_kv_second", "hnd", "page")
 
@@ -68,6 +72,40 @@ def split_planes(t: torch.Tensor, rows_per_block: int, hint: Optional[str]) -> t
     if hint == "hnd_kv_first":
         return [t[k][:, h] for k in range(2) for h in range(t.shape[2])], False
     return [t[:, k, h] for k in range(2) for h in range(t.shape[2])], False  # hnd_kv_second
+
+
+def split_regions(t: torch.Tensor, regions: RowRegions, where: str) -> list[torch.Tensor]:
+    """One uint8 view ``[num_blocks, rows, region_bytes]`` per region of a ``[NB, rows, *row]`` plane.
+
+    The plane's rows must be tight inside a block (row stride = row bytes = the regions'
+    total): the engine then addresses region k of row r at ``k_offset + r * region_bytes``
+    from the block's start, which is what each view does. The views share ``t``'s storage
+    (torch bounds-checks them against it).
+    """
+    if t.dim() < 2:
+        raise LayoutError(f"{where}: a split plane needs [num_blocks, rows, ...] dims, got shape {tuple(t.shape)}")
+    elem = t.element_size()
+    num_blocks, rows = t.shape[0], t.shape[1]
+    row_bytes = math.prod(t.shape[2:]) * elem
+    if not _contiguous_tail(t, 2):
+        raise LayoutError(f"{where}: the row dims {tuple(t.shape[2:])} are not contiguous (strides {t.stride()})")
+    if row_bytes != regions.row_bytes:
+        raise LayoutError(
+            f"{where}: rows of {row_bytes} bytes cannot hold the regions {regions.region_bytes} "
+            f"({regions.what or 'split rows'}: {regions.row_bytes} bytes a row)")
+    if rows > 1 and t.stride(1) * elem != row_bytes:
+        raise LayoutError(
+            f"{where}: rows are {t.stride(1) * elem} bytes apart, not {row_bytes}: a block split into regions "
+            f"({regions.what or 'split rows'}) must be one tight run of rows x {row_bytes} bytes")
+    block_stride = t.stride(0) * elem
+    if num_blocks > 1 and block_stride < rows * row_bytes:
+        raise LayoutError(f"{where}: blocks overlap (stride {block_stride} < {rows} rows x {row_bytes} bytes)")
+    base = t.storage_offset() * elem
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return [
+        torch.as_strided(flat, (num_blocks, rows, size), (block_stride, size, 1), base + offset)
+        for size, offset in zip(regions.region_bytes, regions.region_offsets_bytes(rows))
+    ]
 
 
 def _contiguous_tail(t: torch.Tensor, first_dim: int) -> bool:

@@ -30,7 +30,7 @@ import torch
 
 from .errors import ConfigError
 from .layout import KVLayout
-from .spec import DCPSpec, GroupKind, GroupSpec
+from .spec import DCPSpec, GroupKind, GroupSpec, RowRegions
 
 ENGINES = ("vllm", "vllm-ascend", "sglang")
 KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -38,7 +38,7 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torc
              "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}
 
 # DeepSeek-V4-Flash, vLLM's seven caches: name -> (spec, row bytes, dtype, page alignment)
-DSV4_ROW_BYTES = 584  # fp8_ds_mla: 448 fp8 NoPE + 16 B scales + 120 B bf16 RoPE
+DSV4_ROW_BYTES = 584  # fp8_ds_mla: 448 fp8 NoPE + 64 bf16 RoPE (576 B data) + 7 UE8M0 scales + 1 pad (8 B)
 DSV4_GROUPS = {
     "swa": (GroupSpec(block_size=64, sliding_window=128), DSV4_ROW_BYTES, torch.uint8, 576),
     "c4": (GroupSpec(block_size=256, compress_ratio=4), DSV4_ROW_BYTES, torch.uint8, 576),
@@ -48,6 +48,13 @@ DSV4_GROUPS = {
     "c4_indexer_state": (GroupSpec(block_size=4, sliding_window=8), 2048, torch.float32, 512),
     "c128_state": (GroupSpec(block_size=8, sliding_window=128), 4096, torch.float32, 512),
 }
+
+
+# vLLM writes these blocks split: all rows' data, then all rows' scales (engine_tables.SplitRows)
+FP8_DS_MLA_REGIONS = RowRegions(region_bytes=(576, 8), what="DeepSeek V4 fp8_ds_mla")
+DSA_INDEXER_REGIONS = RowRegions(region_bytes=(128, 4), what="DeepSeek indexer K")
+DSV4_ROW_REGIONS = {"swa": FP8_DS_MLA_REGIONS, "c4": FP8_DS_MLA_REGIONS, "c128": FP8_DS_MLA_REGIONS,
+                    "c4_indexer": DSA_INDEXER_REGIONS}
 
 
 def dsv4_layer_caches(layer: int) -> list[str]:
@@ -64,7 +71,8 @@ class Cache:
     """One tensor an engine allocates for one layer: rows of ``row_shape`` elements of ``dtype``.
 
     ``kv_pair``: the flash-attn ``[2, NB, BS, *row]`` K/V pair; else ``[NB, rows, *row]``
-    with each block's page padded to ``page_align`` bytes (0: tight)."""
+    with each block's page padded to ``page_align`` bytes (0: tight); ``regions``: the engine
+    writes each block split into these regions (``spec.RowRegions``)."""
 
     layer: str
     group: int
@@ -72,6 +80,7 @@ class Cache:
     row_shape: tuple[int, ...]
     kv_pair: bool = False
     page_align: int = 0
+    regions: Optional[RowRegions] = None
 
     def row_bytes(self) -> int:
         return math.prod(self.row_shape) * torch.empty(0, dtype=self.dtype).element_size()
@@ -126,6 +135,7 @@ class ModelKV:
             kv, groups=self.groups, layer_groups={c.layer: c.group for c in self.caches},
             layout_hints={c.layer: "kv_first" if c.kv_pair else "blocks_first" for c in self.caches},
             model_name=self.name, tp_size=self.tp_size, dcp=self.dcp,
+            row_regions={c.layer: c.regions for c in self.caches if c.regions is not None},
         )
 
 
@@ -174,8 +184,9 @@ def mla(name: str, *, layers: int, indexer: bool = False, dtype: torch.dtype = t
             caches += [Cache(f"layers.{i}.nope", 0, dtype, (1, latent)), Cache(f"layers.{i}.rope", 0, dtype, (1, rope))]
         else:
             caches.append(Cache(f"layers.{i}.attn", 0, dtype, (latent + rope,)))
-        if indexer:
-            caches.append(Cache(f"layers.{i}.indexer", 0, torch.uint8, (132,)))
+        if indexer:  # vLLM writes it split (indexer_k_quant_and_cache); SGLang stores whole pages
+            regions = DSA_INDEXER_REGIONS if engine == "vllm" else None
+            caches.append(Cache(f"layers.{i}.indexer", 0, torch.uint8, (132,), regions=regions))
     return ModelKV(name, engine, (GroupSpec(block_size=block_size),), ("mla" + (" + indexer" if indexer else ""),),
                    tuple(caches), tp_size=tp, dcp=dcp)
 
@@ -193,7 +204,8 @@ def dsv4_flash(name: str = "deepseek-v4-flash", *, layers: int = 44, engine: str
     used = [n for n in DSV4_GROUPS if any(n in dsv4_layer_caches(i) for i in range(layers))]
     caches = tuple(
         Cache(f"layers.{i}.{n}", used.index(n), DSV4_GROUPS[n][2],
-              (DSV4_GROUPS[n][1] // torch.empty(0, dtype=DSV4_GROUPS[n][2]).element_size(),), page_align=DSV4_GROUPS[n][3])
+              (DSV4_GROUPS[n][1] // torch.empty(0, dtype=DSV4_GROUPS[n][2]).element_size(),), page_align=DSV4_GROUPS[n][3],
+              regions=DSV4_ROW_REGIONS.get(n))
         for i in range(layers) for n in dsv4_layer_caches(i)
     )
     return ModelKV(name, engine, tuple(specs[n] for n in used), tuple(used), caches, tp_size=tp, dcp=dcp)

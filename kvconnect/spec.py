@@ -5,6 +5,12 @@ request). A *plane* is one tensor of paged memory: dim 0 indexes engine blocks, 
 indexes rows within a block, and the remaining dims form one contiguous row. A layer
 has one or more planes (K and V; MLA nope + rope; indexer + scale).
 
+Sub-planes. Some engines do not keep a row's fields together: vLLM's DeepSeek V4
+``fp8_ds_mla`` block holds all its rows' 576 data bytes first, then all their 8 scale bytes
+(``[rows x 576][rows x 8]``). ``RowRegions`` describes such a block; each region is then a
+plane of its own (a *sub-plane*: same blocks and rows, its own in-block offset and row
+stride), so a copy of any row range takes each field from where the engine wrote it.
+
 Row arithmetic. A plane stores one row per ``tokens_per_row`` tokens:
 - token planes: ``tokens_per_row = compress_ratio`` (1 for plain attention),
 - page planes (opaque per-block pages, recurrent state): ``tokens_per_row = block_size``.
@@ -124,11 +130,53 @@ class DCPSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RowRegions:
+    """A block whose rows' fields live in separate regions, one after the other.
+
+    region_bytes: bytes per row of each region, in block order. A block of R rows is
+        ``[R x region_bytes[0]][R x region_bytes[1]]...``; region k starts at byte
+        ``R * sum(region_bytes[:k])`` of the block and its rows are ``region_bytes[k]`` apart.
+    what: the engine layout this describes (for messages and the layout table).
+
+    The engine registers such a cache as rows of ``row_bytes`` (e.g. 584 = 576 + 8): the
+    registered tensor has the right block size and page but not the right row addresses.
+
+    Example (vLLM DeepSeek V4 ``fp8_ds_mla``)::
+
+        RowRegions(region_bytes=(576, 8), what="fp8_ds_mla").region_offsets_bytes(64)  # (0, 36864)
+    """
+
+    region_bytes: tuple[int, ...]
+    what: str = ""
+
+    def __post_init__(self) -> None:
+        sizes = self.region_bytes
+        if not isinstance(sizes, tuple) or len(sizes) < 2:
+            raise LayoutError(f"RowRegions needs at least two regions, got {sizes!r}")
+        if any(not isinstance(b, int) or b <= 0 for b in sizes):
+            raise LayoutError(f"RowRegions: every region needs a positive byte count, got {sizes!r}")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row over all regions (the engine's registered row width)."""
+        return sum(self.region_bytes)
+
+    def region_offsets_bytes(self, rows_per_block: int) -> tuple[int, ...]:
+        """Byte offset of each region inside a block of ``rows_per_block`` rows."""
+        offsets, at = [], 0
+        for size in self.region_bytes:
+            offsets.append(at)
+            at += rows_per_block * size
+        return tuple(offsets)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlaneSpec:
     """One paged tensor as kvconnect addresses it (no tensor reference: a pure value).
 
     A row's address is ``base + block * block_stride_bytes + row * row_stride_bytes``;
-    its ``row_bytes`` bytes are contiguous.
+    its ``row_bytes`` bytes are contiguous. A sub-plane (region ``region_index`` of
+    ``num_regions``, see ``RowRegions``) has its base at the region's offset in block 0.
     """
 
     layer_name: str
@@ -142,9 +190,13 @@ class PlaneSpec:
     row_stride_bytes: int
     tokens_per_row: int
     is_page: bool = False
+    region_index: int = 0
+    num_regions: int = 1
 
     def __post_init__(self) -> None:
         where = f"layer {self.layer_name!r} plane {self.plane_index}"
+        if self.num_regions < 1 or not 0 <= self.region_index < self.num_regions:
+            raise LayoutError(f"{where}: region {self.region_index} is not in [0, {self.num_regions})")
         if self.num_blocks <= 0 or self.rows_per_block <= 0 or self.row_bytes <= 0:
             raise LayoutError(f"{where}: empty plane (blocks, rows and row bytes must be > 0)")
         if self.rows_per_block > 1 and self.row_stride_bytes < self.row_bytes:

@@ -13,6 +13,7 @@ import torch
 
 import zoo
 from kvconnect import DCPSpec, GroupKind, GroupSpec, KVLayout, LayoutError
+from kvconnect.spec import RowRegions
 from kvconnect.transfer.tables import plane_table
 
 NAMES = list(zoo.ZOO)
@@ -58,17 +59,20 @@ def test_ambiguous_shape_asks_for_a_hint():
 
 
 def test_padded_pages_keep_their_stride():
-    """DSv4 pages are padded to 576 bytes: block stride > rows x row bytes, row bytes exact."""
+    """DSv4 pages are padded to 576 bytes: block stride > rows x row bytes, row bytes exact;
+    the fp8 caches are split into a data and a scale sub-plane (vLLM writes them so)."""
     layout = zoo.dsv4(max_tokens=300).layout()
-    by_name = {p.layer_name: p for p in layout.planes}
-    swa = by_name["layers.0.swa"]
-    assert (swa.row_bytes, swa.rows_per_block, swa.block_stride_bytes) == (584, 64, 37440)
-    c128 = by_name["layers.2.c128"]
-    assert (c128.row_bytes, c128.rows_per_block, c128.block_stride_bytes) == (584, 2, 1728)
-    idx = by_name["layers.1.c4_indexer"]
-    assert (idx.row_bytes, idx.block_stride_bytes) == (132, 8640)
-    state = by_name["layers.1.c4_state"]
+    by_name = {(p.layer_name, p.region_index): p for p in layout.planes}
+    swa, swa_scales = by_name["layers.0.swa", 0], by_name["layers.0.swa", 1]
+    assert (swa.row_bytes, swa.rows_per_block, swa.block_stride_bytes) == (576, 64, 37440)
+    assert (swa_scales.row_bytes, swa_scales.row_stride_bytes, swa_scales.block_stride_bytes) == (8, 8, 37440)
+    c128 = by_name["layers.2.c128", 1]
+    assert (c128.row_bytes, c128.rows_per_block, c128.block_stride_bytes, c128.num_regions) == (8, 2, 1728, 2)
+    idx = by_name["layers.1.c4_indexer", 0], by_name["layers.1.c4_indexer", 1]
+    assert [(p.row_bytes, p.block_stride_bytes) for p in idx] == [(128, 8640), (4, 8640)]
+    state = by_name["layers.1.c4_state", 0]
     assert (state.dtype, state.row_bytes, state.rows_per_block, state.block_stride_bytes) == ("float32", 8192, 4, 32768)
+    assert state.num_regions == 1
 
 
 def test_packed_views_share_one_block_stride():
@@ -77,7 +81,7 @@ def test_packed_views_share_one_block_stride():
     # 3 SWA pages + C4 MLA + C4 indexer + 2 C4 states + C128 MLA + C128 state, each 576-aligned
     assert strides == {3 * 37440 + 37440 + 8640 + 32832 + 8640 + 1728 + 32832}
     starts = sorted(t.data_ptr() for t in packed.tensors)
-    assert len(set(starts)) == len(starts)  # nine views at distinct offsets into one block
+    assert len(set(starts)) == len(starts)  # 15 (sub-)plane views at distinct offsets into one block
     storages = {t.untyped_storage().data_ptr() for t in packed.tensors}
     assert len(storages) == 1
 
@@ -211,3 +215,59 @@ def test_dcp_spec_validation(kwargs):
 def test_inconsistent_layouts_raise(build, match):
     with pytest.raises(LayoutError, match=match):
         build()
+
+
+# --- sub-planes: blocks the engine writes as separate regions (spec.RowRegions) --------------
+
+
+def _split_cache(num_blocks=6, rows=64, row=584, page=37440, seed=3):
+    backing = torch.randint(0, 256, (num_blocks * page,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return backing, torch.as_strided(backing, (num_blocks, rows, row), (page, row, 1))
+
+
+def test_sub_planes_address_each_region_as_the_engine_writes_it():
+    """Field k of row r of block b lies at ``b * page + rows * sum(regions[:k]) + r * regions[k]``."""
+    backing, t = _split_cache()
+    layout = KVLayout.from_tensors({"swa": t}, groups=[GroupSpec(block_size=64, sliding_window=128)],
+                                   row_regions={"swa": RowRegions(region_bytes=(576, 8))})
+    assert [(p.row_bytes, p.row_stride_bytes, p.block_stride_bytes, p.region_index, p.num_regions, p.dtype)
+            for p in layout.planes] == [(576, 576, 37440, 0, 2, "uint8"), (8, 8, 37440, 1, 2, "uint8")]
+    table = plane_table(layout)
+    for b, r in [(0, 0), (2, 1), (5, 63)]:
+        data = table[0, 0] + b * table[0, 1] + r * table[0, 2]
+        scale = table[1, 0] + b * table[1, 1] + r * table[1, 2]
+        assert data - backing.data_ptr() == b * 37440 + r * 576
+        assert scale - backing.data_ptr() == b * 37440 + 64 * 576 + r * 8
+    assert RowRegions(region_bytes=(576, 8)).region_offsets_bytes(64) == (0, 36864)
+
+
+def test_split_fingerprint_differs_from_whole_rows():
+    _, t = _split_cache()
+    groups = [GroupSpec(block_size=64, sliding_window=128)]
+    whole = KVLayout.from_tensors({"swa": t}, groups=groups)
+    split = KVLayout.from_tensors({"swa": t}, groups=groups, row_regions={"swa": RowRegions(region_bytes=(576, 8))})
+    other = KVLayout.from_tensors({"swa": t}, groups=groups, row_regions={"swa": RowRegions(region_bytes=(512, 72))})
+    assert len({whole.fingerprint, split.fingerprint, other.fingerprint}) == 3
+
+
+@pytest.mark.parametrize("regions, tensor, match", [
+    ((576, 8), lambda: _split_cache()[1][:, :, :576], "cannot hold the regions"),
+    ((576, 8), lambda: torch.as_strided(_split_cache()[0], (6, 64, 584), (37440, 585, 1)), "must be one tight run"),
+    ((576, 8), lambda: torch.as_strided(_split_cache(page=40000)[0], (6, 64, 584), (30000, 584, 1)), "blocks overlap"),
+    ((576,), lambda: _split_cache()[1], "at least two regions"),
+    ((576, 0), lambda: _split_cache()[1], "positive byte count"),
+])
+def test_bad_regions_raise(regions, tensor, match):
+    with pytest.raises(LayoutError, match=match):
+        KVLayout.from_tensors({"l": tensor()}, groups=[GroupSpec(block_size=64)],
+                              row_regions={"l": RowRegions(region_bytes=regions)})
+
+
+def test_regions_on_page_planes_and_bad_assignments_raise():
+    _, t = _split_cache()
+    with pytest.raises(LayoutError, match="page plane"):
+        KVLayout.from_tensors({"l": t}, groups=[GroupSpec(block_size=64)], layout_hints="page",
+                              row_regions={"l": RowRegions(region_bytes=(576, 8))})
+    with pytest.raises(LayoutError, match="one RowRegions or None per tensor"):
+        KVLayout.from_tensors({"l": (t, t)}, groups=[GroupSpec(block_size=64)],
+                              row_regions={"l": (RowRegions(region_bytes=(576, 8)),)})

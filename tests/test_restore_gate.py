@@ -120,9 +120,10 @@ def test_compressed_floor(rng):
     c4, c128 = zoo.DSV4_NAMES.index("c4"), zoo.DSV4_NAMES.index("c128")
     assert zoo.needed_rows(case, c4, n) == (0, 160) and zoo.needed_rows(case, c128, n) == (0, 5)
     dst, dst_tables = _restore_and_check(case, engine, tokens, tables, n, rng)
-    c128_cache = dst.kv_caches["layers.2.c128"]  # [NB, 2 rows, 584]
-    assert c128_cache[dst_tables[c128][2], 0].any()  # row 4: loaded
-    assert not c128_cache[dst_tables[c128][2], 1].any()  # row 5: would need tokens up to 768
+    # [NB, 2 rows, 584], each block written split by vLLM: [2 x 576 data][2 x 8 scales]
+    block = dst.kv_caches["layers.2.c128"][dst_tables[c128][2]].reshape(-1)
+    assert block[:576].any() and block[1152:1160].any()  # row 4: data and scales loaded
+    assert not block[576:1152].any() and not block[1160:1168].any()  # row 5: would need tokens up to 768
     # one token fewer: C4 floor drops a row, C128 keeps 5 rows; the partial chunk is a new key
     assert engine.lookup(tokens[:641]) == 512
 

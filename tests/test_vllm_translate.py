@@ -460,3 +460,135 @@ def test_block_outermost_packed_views_round_trip():
     untouched = [b for b in range(nb) if b not in dst[0] + dst[1]]
     assert torch.equal(new_blocks[untouched], scrambled.view(nb, block_stride)[untouched])
     engine.close()
+
+
+# --- split blocks: caches vLLM writes as [rows x field 0][rows x field 1] (engine_tables.SplitRows) --
+
+
+@dataclass(frozen=True)
+class V4MLAAttentionSpec(FullAttentionSpec):  # vLLM 0.32 MLAAttentionSpec with its DeepSeek V4 fields
+    cache_dtype_str: Optional[str] = None
+    model_version: Optional[str] = None
+    state_content_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    cache_dtype_str: Optional[str] = None
+    model_version: Optional[str] = None
+    state_content_bytes: Optional[int] = None
+
+
+V4MLAAttentionSpec.__name__ = "MLAAttentionSpec"  # vLLM's class name is what the table matches
+FP8 = dict(cache_dtype_str="fp8_ds_mla", model_version="deepseek_v4", state_content_bytes=584)
+
+
+def _v4_caches(nb=12):
+    """DeepSeek V4 on vLLM 0.32: SWA (64-token blocks, 584-byte rows), C4 MLA and the C4 indexer
+    (256-token blocks: 64 rows), as [B, 1, N, C] views into pages padded to 576 bytes."""
+    swa = SlidingWindowMLASpec(64, 1, 512, torch.uint8, sliding_window=128, **FP8)
+    c4 = V4MLAAttentionSpec(256, 1, 512, torch.uint8, tokens_per_state=4, **FP8)
+    idx = V4MLAAttentionSpec(256, 1, 132, torch.uint8, tokens_per_state=4)
+    pages = {"swa": (64, 584, 37440), "c4": (64, 584, 37440), "idx": (64, 132, 8640)}
+    bufs = {n: _filled((nb * page,), torch.uint8, i) for i, (n, (_, _, page)) in enumerate(pages.items())}
+    caches = {n: torch.as_strided(bufs[n], (nb, 1, rows, row), (page, rows * row, row, 1))
+              for n, (rows, row, page) in pages.items()}
+    config = KVCacheConfig(nb, [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["c4", "idx"],
+                                UniformTypeKVCacheSpecs(256, {"c4": c4, "idx": idx}))], kv_cache_layout="BLHNC")
+    return config, caches, bufs, pages
+
+
+def test_deepseek_v4_fp8_and_indexer_blocks_become_sub_planes():
+    config, caches, _, _ = _v4_caches()
+    t = translate_kv_caches(config, caches)
+    assert [(p.layer_name, p.row_bytes, p.row_stride_bytes, p.region_index) for p in t.layout.planes] == [
+        ("swa", 576, 576, 0), ("swa", 8, 8, 1), ("c4", 576, 576, 0), ("c4", 8, 8, 1), ("idx", 128, 128, 0), ("idx", 4, 4, 1)]
+    base = {n: c.data_ptr() for n, c in caches.items()}
+    starts = [tensor.data_ptr() - base[p.layer_name] for p, tensor in zip(t.layout.planes, t.layout.tensors)]
+    assert starts == [0, 64 * 576, 0, 64 * 576, 0, 64 * 128]
+    # the same caches read as whole rows (a release without the table rows) are another identity
+    whole = translate_kv_caches(config, caches, release=engine_tables.EngineRelease("vllm", compressed_block_unit="tokens"))
+    assert [p.row_bytes for p in whole.layout.planes] == [584, 584, 132]
+    assert whole.layout.fingerprint != t.layout.fingerprint
+
+
+@pytest.mark.parametrize("spec, row, split", [
+    (V4MLAAttentionSpec(256, 1, 512, torch.uint8, tokens_per_state=4, **FP8), 584, True),
+    (V4MLAAttentionSpec(256, 1, 512, torch.uint8, tokens_per_state=4, cache_dtype_str="fp8_ds_mla"), 584, False),  # not V4
+    (V4MLAAttentionSpec(64, 1, 656, torch.uint8, cache_dtype_str="fp8_ds_mla"), 656, False),  # V3.2: whole 656-B rows
+    (V4MLAAttentionSpec(64, 1, 132, torch.uint8), 132, True),  # V3.2 indexer (indexer_k_quant_and_cache)
+    (V4MLAAttentionSpec(64, 1, 132, torch.bfloat16), 264, False),
+    (FullAttentionSpec(64, 1, 132, torch.uint8), 132, False),  # not an MLA spec
+])
+def test_split_rows_table_matches_the_spec_fields(spec, row, split):
+    got = engine_tables.VLLM.row_regions(spec, str(spec.dtype).removeprefix("torch."), row)
+    assert (got is not None) == split
+
+
+def test_split_blocks_round_trip_from_a_boundary_inside_a_block():
+    """Store 256-token chunks, restore at 512 into other blocks: the SWA window (W - 1 = 127
+    tokens) starts at row 1 of a 64-token block. Each row's data and scale are compared where
+    vLLM's write ops put them (data at row * 576, scale at 64 * 576 + row * 8 of the page), and
+    every other byte of the destination pages is untouched."""
+    config, caches, bufs, pages = _v4_caches(nb=16)
+    t = translate_kv_caches(config, caches)
+    tokens = np.arange(512, dtype=np.int64) + 11
+    src, dst = [list(range(1, 9)), [1, 2]], [[0, 0, 0, 0, 0, 9, 10, 11], [3, 4]]
+    engine = KVCacheEngine(t.layout, Config(chunk_size=256, max_local_cpu_size=0.01))
+    assert engine.store(tokens, t.block_tables(src)) == 512
+    old = {n: b.clone() for n, b in bufs.items()}
+    for i, b in enumerate(bufs.values()):
+        b.copy_(_filled(b.shape, torch.uint8, 40 + i))
+    scrambled = {n: b.clone() for n, b in bufs.items()}
+    assert engine.retrieve(tokens, t.block_tables(dst)) == 512
+    engine.close()
+
+    def fields(name, block, row):
+        rows, whole, page = pages[name]
+        data, scale = (576, 8) if whole == 584 else (128, 4)
+        at = block * page
+        return [(at + row * data, data), (at + rows * data + row * scale, scale)]
+
+    expected = {n: b.clone() for n, b in scrambled.items()}
+    for token in range(512 - 127, 512):  # SWA: one row per token, 64 rows a block
+        for at_src, at_dst in zip(fields("swa", src[0][token // 64], token % 64), fields("swa", dst[0][token // 64], token % 64)):
+            expected["swa"][at_dst[0]:at_dst[0] + at_dst[1]] = old["swa"][at_src[0]:at_src[0] + at_src[1]]
+    for name in ("c4", "idx"):  # 128 compressed rows: two whole 64-row blocks
+        for row in range(128):
+            for a, b in zip(fields(name, src[1][row // 64], row % 64), fields(name, dst[1][row // 64], row % 64)):
+                expected[name][b[0]:b[0] + b[1]] = old[name][a[0]:a[0] + a[1]]
+    for name in bufs:
+        assert torch.equal(bufs[name], expected[name]), name
+
+
+def test_unaudited_packed_deepseek_v4_cache_is_refused():
+    """A packed DeepSeek V4 record the table does not describe (V4.1's 288-byte NVFP4 compressed
+    record) is refused at registration rather than guessed as whole rows."""
+    spec = V4MLAAttentionSpec(256, 1, 512, torch.uint8, tokens_per_state=4, cache_dtype_str="nvfp4_ds_mla",
+                              model_version="deepseek_v4", state_content_bytes=288)
+    cache = torch.as_strided(_filled((8 * 18432,), torch.uint8, 5), (8, 1, 64, 288), (18432, 64 * 288, 288, 1))
+    config = KVCacheConfig(8, [KVCacheGroupSpec(["c4"], spec)], kv_cache_layout="BLHNC")
+    with pytest.raises(UnsupportedLayoutError, match="layer 'c4'.*in-block layout"):
+        translate_kv_caches(config, {"c4": cache})
+    v41 = V4MLAAttentionSpec(256, 1, 512, torch.uint8, tokens_per_state=4, cache_dtype_str="fp8_ds_mla",
+                             model_version="deepseek_v4", state_content_bytes=528)  # V4.1 MXFP8: [64 x 512][64 x 16]
+    assert engine_tables.VLLM.row_regions(v41, "uint8", 528).region_bytes == (512, 16)
+
+
+def test_tiled_indexer_is_stored_as_whole_pages():
+    """vLLM's ROCm V3.2 indexer (``uses_shuffled_layout``) tiles a block's values: no row is
+    contiguous, so the layer becomes an opaque page per block (its own page group reading
+    the MLA group's block ids; a restore boundary must then fall on a block edge)."""
+    mla = MLAAttentionSpec(16, 1, 576, torch.bfloat16)
+    idx = V4MLAAttentionSpec(16, 1, 132, torch.uint8)
+    caches = {"attn": _filled((NB, 1, 16, 576), torch.bfloat16, 1), "idx": _filled((NB, 1, 16, 132), torch.uint8, 2)}
+    config = KVCacheConfig(NB, [KVCacheGroupSpec(["attn", "idx"], UniformTypeKVCacheSpecs(16, {"attn": mla, "idx": idx}))])
+    module = SimpleNamespace(uses_shuffled_layout=True)
+    vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"idx": module, "attn": object()}))
+    assert translate.tiled_layers(vllm_config, ["attn", "idx"]) == ["idx"]
+    t = translate_kv_caches(config, caches, tiled_layers=["idx"])
+    assert [(p.layer_name, p.is_page, p.row_bytes) for p in t.layout.planes] == [("attn", False, 1152), ("idx", True, 16 * 132)]
+    assert t.source_groups == (0, 0)
+    plain = translate_kv_caches(config, caches)  # not tiled: the split indexer rows
+    assert [p.row_bytes for p in plain.layout.planes] == [1152, 128, 4]
+    _roundtrip(t, 32, [1, 2], [5, 6], chunk=16)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import dsv4_cache  # noqa: E402  (the DeepSeek-V4 cache table lives with the demo)
 
 from kvconnect import Config, DCPSpec, GroupKind, GroupSpec, KVLayout  # noqa: E402
+from kvconnect.spec import RowRegions  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Elem:
     offset: int
     index: str  # key of SUBPLANES: how the engine addresses (block, row) in this tensor
     group: int
+    regions: tuple = ()  # bytes per row of each region when the engine writes a block split
 
 
 def _contig_stride(shape: Sequence[int]) -> tuple:
@@ -94,9 +96,18 @@ class ZooCase:
             b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
         return self
 
+    def row_regions(self) -> dict:
+        """``row_regions`` for KVLayout: the layers whose engine writes blocks split into regions."""
+        out = {}
+        for name, (tup, es) in self.layers.items():
+            if any(e.regions for e in es):
+                regions = [RowRegions(region_bytes=e.regions) if e.regions else None for e in es]
+                out[name] = tuple(regions) if tup else regions[0]
+        return out
+
     def layout(self, **overrides) -> KVLayout:
         kwargs = dict(groups=self.groups, layer_groups=self.layer_groups, layout_hints=self.hints,
-                      model_name=self.model_name, dcp=self.dcp)
+                      model_name=self.model_name, dcp=self.dcp, row_regions=self.row_regions())
         return KVLayout.from_tensors(self.kv_caches, **{**kwargs, **overrides})
 
     def snapshot(self) -> list:
@@ -153,17 +164,18 @@ class _Builder:
         self.sizes.append(_align(nbytes, 8))
         return len(self.sizes) - 1
 
-    def tight(self, dtype, shape, index="blocks_first", group=0) -> Elem:
+    def tight(self, dtype, shape, index="blocks_first", group=0, regions=()) -> Elem:
         """A contiguous tensor with its own backing."""
         b = self.backing(math.prod(shape) * _nbytes(dtype))
-        return Elem(b, dtype, tuple(shape), _contig_stride(shape), 0, index, group)
+        return Elem(b, dtype, tuple(shape), _contig_stride(shape), 0, index, group, tuple(regions))
 
-    def padded(self, dtype, num_blocks, rows, row_bytes, stride_bytes, group, backing=None, offset_bytes=0) -> Elem:
+    def padded(self, dtype, num_blocks, rows, row_bytes, stride_bytes, group, backing=None, offset_bytes=0,
+               regions=()) -> Elem:
         """[NB, rows, row] whose blocks are ``stride_bytes`` apart (>= rows * row bytes)."""
         elem = _nbytes(dtype)
         backing = self.backing(num_blocks * stride_bytes) if backing is None else backing
         shape, stride = (num_blocks, rows, row_bytes // elem), (stride_bytes // elem, row_bytes // elem, 1)
-        return Elem(backing, dtype, shape, stride, offset_bytes // elem, "blocks_first", group)
+        return Elem(backing, dtype, shape, stride, offset_bytes // elem, "blocks_first", group, tuple(regions))
 
     def add(self, name, *elems, as_tuple=False) -> None:
         self.layers[name] = (as_tuple, list(elems))
@@ -179,6 +191,8 @@ def _blocks(spec: GroupSpec, max_tokens: int, dcp: DCPSpec = DCPSpec()) -> int:
     """Room for two disjoint block tables of ``max_tokens`` tokens plus 2 canary blocks."""
     return 2 * -(-local_tokens(dcp, max_tokens) // spec.block_size) + 2
 
+
+DSA_INDEXER_REGIONS = (128, 4)
 
 LLAMA_SHAPES = {  # variant -> (hint, shape of (NB, BS, H, D))
     "flash": ("kv_first", lambda nb, bs, h, d: (2, nb, bs, h, d)),
@@ -208,8 +222,8 @@ def _mla_family(kind, *, max_tokens=600, block_size=64, num_layers=2, dtype=torc
     for i in range(num_layers if kind != "swa" else 1):
         if kind in ("v3", "v32", "swa"):
             b.add(f"layers.{i}.attn", b.tight(dtype, (nb, bs, 576)))
-        if kind == "v32":
-            b.add(f"layers.{i}.indexer", b.tight(torch.uint8, (nb, bs, 132)))
+        if kind == "v32":  # vLLM's indexer_k_quant_and_cache writes [rows x 128 fp8][rows x 4 B fp32 scale]
+            b.add(f"layers.{i}.indexer", b.tight(torch.uint8, (nb, bs, 132), regions=DSA_INDEXER_REGIONS))
         if kind == "swa":
             b.add("layers.1.swa", b.tight(dtype, (nb, bs, 576), group=1))
         if kind in ("v3-ascend", "v32-ascend", "tuple-split"):
@@ -260,6 +274,7 @@ def mla_swa(*, block_size=16, **kw) -> ZooCase:
 
 
 DSV4_GROUPS = dsv4_cache.GROUPS  # name -> (spec, row bytes, dtype, page alignment), shared with the demo
+DSV4_REGIONS = {name: r.region_bytes for name, r in dsv4_cache.ROW_REGIONS.items()}  # the split fp8 blocks
 DSV4_NAMES = list(DSV4_GROUPS)
 DSV4_LAYER_CACHES = {
     "swa": ["swa"],
@@ -304,7 +319,8 @@ def dsv4(*, packed=False, max_tokens=600, layer_kinds=("swa", "c4", "c128"), c4_
     for name, c in caches:
         g, (_, row_bytes, dtype, _) = DSV4_NAMES.index(c), DSV4_GROUPS[c]
         stride = block_bytes if packed else page[c]
-        b.add(name, b.padded(dtype, nb[g], specs[c].rows_per_block, row_bytes, stride, g, backing, offset))
+        b.add(name, b.padded(dtype, nb[g], specs[c].rows_per_block, row_bytes, stride, g, backing, offset,
+                             regions=DSV4_REGIONS.get(c, ())))
         offset += page[c] if packed else 0
     return b.case("dsv4-flash" + ("-packed" if packed else ""), [specs[n] for n in DSV4_NAMES], hints="blocks_first",
                   num_blocks=nb, seed=seed, model_name="dsv4-zoo", shared_pool=packed)
@@ -499,10 +515,27 @@ class RefPlane:
         self.tensor[self.index(blocks, rows)] = values
 
 
+def _region_views(t: torch.Tensor, regions: tuple) -> list:
+    """The regions of a split ``[NB, rows, row]`` uint8 tensor as the engine writes them: field k of
+    row r at ``rows * sum(regions[:k]) + r * regions[k]`` from the block's first byte."""
+    rows, before, out = t.shape[1], 0, []
+    for size in regions:
+        out.append(torch.as_strided(t, (t.shape[0], rows, size), (t.stride(0), size, 1),
+                                    t.storage_offset() + rows * before))
+        before += size
+    return out
+
+
 def reference_planes(case: ZooCase) -> list:
     """RefPlane per plane, in layout order."""
     tensors = [(e, case.tensor(name, i).view(torch.uint8)) for name, (_, es) in case.layers.items() for i, e in enumerate(es)]
-    return [RefPlane(e.group, t, index) for e, t in tensors for index in SUBPLANES[e.index](t)]
+    out = []
+    for e, t in tensors:
+        if e.regions:
+            out += [RefPlane(e.group, view, lambda b, r: (b, r)) for view in _region_views(t, e.regions)]
+        else:
+            out += [RefPlane(e.group, t, index) for index in SUBPLANES[e.index](t)]
+    return out
 
 
 def expected_chunk(case: ZooCase, tables, start: int, end: int) -> tuple:

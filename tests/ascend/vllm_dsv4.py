@@ -175,12 +175,24 @@ def main() -> None:
     out["lookup"] = engine.lookup(tokens)
     group_of = {name: g for g, grp in enumerate(config.kv_cache_groups) for name in grp.layer_names}
 
+    def row_of(t, block, row):
+        """A row's bytes where vLLM 0.23's writers put them: the fp8_ds_mla (584 B) and indexer (132 B)
+        blocks hold every row's data first, then every row's scales
+        (models/deepseek_v4/common/ops/fused_compress_quant_cache.py: ``fp8_ptr = block + pos * TOKEN_STRIDE``,
+        ``scale_ptr = block + block_size * TOKEN_STRIDE + pos * SCALE_DIM``); other caches keep whole rows."""
+        fields = {584: (576, 8), 132: (128, 4)}.get(t.shape[-1]) if t.dtype == torch.uint8 else None
+        if fields is None:
+            return t[block, row].view(torch.uint8).clone()
+        flat, rows = t[block].reshape(-1), t.shape[1]
+        data, scale = fields
+        return torch.cat([flat[row * data:(row + 1) * data], flat[rows * data + row * scale:rows * data + (row + 1) * scale]])
+
     def gather(tables):
         got = {}
         for name, t in caches.items():
             g = group_of[name]
             rows_per_block = t.shape[1]
-            got[name] = [t[tables[g][row // rows_per_block], row % rows_per_block].view(torch.uint8).clone()
+            got[name] = [row_of(t, tables[g][row // rows_per_block], row % rows_per_block)
                          for row in rows_needed(layer_rule[name], boundary)]
         return got
 

@@ -34,9 +34,11 @@ window become the null block), the chunks each step completes are stored with th
 block ids at that step, the buffer is re-randomised, and a second request with the same prompt
 gets its blocks from ``allocate_slots(..., num_external_computed_tokens=hit)``; the hit is
 retrieved into them. Every row the model reads to resume at the hit is compared, addressed from
-vLLM's semantics on the raw backing buffer (``KVCacheTensor`` offsets and strides, not
-kvconnect's row math), and every byte of the backing buffer the retrieve may not write is
-compared too. Prints one JSON line.
+vLLM's semantics on the raw backing buffer (``KVCacheTensor`` offsets and strides, and each
+row's data and scale where vLLM's cache-write ops put them: ``row_addresses``; not kvconnect's
+row math), and every byte of the backing buffer the retrieve may not write is compared too.
+Prints one JSON line. ``vllm_dsv4_cache_writes.py`` goes further: vLLM's own ops write and
+read the rows.
 """
 
 from __future__ import annotations
@@ -151,12 +153,32 @@ def _rule(spec):
 
 
 def row_addresses(config, name):
-    """Byte address of (block b, row i) of a layer in the backing buffer, from its KVCacheTensor."""
+    """(layer base, block stride, row bytes, fields) of a layer in the backing buffer, from its
+    KVCacheTensor; ``fields`` are the bytes a row keeps in each region of a block, as vLLM's
+    cache-write ops lay them out (csrc/cpu store_cache.cpp ``fused_qnorm_rope_kv_insert_cpu`` and
+    compressor.cpp ``compress_norm_rope_store_cpu``: fp8_ds_mla data at ``row * 576``, scales at
+    ``rows * 576 + row * 8``; ``compress_norm_rope_store_indexer_cpu``: indexer values at
+    ``row * 128``, the fp32 scale at ``rows * 128 + row * 4``). Other caches keep whole rows."""
     spec = _per_layer(config, name)
     tensor = next(t for t in config.kv_cache_tensors if name in t.layers)
     base = tensor.offset + tensor.layers.index(name) * tensor.layer_stride
     row_bytes = spec.state_content_bytes or spec.head_size * spec.num_kv_heads * spec.dtype.itemsize
-    return base, tensor.block_stride, row_bytes
+    if getattr(spec, "cache_dtype_str", None) == "fp8_ds_mla" and row_bytes == 584:
+        fields = (576, 8)
+    elif spec.dtype == torch.uint8 and row_bytes == 132:
+        fields = (128, 4)
+    else:
+        fields = (row_bytes,)
+    return base, tensor.block_stride, row_bytes, fields
+
+
+def row_bytes_at(fields, rows_per_block, row):
+    """(offset in the block, bytes) of each field of ``row``: region k holds every row's field k."""
+    out, region = [], 0
+    for size in fields:
+        out.append((region + row * size, size))
+        region += rows_per_block * size
+    return out
 
 
 def rows_needed(rule, boundary):
@@ -225,14 +247,15 @@ def round_trip(config, caches, translation, buf, num_tokens: int, seed: int) -> 
         raw = buf.numpy()
         for name in caches:
             g, rule = group_of[name], _rule(_per_layer(config, name))
-            base, block_stride, row_bytes = row_addresses(config, name)
+            base, block_stride, row_bytes, fields = row_addresses(config, name)
             rows_per_block = rule[0] // rule[1]
             got[name] = []
             for row in rows_needed(rule, boundary):
                 block = tables[g][row // rows_per_block]
                 assert block != 0, (name, row)  # vLLM holds every row it reads
-                at = base + block * block_stride + (row % rows_per_block) * row_bytes
-                got[name].append(raw[at:at + row_bytes].copy())
+                at = base + block * block_stride
+                got[name].append(np.concatenate([raw[at + off:at + off + size] for off, size in
+                                                 row_bytes_at(fields, rows_per_block, row % rows_per_block)]))
         return got
 
     expected = gather(ids)
@@ -249,7 +272,7 @@ def round_trip(config, caches, translation, buf, num_tokens: int, seed: int) -> 
     writable = np.zeros(buf.numel(), dtype=bool)
     for name in caches:
         g, rule = group_of[name], _rule(_per_layer(config, name))
-        base, block_stride, row_bytes = row_addresses(config, name)
+        base, block_stride, row_bytes, _ = row_addresses(config, name)
         for block in dst[g]:
             if block:
                 writable[base + block * block_stride: base + block * block_stride + rule[0] // rule[1] * row_bytes] = True

@@ -11,6 +11,24 @@ registered tensors against what the row says (a mismatch refuses the model clear
 | vLLM-Ascend <= 0.23.x (0.23.0.post1) | rows (one block = rows x ratio tokens; ``CompressAttentionManager`` divides token counts by the ratio) | attention tensors re-split into kernel blocks of 128 tokens when block_size > 128 (vLLM block b = kernel blocks kb..kb+k-1) |
 | vLLM-Ascend main after its PR 13242 | tokens; rows = ``storage_block_size`` | as 0.23 |
 
+In-block layouts (``EngineRelease.split_rows``): caches whose blocks keep each row's fields in separate
+regions, as the engines' cache-write kernels lay them out. vLLM registers them as rows of
+the fields' total width; ``translate`` splits each into sub-planes (``spec.RowRegions``).
+
+| cache (vLLM spec) | registered row | block as written | written by |
+|---|---|---|---|
+| DeepSeek V4 ``fp8_ds_mla`` SWA / C4 / C128 (``cache_dtype_str`` fp8_ds_mla, ``model_version`` deepseek_v4) | 584 B | ``[rows x 576][rows x 8]`` (448 fp8 NoPE + 64 bf16 RoPE; 7 UE8M0 scales + 1 pad) | CPU: ``fused_qnorm_rope_kv_insert_cpu`` (csrc/cpu store_cache.cpp), ``compress_norm_rope_store_cpu`` (compressor.cpp); CUDA: ``fused_deepseek_v4_qnorm_rope_kv_insert`` |
+| DeepSeek V4.1 MXFP8 record (``fp8_ds_mla`` / ``nvfp4_ds_mla`` SWA, ``model_version`` deepseek_v4) | 528 B | ``[rows x 512][rows x 16]`` (512 fp8; 16 UE8M0 scales) | vLLM's record description (``flashmla_sparse.py`` module doc: data rows first, scale rows after) |
+| DeepSeek V3.2 / V4 indexer K (``MLAAttentionSpec``, uint8, head_size 132) | 132 B | ``[rows x 128][rows x 4]`` (fp8 values; fp32 scale) | CUDA: ``indexer_k_quant_and_cache`` (cache_kernels.cu); CPU V4: ``compress_norm_rope_store_indexer_cpu``; Triton V4: ``_fused_kv_compress_norm_rope_insert_indexer_attn`` |
+| DeepSeek V4 MXFP4 indexer K (``MLAAttentionSpec``, uint8, head_size 68) | 68 B | ``[rows x 64][rows x 4]`` (e2m1 pairs; UE8M0 scales) | Triton V4: ``_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn`` |
+
+DeepSeek V3.2's main ``fp8_ds_mla`` cache (656 B: 512 fp8 + 4 fp32 scales + 64 bf16 RoPE) and
+its ``nvfp4_ds_mla`` cache (352 B) are written as one contiguous row per token
+(``concat_and_cache_ds_mla``): no split. Any other packed (uint8) cache of a DeepSeek V4 spec
+(``model_version`` deepseek_v4), e.g. V4.1's 288-byte NVFP4 compressed record, is not in the
+table and is refused (``EngineRelease.unaudited``): its in-block layout was not checked
+against its writer, and a wrong guess would restore wrong bytes.
+
 Release detection: the spec class's top-level package (``vllm_ascend`` or ``vllm``) and, for
 vLLM-Ascend, its installed version. A caller may name a release explicitly
 (``translate_kv_caches(..., release=...)``), e.g. for look-alike specs in unit tests.
@@ -21,6 +39,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from kvconnect.spec import RowRegions
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,8 @@ class EngineRelease:
     compressed_block_unit: str
     hybrid_kernel_block_tokens: Optional[int] = None
     kernel_split_specs: frozenset = frozenset()
+    split_rows: tuple = ()
+    audit_required: tuple = ()  # (attr, value) pairs: packed caches of such specs must be in split_rows
 
     def __post_init__(self) -> None:
         if self.compressed_block_unit not in ("rows", "tokens"):
@@ -53,12 +75,70 @@ class EngineRelease:
             return 0  # the runner cannot split it either; translate refuses
         return block_size // kernel
 
+    def row_regions(self, spec: Any, dtype: str, row_bytes: int) -> Optional[RowRegions]:
+        """The regions of a cache whose blocks this release writes split (None: rows are whole)."""
+        for entry in self.split_rows:
+            if entry.applies(spec, dtype, row_bytes):
+                return entry.regions
+        return None
+
+    def unaudited(self, spec: Any, dtype: str, row_bytes: int) -> bool:
+        """Whether a packed (uint8) cache belongs to a family whose blocks are written split but
+        whose row width is not in ``split_rows`` (its layout is unknown: refuse, never guess)."""
+        return (dtype == "uint8" and self.row_regions(spec, dtype, row_bytes) is None
+                and any(getattr(spec, key, None) == value for key, value in self.audit_required))
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """One engine cache whose block holds its rows' fields in separate regions.
+
+    spec_classes: vLLM spec class names it applies to (the per-layer spec).
+    match: (spec attribute, value it must have) pairs (``head_size``, ``cache_dtype_str``...).
+    dtype: the registered tensor's dtype; row_bytes: its registered row width.
+    regions: how the engine's cache-write code lays a block out.
+    writer: the engine code that writes the cache (where the layout was read from).
+    """
+
+    spec_classes: frozenset
+    match: tuple
+    dtype: str
+    regions: RowRegions
+    writer: str
+
+    def applies(self, spec: Any, dtype: str, row_bytes: int) -> bool:
+        return (type(spec).__name__ in self.spec_classes and dtype == self.dtype and row_bytes == self.regions.row_bytes
+                and all(getattr(spec, key, None) == value for key, value in self.match))
+
+
+_MLA_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec"})
+
+FP8_DS_MLA_V4 = SplitRows(
+    spec_classes=_MLA_SPECS, match=(("cache_dtype_str", "fp8_ds_mla"), ("model_version", "deepseek_v4")), dtype="uint8",
+    regions=RowRegions(region_bytes=(576, 8), what="DeepSeek V4 fp8_ds_mla: 576 data bytes, then 8 scale bytes a row"),
+    writer="csrc/cpu store_cache.cpp fused_qnorm_rope_kv_insert_cpu, compressor.cpp compress_norm_rope_store_cpu; "
+           "CUDA fused_deepseek_v4_qnorm_rope_kv_insert")
+FP8_DS_MLA_V41 = SplitRows(
+    spec_classes=_MLA_SPECS, match=(("model_version", "deepseek_v4"),), dtype="uint8",
+    regions=RowRegions(region_bytes=(512, 16), what="DeepSeek V4.1 MXFP8 record: 512 data bytes, then 16 scale bytes a row"),
+    writer="vLLM v1/attention/backends/mla/flashmla_sparse.py record layout (V4 and V4.1: data rows, then scale rows)")
+DSA_INDEXER_K_MXFP4 = SplitRows(
+    spec_classes=frozenset({"MLAAttentionSpec"}), match=(("head_size", 68),), dtype="uint8",
+    regions=RowRegions(region_bytes=(64, 4), what="DeepSeek V4 MXFP4 indexer K: 64 bytes of e2m1 pairs, then 4 UE8M0 scales"),
+    writer="models/deepseek_v4/common/ops/fused_compress_quant_cache.py (MXFP4 indexer insert)")
+DSA_INDEXER_K = SplitRows(
+    spec_classes=frozenset({"MLAAttentionSpec"}), match=(("head_size", 132),), dtype="uint8",
+    regions=RowRegions(region_bytes=(128, 4), what="DeepSeek indexer K: 128 fp8 values, then a 4-byte fp32 scale a row"),
+    writer="csrc cache_kernels.cu indexer_k_quant_and_cache (V3.2); csrc/cpu compressor.cpp "
+           "compress_norm_rope_store_indexer_cpu (V4)")
 
 _ASCEND_ATTENTION_SPECS = frozenset({
     "FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec",
 })
 
-VLLM = EngineRelease("vllm", compressed_block_unit="tokens")
+VLLM = EngineRelease("vllm", compressed_block_unit="tokens",
+                     split_rows=(FP8_DS_MLA_V4, FP8_DS_MLA_V41, DSA_INDEXER_K, DSA_INDEXER_K_MXFP4),
+                     audit_required=(("model_version", "deepseek_v4"),))
 VLLM_ASCEND_0_23 = EngineRelease("vllm-ascend-0.23", compressed_block_unit="rows", hybrid_kernel_block_tokens=128,
                                  kernel_split_specs=_ASCEND_ATTENTION_SPECS)
 VLLM_ASCEND_MAIN = EngineRelease("vllm-ascend-main", compressed_block_unit="tokens", hybrid_kernel_block_tokens=128,

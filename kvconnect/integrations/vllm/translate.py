@@ -24,9 +24,15 @@ Tensors (one value per layer).
 |----------------------------------------------------------|--------|
 | tuple/list (vLLM-Ascend: MLA nope + rope, indexer K + scale) | one ``[NB, rows, ...]`` plane per distinct element |
 | 4-D ``[B, H, N, C]`` view of a page-packing backend (vLLM CPU: K transposed in a page) | one opaque page per block |
+| a layer whose module reports a tiled layout (``tiled_layers``: ROCm V3.2 indexer) | one opaque page per block |
 | 4-D ``[B, H, N, C]`` whose ``(H, C)`` is contiguous per token (vLLM >= 0.32, MLA ``[B, 1, N, 576]``) | one plane ``[B, N, H*C]`` |
 | 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
 | 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
+
+Split blocks. A cache whose blocks keep each row's fields in separate regions (vLLM's
+DeepSeek V4 ``fp8_ds_mla``: ``[rows x 576][rows x 8]``; DeepSeek indexer K: ``[rows x 128][rows x 4]``)
+is registered as rows of the fields' total width; ``engine_tables`` (``EngineRelease.split_rows``, per release)
+says which, and the layout splits those planes into one sub-plane per region.
 
 What a spec's ``block_size`` counts, and whether hybrid caches are re-split into kernel
 blocks, depends on the engine release: ``engine_tables`` holds that as data (vLLM-Ascend 0.23
@@ -56,7 +62,7 @@ from kvconnect.errors import BlockTableError, LayoutError
 from kvconnect.keys import MAX_NAMESPACE_BYTES
 from kvconnect.layout import KVLayout
 from kvconnect.layout_detect import split_planes
-from kvconnect.spec import DCPSpec, GroupSpec
+from kvconnect.spec import DCPSpec, GroupSpec, RowRegions
 
 from . import engine_tables
 from .engine_tables import EngineRelease
@@ -260,6 +266,7 @@ def translate_kv_caches(
     dcp: DCPSpec = DCPSpec(),
     identity: Optional[Mapping[str, str]] = None,
     release: Optional[EngineRelease] = None,
+    tiled_layers: Sequence[str] = (),
 ) -> Translation:
     """Build the kvconnect layout of vLLM's registered caches.
 
@@ -269,6 +276,8 @@ def translate_kv_caches(
     backend_names: layer name -> attention backend name (decides page-packed layouts).
     release: the engine release whose block semantics apply (``engine_tables``); default:
         detected from the spec classes and the platform.
+    tiled_layers: layers whose cache module reports a tiled in-block layout (``tiled_layers``):
+        a row's bytes are scattered over its block, so each block is stored as one opaque page.
 
     Raises UnsupportedLayoutError for caches that cannot be restored exactly, LayoutError
     for shapes that do not fit their spec; nothing is registered in either case.
@@ -291,6 +300,7 @@ def translate_kv_caches(
     values: dict[str, Any] = {}
     layer_groups: dict[str, Any] = {}
     hints: dict[str, Optional[str]] = {}
+    regions: dict[str, RowRegions] = {}
     seen: set[tuple] = set()
     quant: set[str] = set()
     page_backends: set[str] = set()
@@ -315,10 +325,14 @@ def translate_kv_caches(
                         f"block_size {spec.block_size} is not a multiple of {release.name}'s kernel block "
                         f"{release.hybrid_kernel_block_tokens}")
                 gspec = group_spec_of(spec, release, split)
-                value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
+                if layer in tiled_layers and isinstance(kv_caches[layer], torch.Tensor):
+                    value, hint, is_page = kv_caches[layer], "page", True
+                else:
+                    value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
                 _check_blocks(value, num_blocks * split, split)
                 for tensor in value if isinstance(value, tuple) else (value,):  # shape errors name the layer
-                    split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
+                    views, _ = split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
+                layer_regions = None if is_page or isinstance(value, tuple) else _row_regions(spec, views, release)
             except LayoutError as exc:
                 raise type(exc)(f"layer {layer!r}: {exc}") from exc
             key = (vllm_group, gspec, is_page, split)
@@ -331,9 +345,11 @@ def translate_kv_caches(
             values[layer] = value
             layer_groups[layer] = tuple([g] * len(value)) if isinstance(value, tuple) else g
             hints[layer] = hint
+            if layer_regions is not None:
+                regions[layer] = layer_regions
             quant.add(f"{getattr(spec, 'cache_dtype_str', None)}:{getattr(spec, 'kv_quant_mode', None)}")
             if is_page:
-                page_backends.add(str(backend))
+                page_backends.add("tiled" if layer in tiled_layers else str(backend))
     if not values:
         raise UnsupportedLayoutError("vLLM registered no transferable KV cache")
     layer_names = tuple(values)
@@ -347,10 +363,25 @@ def translate_kv_caches(
     }
     layout = KVLayout.from_tensors(
         values, groups=group_specs, layer_groups=layer_groups, layout_hints=hints, model_name=model_name,
-        tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident,
+        tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
     )
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
                        layer_names=layer_names, kernel_splits=tuple(splits), release=release.name)
+
+
+def _row_regions(spec: Any, views: Sequence[torch.Tensor], release: EngineRelease) -> Optional[RowRegions]:
+    """The regions of a layer whose one row plane the release writes split (None: whole rows)."""
+    if len(views) != 1 or views[0].dim() < 3:
+        return None
+    view = views[0]
+    row_bytes = int(np.prod(view.shape[2:])) * view.element_size()
+    dtype = str(view.dtype).removeprefix("torch.")
+    if release.unaudited(spec, dtype, row_bytes):
+        raise UnsupportedLayoutError(
+            f"{type(spec).__name__} ({getattr(spec, 'cache_dtype_str', None)}, {row_bytes}-byte rows): a packed DeepSeek "
+            f"V4 cache whose in-block layout {release.name}'s table does not describe; kvconnect stays off rather than "
+            f"guess where each row's fields are")
+    return release.row_regions(spec, dtype, row_bytes)
 
 
 def _check_blocks(value: Any, expected: int, split: int) -> None:
@@ -440,6 +471,20 @@ def attention_backend_names(vllm_config: Any, layer_names: Sequence[str]) -> dic
         except Exception:
             continue
     return names
+
+
+def tiled_layers(vllm_config: Any, layer_names: Sequence[str]) -> list[str]:
+    """Layers whose cache module says its rows are tiled across the block (vLLM's ROCm DeepSeek
+    V3.2 indexer: ``uses_shuffled_layout``, values in [blk/16, head/16, 16, 16] tiles)."""
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    out = []
+    for layer in layer_names:
+        try:  # a property of the layer module; any failure to read it means "not tiled"
+            if getattr(context.get(layer), "uses_shuffled_layout", False) is True:
+                out.append(layer)
+        except Exception:
+            continue
+    return out
 
 
 def request_view(request: Any) -> RequestView:
