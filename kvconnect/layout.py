@@ -98,7 +98,14 @@ class KVLayout:
         missing = [name for name in kv_caches if name not in layer_groups]
         if missing:
             raise LayoutError(f"layers without a group in layer_groups: {missing[:5]}")
-        kv_caches, layer_groups = drop_aliased_views(kv_caches, layer_groups)  # one blob's views: stored once
+        # row regions are given per tensor of the value as registered: check them before aliased
+        # views of one blob are dropped (stored once), then drop a dropped view's regions with it
+        regions_given = {
+            name: _regions_per_tensor(name, (row_regions or {}).get(name),
+                                      len(value) if isinstance(value, (tuple, list)) else 1)
+            for name, value in kv_caches.items()
+        }
+        kv_caches, layer_groups, regions_given = drop_aliased_views(kv_caches, layer_groups, regions_given)
 
         planes: list[PlaneSpec] = []
         tensors: list[torch.Tensor] = []
@@ -111,7 +118,7 @@ class KVLayout:
                     f"layer {layer_name!r}: {len(values)} tensors but {len(group_ids)} group indices"
                 )
             hint = layout_hints.get(layer_name) if isinstance(layout_hints, Mapping) else layout_hints
-            regions_of = _regions_per_tensor(layer_name, (row_regions or {}).get(layer_name), len(values))
+            regions_of = regions_given[layer_name]
             for tensor, group_index, regions in zip(values, group_ids, regions_of):
                 if not isinstance(group_index, int) or not 0 <= group_index < len(groups):
                     raise LayoutError(f"layer {layer_name!r}: group index {group_index!r} not in [0, {len(groups)})")

@@ -9,7 +9,10 @@ no earlier view of the layer covers, and drops a view whose every block's bytes 
 by earlier views of the same storage with the same block stride. A view that overlaps others
 without being covered is refused (``LayoutError``): its rows cannot be moved independently.
 
-    kv_caches, layer_groups = drop_aliased_views(kv_caches, layer_groups)
+    kv_caches, layer_groups, extras = drop_aliased_views(kv_caches, layer_groups, per_tensor)
+
+``per_tensor`` maps a layer to a list with one entry per tensor of its value (e.g. its row
+regions); the entries of dropped views are dropped with them.
 """
 
 from __future__ import annotations
@@ -71,12 +74,15 @@ def distinct_view_indices(layer_name: str, tensors: Sequence[torch.Tensor]) -> l
     return kept
 
 
-def drop_aliased_views(kv_caches: Mapping[str, Any], layer_groups: Mapping[str, Any]) -> tuple[dict, dict]:
-    """``kv_caches`` and ``layer_groups`` without the views of tuple values that only re-read
-    bytes earlier views of the layer cover (a per-plane group assignment loses the same
-    entries). A dropped view must be in the same group as a view that covers it."""
+def drop_aliased_views(kv_caches: Mapping[str, Any], layer_groups: Mapping[str, Any],
+                       per_tensor: Optional[Mapping[str, Sequence[Any]]] = None) -> tuple[dict, dict, dict]:
+    """``kv_caches``, ``layer_groups`` and ``per_tensor`` without the views of tuple values that
+    only re-read bytes earlier views of the layer cover (a per-plane group assignment and each
+    layer's per-tensor entries lose the same entries). A dropped view must be in the same group
+    as a view that covers it."""
     values_out: dict = {}
     groups_out: dict = dict(layer_groups)
+    extras_out: dict = {name: list(entries) for name, entries in (per_tensor or {}).items()}
     for name, value in kv_caches.items():
         if not isinstance(value, (tuple, list)) or len(value) < 2:
             values_out[name] = value
@@ -92,5 +98,7 @@ def drop_aliased_views(kv_caches: Mapping[str, Any], layer_groups: Mapping[str, 
                 raise LayoutError(f"layer {name!r}: a view assigned to group(s) {sorted(dropped_groups)} only re-reads bytes "
                                   "of views in other groups; give aliased views of one allocation the same group")
             groups_out[name] = type(assignment)(assignment[i] for i in kept)
+        if name in extras_out and len(extras_out[name]) == len(value):
+            extras_out[name] = [extras_out[name][i] for i in kept]
         values_out[name] = type(value)(value[i] for i in kept)
-    return values_out, groups_out
+    return values_out, groups_out, extras_out

@@ -271,3 +271,18 @@ def test_regions_on_page_planes_and_bad_assignments_raise():
     with pytest.raises(LayoutError, match="one RowRegions or None per tensor"):
         KVLayout.from_tensors({"l": (t, t)}, groups=[GroupSpec(block_size=64)],
                               row_regions={"l": (RowRegions(region_bytes=(576, 8)),)})
+
+
+def test_row_regions_follow_the_views_that_are_kept_when_an_alias_is_dropped():
+    """Regions are given per registered tensor; an aliased view dropped (stored once) drops its
+    entry too, so the kept view keeps its own regions whatever the order."""
+    _, t = _split_cache()
+    alias = t.view(torch.uint8)  # the same bytes again, e.g. a second dtype view of the blob
+    regions = RowRegions(region_bytes=(576, 8))
+    for value, given in (((t, alias), (regions, None)), ((alias, t), (regions, regions))):
+        layout = KVLayout.from_tensors({"swa": value}, groups=[GroupSpec(block_size=64, sliding_window=128)],
+                                       row_regions={"swa": given})
+        assert [(p.row_bytes, p.region_index) for p in layout.planes] == [(576, 0), (8, 1)]
+    with pytest.raises(LayoutError, match="one RowRegions or None per tensor"):
+        KVLayout.from_tensors({"swa": (t, alias)}, groups=[GroupSpec(block_size=64, sliding_window=128)],
+                              row_regions={"swa": (regions,)})
