@@ -357,7 +357,8 @@ class KVCacheEngine:
             return self.lookup_chunks(chunks)
         prefix = self._prefix_masks(chunks)
         run = self._prefix_run(prefix)
-        window = self._window_masks(chunks, run)
+        begun: list = []
+        window = self._window_masks(chunks, run, begun)
         hit = restorable_boundary(self.layout, chunks, self._effective(prefix, window))
         if hit:
             k = next(c.index for c in chunks if c.end == hit)
@@ -365,7 +366,7 @@ class KVCacheEngine:
             used += [window_key(chunks[j].key, p) for j in window_chunks(self.layout, self.parts.window_mask, chunks, k)
                      for p in range(len(self.parts.pieces))]
             self.pool.release(self.pool.acquire(used))  # acquire touches
-        self._demote_unreachable(chunks, hit, run, window)
+        self._demote_unreachable(chunks, hit, run, window, begun)
         self._count_lookup(chunks, hit)
         return hit
 
@@ -399,13 +400,15 @@ class KVCacheEngine:
                 return i
         return len(prefix)
 
-    def _window_masks(self, chunks: list[Chunk], run: int) -> list[int]:
+    def _window_masks(self, chunks: list[Chunk], run: int, begun: Optional[list] = None) -> list[int]:
         """Window groups stored for each of the first ``run`` chunks (0 past them): the groups every
         piece holds, 0 unless every piece is present. Asks for piece 0 first: most chunks have none."""
         out = [0] * len(chunks)
         npieces = len(self.parts.pieces)
         first = self.storage.masks([window_key(c.key, 0) for c in chunks[:run]])
         have = [i for i, m in enumerate(first) if m is not None]
+        if begun is not None:  # chunks whose piece 0 is present (a window part was begun)
+            begun.extend(m is not None for m in first)
         for i in have:
             out[i] = first[i] & self.parts.window_mask
         if npieces > 1 and have:
@@ -418,7 +421,7 @@ class KVCacheEngine:
     def _effective(self, prefix: list[Optional[int]], window: list[int]) -> list[Optional[int]]:
         return [None if p is None and not w else (p or 0) | w for p, w in zip(prefix, window)]
 
-    def _demote_unreachable(self, chunks: list[Chunk], hit: int, run: int, window: list[int]) -> None:
+    def _demote_unreachable(self, chunks: list[Chunk], hit: int, run: int, window: list[int], begun: list) -> None:
         """Tell the pool what this lookup found worth less: prefix parts of this prompt past its
         last usable restore point (no restore point of this prompt reaches them; a branch that
         still does touches them back), and the pieces of incomplete window parts."""
@@ -428,7 +431,7 @@ class KVCacheEngine:
         keys = [c.key for c in chunks[:run] if c.end > hit] if self.parts.prefix_mask else []
         moved = demote(keys) if keys else 0
         npieces = len(self.parts.pieces)
-        partial = [c for c, w in zip(chunks[:run], window) if not w]
+        partial = [c for c, w, b in zip(chunks[:run], window, begun) if not w and b]
         if partial and npieces > 1:
             demote([window_key(c.key, p) for c in partial for p in range(npieces)])
         if moved:

@@ -14,7 +14,6 @@ import pytest
 
 import zoo
 from kvconnect import KVCacheEngine, TokenError
-from kvconnect.chunk_format import decode_header
 
 ZOO_CHUNKS = [(name, chunk) for name, (_, sizes) in zoo.ZOO.items() for chunk in sizes]
 SPARSE_WINDOWS = {"dsv4-flash", "dsv4-flash-packed"}  # too few blocks for dense windowed tables
