@@ -355,3 +355,40 @@ def test_inspect_sizes_restore_points_per_preset():
     assert gemma.window_part_chunks == 4  # 1024-token windows over 256-token chunks
     plain = sizing.restore_points(presets.preset("llama-3.1-8b").layout(0), 256, 4096)
     assert not plain.split
+
+
+def test_window_pieces_round_trip_through_redis(tmp_path, rng):
+    """Window pieces are values of their own in Redis: a second engine with an empty pool
+    restores at the restore point from Redis, byte-exact, loading one window part."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "storage"))
+    from redis_server import RedisNode, redis_available
+
+    if redis_available() is not None:
+        pytest.skip(redis_available())
+    chunk, interval, n = 32, 128, 320
+    case = zoo.gemma_swa(window=24, max_tokens=n)
+    tokens = zoo.random_tokens(rng, n)
+    tables = zoo.random_tables(case, n, rng)
+    with RedisNode(tmp_path / "redis") as node:
+        remote = dict(remote_url=node.url, remote_timeout_s=5.0)
+        engine = _engine(case, chunk, interval, **remote)
+        engine.store(tokens, tables)
+        assert engine.storage.flush(30)
+        assert engine.storage.tier_stats()["tiers"][0]["writer"]["written"] == n // chunk + engine.stats.window_pieces_stored
+        engine.close()
+        dst = case.clone(fill=0)
+        reader = KVCacheEngine(dst.layout(), zoo.small_config(chunk, restore_interval_tokens=interval, **remote))
+        try:
+            assert reader.lookup(tokens[:300]) == 256
+            dst_tables = zoo.random_tables(case, n, rng)
+            expected = zoo.expected_restore(case, dst.clone(), tables, dst_tables, 256)
+            assert reader.retrieve(tokens[:300], dst_tables) == 256
+            assert dst.first_difference(expected) is None
+            assert reader.stats.window_pieces_retrieved == len(reader.parts.pieces)  # one window part
+            # the prompt's prefix parts (acquired before the gate, as whole chunks always were) + one window part
+            assert len(reader.pool) == 300 // chunk + len(reader.parts.pieces)
+        finally:
+            reader.close()
