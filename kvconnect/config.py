@@ -33,6 +33,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_POOL_PREFAULT        | pool_prefault        | bool  | true    | map the CPU pool's pages in the background after allocation, so stores do not pay first-touch page faults (kvconnect/storage/host_memory.py) |
 | KVCONNECT_PD_WAIT_TIMEOUT_S    | pd_wait_timeout_s    | float | 5.0     | P/D decode side: how long a request whose prefill a producer names waits for its chunks in the shared tier before it is recomputed (docs/vllm.md, "Prefill/decode disaggregation") |
 | KVCONNECT_PD_POLL_INTERVAL_S   | pd_poll_interval_s   | float | 0.005   | P/D decode side: at most one shared-tier lookup per waiting request per this interval |
+| KVCONNECT_RESTORE_INTERVAL_TOKENS | restore_interval_tokens | int | 4096 | hybrid layouts: also keep window/state rows (the window part) every this many tokens of a stored prompt, besides its end and branch points (the first chunk end at or past each multiple); 0: at every chunk end (docs/design.md, "Restore points") |
 
 Values are parsed as LMCache parses them, or refused with a ``ConfigError``: booleans are
 ``true``/``false``/``1``/``0`` (LMCache reads any other word, ``yes`` and ``on`` included, as
@@ -103,6 +104,7 @@ class Config:
     pd_wait_timeout_s: float = 5.0
     pd_poll_interval_s: float = 0.005
     mooncake_config_path: Optional[str] = None
+    restore_interval_tokens: int = 4096  # restore points (kvconnect/parts.py); 0: every chunk end
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -134,6 +136,8 @@ class Config:
             raise ConfigError(f"log_interval_s (KVCONNECT_LOG_INTERVAL_S) must be >= 0, got {self.log_interval_s}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
+        if self.restore_interval_tokens < 0:
+            raise ConfigError(f"restore_interval_tokens (KVCONNECT_RESTORE_INTERVAL_TOKENS) must be >= 0, got {self.restore_interval_tokens}")
         if self.local_disk is not None:
             object.__setattr__(self, "local_disk", _one_disk_path(self.local_disk))
 

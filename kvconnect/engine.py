@@ -40,16 +40,19 @@ from . import metrics, transfer
 from .events import ChunkEventLog
 from .chunk_format import ChunkHeader
 from .config import Config
-from .errors import CorruptChunkError, TokenError
+from .errors import CorruptChunkError, LayoutError, TokenError
 from .keys import ChunkKeyer, Namespace, Tokens, tokens_as_int64
 from .layout import KVLayout
+from .parts import PartLayout, restore_points, window_chunks, window_key
 from .plan import (
     BlockTables,
     Chunk,
+    StoredPart,
     check_chunk_size,
     max_chunk_payload_bytes,
     plan_store,
     restorable_boundary,
+    retrieve_part_segments,
     retrieve_segments,
     store_segments,
 )
@@ -73,10 +76,23 @@ class EngineStats:
     lookup_requested_tokens: int = 0
     lookup_hit_tokens: int = 0
     corrupt_chunks: int = 0
+    # restore points (parts.py; hybrid layouts only)
+    window_parts_stored: int = 0  # restore points whose window part a store wrote (some pieces or all)
+    window_pieces_stored: int = 0
+    window_bytes_stored: int = 0
+    window_pieces_evicted: int = 0  # from the private CPU pool
+    restore_point_hits: int = 0  # retrieves that resumed at a restore point
+    window_pieces_retrieved: int = 0
+    prefix_chunks_demoted: int = 0  # found present but reached by no restore point (parts.py)
 
 
 class KVCacheEngine:
-    def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None) -> None:
+    def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None,
+                 window_parts: bool = True) -> None:
+        """``window_parts=False`` stores every group's rows in one object per chunk (engines
+        that hand over pages under their own keys: ``store_chunks``), as does a restore interval
+        of 0; by default a layout with window groups stores them only at restore points
+        (kvconnect/parts.py)."""
         self.config = config or Config.from_env()
         self.layout = layout = _named(layout, self.config.model_name)
         check_chunk_size(layout, self.config.chunk_size)
@@ -86,7 +102,12 @@ class KVCacheEngine:
         self.backend = backend
         self._cuda_tuning = route_tuning(self.config.cuda_transfer)
         self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)
-        self.max_chunk_bytes = max_chunk_payload_bytes(layout, self.config.chunk_size)
+        # interval 0 (a restore point at every chunk end) stores every group's rows in every chunk
+        # anyway: one object per chunk, as before restore points existed
+        self.parts = PartLayout.of(layout, self.config.chunk_size, split=window_parts and self.config.restore_interval_tokens > 0)
+        self._piece_planes = self.parts.piece_planes(len(layout.planes))
+        self._prefix_planes = np.array([(self.parts.prefix_mask >> p.group_index) & 1 == 1 for p in layout.planes], np.bool_)
+        self.max_chunk_bytes = self.parts.slot_bytes  # the largest object: a whole chunk, or a part
         # a private ChunkPool, or the node cache server's shared pool when server_url is set
         pool = make_pool(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
         self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config)
@@ -100,6 +121,8 @@ class KVCacheEngine:
         self.store_threads = self.config.num_threads
         self.load_threads = self.config.num_threads
         self.events: Optional[ChunkEventLog] = None  # enable_events(): chunk events for KV-aware routers
+        if self.parts.split and hasattr(self.pool, "on_evict"):
+            self.pool.on_evict.append(self._count_evicted)
 
     @property
     def pool(self) -> ChunkPool:
@@ -121,7 +144,9 @@ class KVCacheEngine:
             self.events = log or ChunkEventLog()
             events = self.events
             if hasattr(self.pool, "on_evict"):  # the private pool, or the node server's evictions of this layout
-                self.pool.on_evict.append(lambda entry: events.removed("cpu", [bytes(entry.key)]))
+                window_only = self.parts.window_mask if self.parts.prefix_mask else 0  # window pieces are no chunks
+                self.pool.on_evict.append(lambda entry: None if window_only and not entry.header.group_mask & ~window_only
+                                          else events.removed("cpu", [bytes(entry.key)]))
             for writer in self.storage.writers:
                 name = writer.tier.name
                 writer.on_written.append(lambda keys, name=name: events.stored_keys(name, [bytes(k) for k in keys]))
@@ -183,6 +208,9 @@ class KVCacheEngine:
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
+        With window groups (parts.py), their rows are stored only at the restore points of
+        this store: its end, where it leaves an already stored prefix, and every
+        ``restore_interval_tokens``.
         """
         start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
@@ -190,75 +218,225 @@ class KVCacheEngine:
         tables = BlockTables.of(self.layout, block_ids)
         every = self._chunks(tok, self.config.save_unfull_chunk, namespace)
         chunks = [c for c in every if c.start >= skip]
-        return self._store_chunks(chunks, tables, start_s, (tok, every))
+        if not self.parts.split:
+            return self._store_chunks(chunks, tables, start_s, (tok, every))
+        return self._store_parts(every, chunks, tables, start_s, (tok, every))
 
     def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
         """Store chunks whose keys the caller computed (e.g. ``kvconnect.page_keys``).
 
         ``chunks`` tile a token range that ``block_ids`` (one list per group) covers from
-        token 0; returns the tokens of ``chunks`` stored after the call.
+        token 0; returns the tokens of ``chunks`` stored after the call. Each chunk is one
+        object with every group's rows: the engine must be made with ``window_parts=False``
+        when the layout has window groups.
         """
+        self._whole_chunks_only("store_chunks")
         return self._store_chunks(list(chunks), BlockTables.of(self.layout, block_ids), time.perf_counter())
+
+    def _whole_chunks_only(self, what: str) -> None:
+        if self.parts.split:
+            raise LayoutError(f"{what} stores whole chunks under caller keys; this engine splits its window groups "
+                              "into restore-point parts: make it with KVCacheEngine(..., window_parts=False)")
 
     def _store_chunks(self, chunks: list[Chunk], tables: BlockTables, start_s: float, prompt=None) -> int:
         """``prompt``: (tokens, every chunk of them) when known, for the chunk events."""
         plans = [p for p in plan_store(self.layout, chunks, tables) if p.group_mask]
         existing = self.storage.masks([p.chunk.key for p in plans])
-        # rewrite a stored chunk only when the new one holds strictly more groups: a re-store
-        # with fewer groups (window blocks already freed) must not shrink a good entry
-        todo = [p for p, m in zip(plans, existing) if m is None or (m != p.group_mask and (m & p.group_mask) == m)]
         done_tokens = sum(p.chunk.end - p.chunk.start for p, m in zip(plans, existing) if m is not None and (m | p.group_mask) == m)
-        # pin the chunks of this prompt already in the pool while making room: eviction must
+        writes = self._write_objects([(p, p.chunk.key) for p in plans], existing)
+        if self.events is not None and writes:
+            self.events.stored("cpu", [_identity(p.chunk, prompt) for p, _ in writes])
+        with self._stats_lock:
+            self.stats.stored_chunks += len(writes)
+            self.stats.stored_bytes += sum(p.payload_bytes for p, _ in writes)
+            self.stats.skipped_chunks += len(plans) - len(writes)
+        self.ops.stored(len(writes), sum(p.payload_bytes for p, _ in writes), time.perf_counter() - start_s)
+        return done_tokens + sum(p.chunk.end - p.chunk.start for p, _ in writes)
+
+    def _write_objects(self, objects: list, existing: list) -> list:
+        """Gather and commit ``(plan, key)`` objects into the pool, in order, skipping those stored
+        with a superset of their groups; returns those written (a prefix of what was to write
+        when the pool had too few free slots)."""
+        # rewrite a stored object only when the new one holds strictly more groups: a re-store
+        # with fewer groups (window blocks already freed) must not shrink a good entry
+        todo = [(p, k) for (p, k), m in zip(objects, existing) if m is None or (m != p.group_mask and (m & p.group_mask) == m)]
+        # pin the objects of this prompt already in the pool while making room: eviction must
         # not drop the prompt's own prefix to store its suffix (a pin, not a use)
-        held = self.pool.acquire([p.chunk.key for p, m in zip(plans, existing) if m is not None], touch=False) if todo else []
+        held = self.pool.acquire([k for (_, k), m in zip(objects, existing) if m is not None], touch=False) if todo else []
         try:
             slots = self.storage.reserve(len(todo))
         finally:
             self.pool.release(held)
         writes = todo[: len(slots)]
+        if len(slots) > len(writes):
+            self.storage.abort(slots[len(writes):])
         if writes:
-            builder = store_segments(self.layout, writes, [self.pool.slot_offset(s) for s in slots])
+            builder = store_segments(self.layout, [p for p, _ in writes], [self.pool.slot_offset(s) for s in slots])
             try:
                 self.gather_to_pool(builder.build())
             except BaseException:
                 self.storage.abort(slots)
                 raise
-            for plan, slot in zip(writes, slots):
+            for (plan, key), slot in zip(writes, slots):
                 header = ChunkHeader(
-                    fingerprint=self.layout.fingerprint, key=plan.chunk.key, token_start=plan.chunk.start,
+                    fingerprint=self.layout.fingerprint, key=key, token_start=plan.chunk.start,
                     token_end=plan.chunk.end, group_mask=plan.group_mask, plane_rows=plan.plane_rows,
                     payload_bytes=plan.payload_bytes,
                 )
-                self.storage.commit(plan.chunk.key, header, slot)
-            if self.events is not None:
-                self.events.stored("cpu", [_identity(p.chunk, prompt) for p in writes])
+                self.storage.commit(key, header, slot)
+        return writes
+
+    def _store_parts(self, every: list[Chunk], chunks: list[Chunk], tables: BlockTables, start_s: float, prompt) -> int:
+        """Store the prefix parts of ``chunks`` and the window parts of this store's restore points."""
+        parts = self.parts
+        first = chunks[0].index if chunks else len(every)
+        prefix_plans = plan_store(self.layout, chunks, tables, groups=parts.prefix_mask) if parts.prefix_mask else []
+        prefix_existing = self.storage.masks([p.chunk.key for p in prefix_plans])
+        present = [False] * len(every)
+        for p, m in zip(prefix_plans, prefix_existing):
+            present[p.chunk.index] = m is not None and (m & parts.prefix_mask) == parts.prefix_mask
+        points = restore_points(every, first, present, self.config.restore_interval_tokens)
+        window_of: dict[int, list[int]] = {}  # chunk index -> the restore points needing its window rows
+        for k in points:
+            for j in window_chunks(self.layout, parts.window_mask, every, k):
+                window_of.setdefault(j, []).append(k)
+        window_plans = []
+        for j in sorted(window_of):
+            for piece, sel in enumerate(self._piece_planes):
+                (plan,) = plan_store(self.layout, [every[j]], tables, groups=parts.window_mask, planes=sel)
+                if plan.group_mask:
+                    window_plans.append((plan, window_key(every[j].key, piece)))
+        window_existing = self.storage.masks([k for _, k in window_plans])
+        # one order, by chunk: a pool short of slots keeps the earliest restore points whole
+        prefix_objects = [((p, p.chunk.key), m) for p, m in zip(prefix_plans, prefix_existing) if p.group_mask]
+        window_set = {k for _, k in window_plans}
+        ordered = sorted(prefix_objects + list(zip(window_plans, window_existing)), key=lambda o: (o[0][0].chunk.index, o[0][1] in window_set))
+        writes = self._write_objects([o for o, _ in ordered], [m for _, m in ordered])
+        reinstate = getattr(self.pool, "reinstate", None)
+        if reinstate is not None and points:  # what this store's restore points reach is worth keeping again
+            last = points[-1]
+            reinstate([k for (p, k), m in ordered if m is not None and p.chunk.index <= last])
+        prefix_writes = [p for p, k in writes if k not in window_set]
+        window_writes = [(p, k) for p, k in writes if k in window_set]
+        if self.events is not None and prefix_writes:
+            self.events.stored("cpu", [_identity(p.chunk, prompt) for p in prefix_writes])
+        written_chunks = {p.chunk.index for p, _ in window_writes}
         with self._stats_lock:
-            self.stats.stored_chunks += len(writes)
-            self.stats.stored_bytes += sum(p.payload_bytes for p in writes)
-            self.stats.skipped_chunks += len(plans) - len(writes)
-        self.ops.stored(len(writes), sum(p.payload_bytes for p in writes), time.perf_counter() - start_s)
-        return done_tokens + sum(p.chunk.end - p.chunk.start for p in writes)
+            self.stats.stored_chunks += len(prefix_writes)
+            self.stats.stored_bytes += sum(p.payload_bytes for p, _ in writes)
+            self.stats.skipped_chunks += len(prefix_objects) - len(prefix_writes)
+            self.stats.window_pieces_stored += len(window_writes)
+            self.stats.window_bytes_stored += sum(p.payload_bytes for p, _ in window_writes)
+            self.stats.window_parts_stored += sum(1 for k in points if any(j in written_chunks for j in
+                                                                               window_chunks(self.layout, parts.window_mask, every, k)))
+        self.ops.stored(len(writes), sum(p.payload_bytes for p, _ in writes), time.perf_counter() - start_s)
+        # a chunk counts as stored when any of its objects is (as when a chunk was one object)
+        stored = {p.chunk.index for p, _ in writes} | {k for k in range(len(every)) if present[k]}
+        stored |= {p.chunk.index for (p, _), m in zip(window_plans, window_existing) if m is not None}
+        stored |= {p.chunk.index for p, m in zip(prefix_plans, prefix_existing) if m is not None and (m | p.group_mask) == m}
+        return sum(c.end - c.start for c in chunks if c.index in stored)
+
+    def _count_evicted(self, entry) -> None:
+        """Pool eviction listener: count window pieces (a prefix part's groups are never all window groups)."""
+        mask = entry.header.group_mask
+        if mask and not mask & self.parts.prefix_mask:
+            with self._stats_lock:
+                self.stats.window_pieces_evicted += 1
 
     # -- lookup ----------------------------------------------------------------------
     def lookup(self, tokens: Tokens, *, namespace: Namespace = None) -> int:
-        """Tokens restorable from token 0: the largest chunk end at which every group can resume.
+        """Tokens restorable from token 0: the largest chunk end at which every group can resume
+        (with window groups: the largest restore point whose prefix and window parts are present).
 
-        The pool's chunks of the hit become its most recently used, so that the stores running
+        The pool's objects of the hit become its most recently used, so that the stores running
         between an engine's lookup and its retrieve evict other chunks first (a hit is still
         not a promise: ``retrieve`` returns what it loaded).
         """
-        return self.lookup_chunks(self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace))
+        chunks = self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace)
+        if not self.parts.split:
+            return self.lookup_chunks(chunks)
+        prefix = self._prefix_masks(chunks)
+        run = self._prefix_run(prefix)
+        begun: list = []
+        window = self._window_masks(chunks, run, begun)
+        hit = restorable_boundary(self.layout, chunks, self._effective(prefix, window))
+        if hit:
+            k = next(c.index for c in chunks if c.end == hit)
+            used = [c.key for c in chunks if c.end <= hit] if self.parts.prefix_mask else []
+            used += [window_key(chunks[j].key, p) for j in window_chunks(self.layout, self.parts.window_mask, chunks, k)
+                     for p in range(len(self.parts.pieces))]
+            self.pool.release(self.pool.acquire(used))  # acquire touches
+        self._demote_unreachable(chunks, hit, run, window, begun)
+        self._count_lookup(chunks, hit)
+        return hit
 
     def lookup_chunks(self, chunks: list[Chunk]) -> int:
         """``lookup`` over chunks whose keys the caller computed: the restorable chunk end."""
+        self._whole_chunks_only("lookup_chunks")
         hit = restorable_boundary(self.layout, chunks, self.storage.masks([c.key for c in chunks]))
         if hit:
             self.pool.release(self.pool.acquire([c.key for c in chunks if c.end <= hit]))  # acquire touches
+        self._count_lookup(chunks, hit)
+        return hit
+
+    def _count_lookup(self, chunks: list[Chunk], hit: int) -> None:
         with self._stats_lock:
             self.stats.lookups += 1
             self.stats.lookup_requested_tokens += chunks[-1].end if chunks else 0
             self.stats.lookup_hit_tokens += hit
-        return hit
+
+    # -- the two parts (parts.py) ----------------------------------------------------
+    def _prefix_masks(self, chunks: list[Chunk]) -> list[Optional[int]]:
+        """Prefix groups stored per chunk (None: absent); all-zero masks when no group is a prefix group."""
+        if not self.parts.prefix_mask:
+            return [0] * len(chunks)
+        return [m & self.parts.prefix_mask if m is not None else None for m in self.storage.masks([c.key for c in chunks])]
+
+    def _prefix_run(self, prefix: list[Optional[int]]) -> int:
+        """How many leading chunks hold every prefix group."""
+        want = self.parts.prefix_mask
+        for i, m in enumerate(prefix):
+            if m is None or (m & want) != want:
+                return i
+        return len(prefix)
+
+    def _window_masks(self, chunks: list[Chunk], run: int, begun: Optional[list] = None) -> list[int]:
+        """Window groups stored for each of the first ``run`` chunks (0 past them): the groups every
+        piece holds, 0 unless every piece is present. Asks for piece 0 first: most chunks have none."""
+        out = [0] * len(chunks)
+        npieces = len(self.parts.pieces)
+        first = self.storage.masks([window_key(c.key, 0) for c in chunks[:run]])
+        have = [i for i, m in enumerate(first) if m is not None]
+        if begun is not None:  # chunks whose piece 0 is present (a window part was begun)
+            begun.extend(m is not None for m in first)
+        for i in have:
+            out[i] = first[i] & self.parts.window_mask
+        if npieces > 1 and have:
+            rest = self.storage.masks([window_key(chunks[i].key, p) for i in have for p in range(1, npieces)])
+            for n, i in enumerate(have):
+                for m in rest[n * (npieces - 1) : (n + 1) * (npieces - 1)]:
+                    out[i] = out[i] & m if m is not None else 0
+        return out
+
+    def _effective(self, prefix: list[Optional[int]], window: list[int]) -> list[Optional[int]]:
+        return [None if p is None and not w else (p or 0) | w for p, w in zip(prefix, window)]
+
+    def _demote_unreachable(self, chunks: list[Chunk], hit: int, run: int, window: list[int], begun: list) -> None:
+        """Tell the pool what this lookup found worth less: prefix parts of this prompt past its
+        last usable restore point (no restore point of this prompt reaches them; a branch that
+        still does touches them back), and the pieces of incomplete window parts."""
+        demote = getattr(self.pool, "demote", None)
+        if demote is None:
+            return
+        keys = [c.key for c in chunks[:run] if c.end > hit] if self.parts.prefix_mask else []
+        moved = demote(keys) if keys else 0
+        npieces = len(self.parts.pieces)
+        partial = [c for c, w, b in zip(chunks[:run], window, begun) if not w and b]
+        if partial and npieces > 1:
+            demote([window_key(c.key, p) for c in partial for p in range(npieces)])
+        if moved:
+            with self._stats_lock:
+                self.stats.prefix_chunks_demoted += moved
 
     # -- retrieve --------------------------------------------------------------------
     def retrieve(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None) -> int:
@@ -271,10 +449,14 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
-        return self._retrieve_chunks(self._chunks(tok, include_partial=True, namespace=namespace), tables, skip, start_s)
+        chunks = self._chunks(tok, include_partial=True, namespace=namespace)
+        if self.parts.split:
+            return self._retrieve_parts(chunks, tables, skip, start_s)
+        return self._retrieve_chunks(chunks, tables, skip, start_s)
 
     def retrieve_chunks(self, chunks: list[Chunk], block_ids, *, present_tokens: int = 0) -> int:
         """``retrieve`` over chunks whose keys the caller computed; tokens loaded beyond ``present_tokens``."""
+        self._whole_chunks_only("retrieve_chunks")
         return self._retrieve_chunks(list(chunks), BlockTables.of(self.layout, block_ids), present_tokens, time.perf_counter())
 
     def _retrieve_chunks(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
@@ -287,33 +469,104 @@ class KVCacheEngine:
             if boundary <= skip:
                 return 0
             load = [c for c in chunks if c.end > skip and c.end <= boundary]
-            used = [entries[c.index] for c in load]
-            try:
-                builder = retrieve_segments(
-                    self.layout, load, [e.header if e is not None else None for e in used],
-                    [self.pool.slot_offset(e.slot) if e is not None else 0 for e in used], boundary, tables,
-                    present_tokens=skip,
-                )
-            except CorruptChunkError as exc:
-                logger.warning("kvconnect: dropping an inconsistent chunk; reporting a miss: %s", exc)
-                index = getattr(exc, "chunk_index", None)  # set by plan: drop only that chunk
-                for e in [entries[index]] if index is not None else used:
-                    if e is not None:
-                        self.storage.drop(e.key)
-                with self._stats_lock:
-                    self.stats.corrupt_chunks += 1
-                return 0
-            tables_built = builder.build()
-            self.scatter_from_pool(tables_built)
-            nbytes = tables_built.payload_bytes(self.layout)
-            with self._stats_lock:
-                self.stats.retrieved_chunks += sum(e is not None for e in used)
-                self.stats.retrieved_bytes += nbytes
-                self.stats.retrieved_tokens += boundary - skip
-            self.ops.retrieved(sum(e is not None for e in used), nbytes, time.perf_counter() - start_s)
-            return boundary - skip
+            parts = [[StoredPart(e.header, self.pool.slot_offset(e.slot), key=e.key)] if (e := entries[c.index]) is not None else []
+                     for c in load]
+            return self._load(load, parts, boundary, tables, skip, start_s, pieces=0)
         finally:
             self.storage.release(entries)
+
+    def _retrieve_parts(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
+        """Pin the prefix parts, find the largest restore point whose window pieces can be pinned too, load."""
+        parts, npieces = self.parts, len(self.parts.pieces)
+        wanted = [c for c in chunks if c.end > skip]
+        below = len(chunks) - len(wanted)
+        if parts.prefix_mask:
+            entries = [None] * below + list(self.storage.acquire([c.key for c in wanted]))
+        else:
+            entries = [None] * len(chunks)
+        pieces: dict[int, list] = {}  # chunk index -> its pinned window pieces
+        try:
+            prefix = [(e.header.group_mask & parts.prefix_mask if e is not None else None) for e in entries]
+            if not parts.prefix_mask:
+                prefix = [0] * len(chunks)
+            run = self._prefix_run([parts.prefix_mask if c.end <= skip else m for c, m in zip(chunks, prefix)])
+            window = self._window_masks(chunks, run)
+            for _ in range(len(chunks) + 1):  # each round pins one candidate's pieces or rules a chunk out
+                boundary = restorable_boundary(self.layout, chunks, self._effective(prefix, window), present_below=skip)
+                if boundary <= skip:
+                    return 0
+                k = next(c.index for c in chunks if c.end == boundary)
+                need = [j for j in window_chunks(self.layout, parts.window_mask, chunks, k) if chunks[j].end > skip and j not in pieces]
+                got = self.storage.acquire([window_key(chunks[j].key, p) for j in need for p in range(npieces)])
+                lost = False
+                for n, j in enumerate(need):
+                    mine = got[n * npieces : (n + 1) * npieces]
+                    mask = parts.window_mask
+                    for e in mine:
+                        mask = mask & e.header.group_mask if e is not None else 0
+                    if mask != window[j]:
+                        lost = True
+                        window[j] = mask
+                    if all(e is not None for e in mine) and mask:
+                        pieces[j] = mine
+                    else:
+                        self.storage.release(mine)
+                if not lost:
+                    break
+            else:
+                return 0
+            load = [c for c in chunks if c.end > skip and c.end <= boundary]
+            needed = set(window_chunks(self.layout, parts.window_mask, chunks, k))
+            stored = []
+            for c in load:
+                mine = []
+                if (e := entries[c.index]) is not None:
+                    mine.append(StoredPart(e.header, self.pool.slot_offset(e.slot), self._prefix_planes, e.key))
+                if c.index in needed:
+                    mine += [StoredPart(e.header, self.pool.slot_offset(e.slot), self._piece_planes[p], e.key)
+                             for p, e in enumerate(pieces[c.index])]
+                stored.append(mine)
+            got = self._load(load, stored, boundary, tables, skip, start_s, pieces=sum(len(pieces[j]) for j in needed if j in pieces))
+            if got:
+                with self._stats_lock:
+                    self.stats.restore_point_hits += 1
+            return got
+        finally:
+            self.storage.release(entries)
+            for mine in pieces.values():
+                self.storage.release(mine)
+
+    def _load(self, load: list[Chunk], parts: list, boundary: int, tables: BlockTables, skip: int, start_s: float, *,
+              pieces: int) -> int:
+        """Scatter the rows needed at ``boundary`` from the pinned ``parts`` of ``load``; tokens loaded."""
+        try:
+            builder = retrieve_part_segments(self.layout, load, parts, boundary, tables, present_tokens=skip)
+        except CorruptChunkError as exc:
+            logger.warning("kvconnect: dropping an inconsistent chunk; reporting a miss: %s", exc)
+            key = getattr(exc, "key", None)  # set by plan: drop only that object
+            index = getattr(exc, "chunk_index", None)
+            if key is not None:
+                self.storage.drop(key)
+            else:
+                for chunk, mine in zip(load, parts):
+                    if index is None or chunk.index == index:
+                        for part in mine:
+                            if part.key is not None:
+                                self.storage.drop(part.key)
+            with self._stats_lock:
+                self.stats.corrupt_chunks += 1
+            return 0
+        tables_built = builder.build()
+        self.scatter_from_pool(tables_built)
+        nbytes = tables_built.payload_bytes(self.layout)
+        chunks_used = sum(1 for mine in parts if mine)
+        with self._stats_lock:
+            self.stats.retrieved_chunks += chunks_used
+            self.stats.retrieved_bytes += nbytes
+            self.stats.retrieved_tokens += boundary - skip
+            self.stats.window_pieces_retrieved += pieces
+        self.ops.retrieved(chunks_used, nbytes, time.perf_counter() - start_s)
+        return boundary - skip
 
     # -- pool transfers (also PageStore's) --------------------------------------------
     def gather_to_pool(self, tables) -> None:

@@ -81,6 +81,11 @@ CATALOGUE: dict[str, Metric] = {m.name: m for m in (
     Metric("kvconnect_retrieved_bytes_total", COUNTER, "payload bytes loaded into the engine's KV cache"),
     Metric("kvconnect_retrieved_tokens_total", COUNTER, "tokens restored into the engine's KV cache"),
     Metric("kvconnect_corrupt_chunks_dropped_total", COUNTER, "chunks found inconsistent and dropped (a miss, never wrong bytes)"),
+    Metric("kvconnect_window_parts_stored_total", COUNTER, "restore points whose window part a store wrote (kvconnect/parts.py)"),
+    Metric("kvconnect_window_pieces_stored_total", COUNTER, "window-part pieces written into the CPU pool"),
+    Metric("kvconnect_window_pieces_evicted_total", COUNTER, "window-part pieces evicted from the CPU pool"),
+    Metric("kvconnect_restore_point_hits_total", COUNTER, "retrieves that resumed at a restore point (prefix parts + one window part)"),
+    Metric("kvconnect_prefix_chunks_demoted_total", COUNTER, "prefix parts a lookup found past every usable restore point (evicted first)"),
     Metric("kvconnect_store_seconds", HISTOGRAM, "duration of one store call"),
     Metric("kvconnect_retrieve_seconds", HISTOGRAM, "duration of one retrieve call that loaded (misses are not timed)"),
     # -- CPU pool ---------------------------------------------------------------------------
@@ -286,6 +291,11 @@ def engine_figures(engine: EngineLike, *, lookups: bool = True) -> Figures:
     f.set("kvconnect_retrieved_chunks_total", s["retrieved_chunks"])
     f.set("kvconnect_retrieved_bytes_total", s["retrieved_bytes"])
     f.set("kvconnect_retrieved_tokens_total", s["retrieved_tokens"])
+    f.set("kvconnect_window_parts_stored_total", s["window_parts_stored"])
+    f.set("kvconnect_window_pieces_stored_total", s["window_pieces_stored"])
+    f.set("kvconnect_window_pieces_evicted_total", s["window_pieces_evicted"])
+    f.set("kvconnect_restore_point_hits_total", s["restore_point_hits"])
+    f.set("kvconnect_prefix_chunks_demoted_total", s["prefix_chunks_demoted"])
     f.set("kvconnect_store_seconds", engine.ops.store_seconds.snapshot())
     f.set("kvconnect_retrieve_seconds", engine.ops.retrieve_seconds.snapshot())
     storage_figures(engine.storage, f)

@@ -162,21 +162,37 @@ class PlaneArrays:
         self.index = np.arange(len(layout.planes), dtype=np.int64)
 
 
-def plan_store(layout: KVLayout, chunks: Sequence[Chunk], tables: BlockTables) -> list[StorePlan]:
+def plan_store(layout: KVLayout, chunks: Sequence[Chunk], tables: BlockTables, *, groups: Optional[int] = None,
+               planes: Optional[np.ndarray] = None) -> list[StorePlan]:
+    """Per chunk, the rows each group stores and whether its blocks are present.
+
+    ``groups`` (a bit mask, default all) and ``planes`` (a bool array over the layout's
+    planes, default all) select what the stored object holds (parts.py: a prefix part or one
+    window piece); a group outside ``groups`` stores nothing and has its bit clear.
+    """
     arrays = PlaneArrays(layout)
+    groups = (1 << layout.num_groups) - 1 if groups is None else groups
+    used = np.ones(len(layout.planes), np.bool_) if planes is None else np.asarray(planes, np.bool_)
+    group_used = [bool(((arrays.group == g) & used).any()) for g in range(layout.num_groups)]
     plans = []
     for chunk in chunks:
         mask, starts, counts, group_slots = 0, [], [], []
         for g, geo in enumerate(layout.geometries):
+            if not (groups >> g) & 1:
+                group_slots.append(None)
+                starts.append(0)
+                counts.append(0)
+                continue
             rows = geo.stored_rows(chunk.start, chunk.end)
             slots = tables.slots(g, rows, required=False, what=f"storing chunk {chunk.index}")
-            group_slots.append(slots)
+            group_slots.append(slots if group_used[g] else None)
             starts.append(rows[0])
             counts.append(rows[1] - rows[0] if slots is not None else 0)
             if slots is not None:
                 mask |= 1 << g
         plane_first = np.asarray(starts, np.int64)[arrays.group]
-        plane_n = np.asarray(counts, np.int64)[arrays.group]
+        plane_n = np.where(used, np.asarray(counts, np.int64)[arrays.group], 0)
+        plane_first = np.where(used, plane_first, 0)
         plans.append(
             StorePlan(
                 chunk=chunk,
@@ -256,6 +272,17 @@ def _window_present(geo, g: int, chunks: Sequence[Chunk], eff: Sequence[int], k:
 # retrieve
 
 
+@dataclass(frozen=True)
+class StoredPart:
+    """One stored object of a chunk, as a retrieve reads it: its header, where its payload
+    starts in the pool buffer, and which planes it holds (None: every plane)."""
+
+    header: object
+    base: int
+    planes: Optional[np.ndarray] = None
+    key: Optional[ChunkKey] = None
+
+
 def retrieve_segments(
     layout: KVLayout,
     chunks: Sequence[Chunk],
@@ -266,50 +293,77 @@ def retrieve_segments(
     *,
     present_tokens: int = 0,
 ) -> SegmentBuilder:
+    """``retrieve_part_segments`` for chunks stored whole: ``headers[i]`` is chunk i's header (None: not found)."""
+    parts = [[StoredPart(h, b)] if h is not None else [] for h, b in zip(headers, buffer_offsets)]
+    return retrieve_part_segments(layout, chunks, parts, boundary, tables, present_tokens=present_tokens)
+
+
+def retrieve_part_segments(
+    layout: KVLayout,
+    chunks: Sequence[Chunk],
+    parts: Sequence[Sequence[StoredPart]],
+    boundary: int,
+    tables: BlockTables,
+    *,
+    present_tokens: int = 0,
+) -> SegmentBuilder:
     """Segments that load exactly the rows needed to resume at ``boundary`` from each chunk.
 
-    ``headers[i]`` is the stored header of ``chunks[i]`` (None: the chunk is not needed).
-    Rows of tokens below ``present_tokens`` are already in the engine and never written
-    (the engine's own prefix hit may end inside a chunk).
+    ``parts[i]`` are the stored objects of ``chunks[i]`` (its prefix part and the pieces of
+    its window rows that the restore needs; empty: the chunk is not needed), each holding
+    a disjoint set of planes. Rows of tokens below ``present_tokens`` are already in the
+    engine and never written (the engine's own prefix hit may end inside a chunk).
     Raises BlockTableError (nothing written) when a needed row has no valid block, and
-    CorruptChunkError when a header does not hold rows the gate said it holds.
+    CorruptChunkError (``.chunk_index``, ``.key`` of the bad object) when a part does not
+    hold rows the gate said it holds, or no part holds a needed plane.
     """
     arrays = PlaneArrays(layout)
     builder = SegmentBuilder()
+    num_planes = len(layout.planes)
     needed = [intersect(geo.needed_rows(boundary), geo.chunk_rows(present_tokens, boundary)) for geo in layout.geometries]
-    for chunk, header, base in zip(chunks, headers, buffer_offsets):
+    for chunk, chunk_parts in zip(chunks, parts):
         need = [intersect(needed[g], geo.chunk_rows(chunk.start, chunk.end)) for g, geo in enumerate(layout.geometries)]
-        if header is None:
-            if any(hi > lo for lo, hi in need):
-                raise _corrupt(chunk, "is needed but was not found")
-            continue
-        if len(header.plane_rows) != len(layout.planes):
-            raise _corrupt(chunk, f"has {len(header.plane_rows)} planes, layout has {len(layout.planes)}")
-        stored = np.asarray(header.plane_rows, np.int64).reshape(-1, 2)
-        first, count = stored[:, 0], stored[:, 1]
-        # the checksum proves integrity, not consistency: rows claimed beyond the payload
-        # would read stale slot bytes as KV
-        if int((count * arrays.row_bytes).sum()) != header.payload_bytes:
-            raise _corrupt(chunk, f"has plane rows that do not add up to its {header.payload_bytes}-byte payload")
-        stored_off = np.cumsum(count * arrays.row_bytes) - count * arrays.row_bytes
         need_lo = np.array([lo for lo, _ in need], np.int64)[arrays.group]
         need_hi = np.array([hi for _, hi in need], np.int64)[arrays.group]
         need_n = need_hi - need_lo
-        wanted = need_n > 0
-        if (wanted & ((need_lo < first) | (need_hi > first + count))).any():
-            raise _corrupt(chunk, "does not hold the rows its group mask claims")
+        covered = np.zeros(num_planes, np.bool_)
+        checked = []
+        for part in chunk_parts:
+            header = part.header
+            if len(header.plane_rows) != num_planes:
+                raise _corrupt(chunk, f"has {len(header.plane_rows)} planes, layout has {num_planes}", part.key)
+            stored = np.asarray(header.plane_rows, np.int64).reshape(-1, 2)
+            first, count = stored[:, 0], stored[:, 1]
+            # the checksum proves integrity, not consistency: rows claimed beyond the payload
+            # would read stale slot bytes as KV
+            if int((count * arrays.row_bytes).sum()) != header.payload_bytes:
+                raise _corrupt(chunk, f"has plane rows that do not add up to its {header.payload_bytes}-byte payload", part.key)
+            sel = np.ones(num_planes, np.bool_) if part.planes is None else part.planes
+            wanted = sel & (need_n > 0)
+            if (wanted & ((need_lo < first) | (need_hi > first + count))).any():
+                raise _corrupt(chunk, "does not hold the rows its group mask claims", part.key)
+            covered |= wanted
+            checked.append((part, first, count, wanted))
+        if ((need_n > 0) & ~covered).any():
+            raise _corrupt(chunk, "is needed but was not found")
+        if not checked:
+            continue
         group_offsets = np.zeros(layout.num_groups, np.int64)
         for g, rows in enumerate(need):
             if rows[1] > rows[0]:
                 slots = tables.slots(g, rows, required=True, what=f"restoring at token {boundary}")
                 group_offsets[g] = builder.add_slots(slots)
-        buf = base + stored_off + (need_lo - first) * arrays.row_bytes
-        builder.add_segments(arrays.index, np.where(wanted, need_n, 0), group_offsets[arrays.group], buf)
+        for part, first, count, wanted in checked:
+            stored_off = np.cumsum(count * arrays.row_bytes) - count * arrays.row_bytes
+            buf = part.base + stored_off + (need_lo - first) * arrays.row_bytes
+            builder.add_segments(arrays.index, np.where(wanted, need_n, 0), group_offsets[arrays.group], buf)
     return builder
 
 
-def _corrupt(chunk: Chunk, why: str) -> CorruptChunkError:
-    """A CorruptChunkError that names the chunk (``.chunk_index``) so only it is dropped."""
+def _corrupt(chunk: Chunk, why: str, key: Optional[ChunkKey] = None) -> CorruptChunkError:
+    """A CorruptChunkError that names the chunk (``.chunk_index``) and, when known, the bad
+    object's key (``.key``) so only it is dropped."""
     err = CorruptChunkError(f"chunk {chunk.index} {why}")
     err.chunk_index = chunk.index
+    err.key = key
     return err

@@ -7,6 +7,10 @@ rules (``rows.GroupGeometry``) and plane bytes, the same the engine's planner us
     s.restore_bytes(p)     bytes ``retrieve`` loads to resume at token p (windowed groups: only their window)
     s.pool_bytes(n)        CPU pool bytes n tokens occupy (fixed slots of the largest chunk)
     s.encoded_bytes(n)     bytes in the disk / remote tiers (payload + chunk header)
+    restore_points(layout, chunk_tokens, interval)   prefix part, window part and bytes per
+                           cached token with window rows kept only at restore points (parts.py)
+
+The per-prompt figures above are those of whole chunks (interval 0).
 """
 
 from __future__ import annotations
@@ -81,3 +85,47 @@ def of(layout: KVLayout, chunk_tokens: int) -> Sizing:
         groups.append(GroupSizing(g, row["kind"], spec.block_size, spec.compress_ratio, geo.window_tokens, row["num_planes"],
                                   row["row_bytes_per_row"], hi - lo, (hi - lo) * row["row_bytes_per_row"]))
     return Sizing(layout, chunk_tokens, tuple(groups), max_chunk_payload_bytes(layout, chunk_tokens))
+
+
+@dataclass(frozen=True)
+class RestorePointSizing:
+    """What restore points (kvconnect/parts.py) store for a long prompt at a restore interval."""
+
+    interval_tokens: int
+    chunk_tokens: int
+    split: bool  # False: no window group, or interval 0 (whole chunks)
+    prefix_bytes_per_chunk: int
+    window_bytes_per_chunk: int  # one chunk's window rows, all pieces
+    pieces_per_chunk: int
+    window_part_chunks: int  # chunks whose window rows one restore point needs
+    window_part_bytes: int  # bytes of the window part at one restore point
+    slot_bytes: int
+    bytes_per_token: float  # payload per cached prefix token, a prompt of many intervals
+    pool_bytes_per_token: float  # CPU pool bytes (whole slots) per cached prefix token
+    whole_bytes_per_token: float  # the same with every chunk whole (interval 0)
+
+
+def restore_points(layout: KVLayout, chunk_tokens: int, interval_tokens: int) -> RestorePointSizing:
+    """Steady-state bytes per cached token at ``interval_tokens`` (restore points every interval;
+    a prompt's end and branch points add one window part each)."""
+    from .parts import PartLayout, window_chunks
+    from .plan import Chunk
+
+    check_chunk_size(layout, chunk_tokens)
+    whole = max_chunk_payload_bytes(layout, chunk_tokens)
+    parts = PartLayout.of(layout, chunk_tokens, split=interval_tokens > 0)
+    if not parts.split:
+        per = whole / chunk_tokens
+        return RestorePointSizing(interval_tokens, chunk_tokens, False, whole, 0, 0, 0, 0, whole, per, per, per)
+    longest = max(geo.window_tokens or 0 for geo in layout.geometries)
+    n = longest // chunk_tokens + 3
+    chunks = [Chunk(i, i * chunk_tokens, (i + 1) * chunk_tokens, None) for i in range(n)]
+    span = len(window_chunks(layout, parts.window_mask, chunks, n - 1))
+    per_interval = -(-interval_tokens // chunk_tokens)  # chunks per restore point
+    chunk_span = per_interval * chunk_tokens
+    window_part = span * parts.window_bytes
+    payload = per_interval * parts.prefix_bytes + min(span, per_interval) * parts.window_bytes
+    objects = per_interval + min(span, per_interval) * len(parts.pieces)
+    return RestorePointSizing(interval_tokens, chunk_tokens, True, parts.prefix_bytes, parts.window_bytes, len(parts.pieces),
+                              span, window_part, parts.slot_bytes, payload / chunk_span, objects * parts.slot_bytes / chunk_span,
+                              whole / chunk_tokens)

@@ -49,7 +49,7 @@ def test_window_crossing_chunks(rng):
     tables[SWA][1] = -1  # tokens [16, 32): chunk 0 stores rows [0, 64) of the window group
     engine = _engine(case, chunk)
     assert engine.store(tokens, tables) == n
-    masks = engine.storage.masks([c.key for c in engine.chunks(tokens, include_partial=False)])
+    masks = zoo.stored_masks(engine, engine.chunks(tokens, include_partial=False))
     assert masks == [0b01, 0b11, 0b11, 0b11]
     assert engine.lookup(tokens[:64]) == 0  # needs window rows [0, 64): chunk 0 lacks them
     assert engine.lookup(tokens[:128]) == 0  # needs [48, 128): crosses into chunk 0
@@ -70,7 +70,7 @@ def test_nulled_full_block_stops_the_hit(rng):
     tables[0][5] = -1  # tokens [80, 96) of the full group: chunk 1
     engine = _engine(case, chunk)
     assert engine.store(tokens, tables) == n
-    masks = engine.storage.masks([c.key for c in engine.chunks(tokens, include_partial=False)])
+    masks = zoo.stored_masks(engine, engine.chunks(tokens, include_partial=False))
     assert masks == [0b11, 0b10, 0b11, 0b11]
     _restore_and_check(case, engine, tokens, tables, 64, rng)
 
@@ -85,7 +85,7 @@ def test_nulled_window_blocks_outside_every_stored_window(rng):
     assert tables[SWA].count(-1) == 12  # per chunk only the last 80 tokens (5 of 8 blocks) are kept
     engine = _engine(case, chunk)
     assert engine.store(tokens, tables) == n
-    assert engine.storage.masks([c.key for c in engine.chunks(tokens, include_partial=False)]) == [0b11] * 4
+    assert zoo.stored_masks(engine, engine.chunks(tokens, include_partial=False)) == [0b11] * 4
     _restore_and_check(case, engine, tokens, tables, n, rng)
 
 
@@ -189,9 +189,9 @@ def test_all_window_model_needs_only_the_last_window(rng):
     tables = zoo.random_tables(case, n, rng)
     engine = _engine(case, chunk)
     assert engine.store(tokens, tables) == n
-    keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
-    engine.pool.remove(keys[0])
-    engine.pool.remove(keys[1])
+    chunks = engine.chunks(tokens, include_partial=False)
+    zoo.remove_chunk(engine, chunks[0])
+    zoo.remove_chunk(engine, chunks[1])
     assert engine.lookup(tokens) == n
     assert engine.lookup(tokens[:128]) == 0
     dst_tables = zoo.random_tables(case, n, rng)
@@ -262,13 +262,13 @@ def test_gate_matches_reference(name, extra, tail, unfull, null_fraction, remova
     engine = _engine(case, chunk, save_unfull_chunk=unfull)
     engine.store(tokens, tables)
     masks = zoo.store_masks(case, tables, bounds)
-    keys = [c.key for c in engine.chunks(tokens, include_partial=unfull)]
+    chunks = engine.chunks(tokens, include_partial=unfull)
     for i in removals:
-        if i < len(keys):
-            engine.pool.remove(keys[i])
+        if i < len(chunks):
+            zoo.remove_chunk(engine, chunks[i])
             masks[i] = None
     masks = [m or None for m in masks]
-    assert engine.storage.masks(keys) == masks
+    assert zoo.stored_masks(engine, chunks) == masks
     boundary = zoo.expected_boundary(case, bounds, masks)
     assert engine.lookup(tokens) == boundary
     assert boundary <= sum(e - s for (s, e), m in zip(bounds, masks) if m)  # never more than stored
@@ -286,19 +286,19 @@ def test_restore_with_fewer_groups_never_shrinks_an_entry(rng):
     freed = [list(t) for t in full_tables]
     freed[SWA] = [-1] * len(freed[SWA])  # the window group's blocks are gone
     engine = _engine(case, chunk)
-    keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
+    keys = engine.chunks(tokens, include_partial=False)  # chunks: stored_masks merges their two parts
     assert engine.store(tokens, full_tables) == n
-    assert engine.storage.masks(keys) == [0b11, 0b11]
+    assert zoo.stored_masks(engine, keys) == [0b11, 0b11]
     engine.store(tokens, freed)  # group 1 absent now: must not replace the complete entries
-    assert engine.storage.masks(keys) == [0b11, 0b11]
+    assert zoo.stored_masks(engine, keys) == [0b11, 0b11]
     assert engine.lookup(tokens) == n
 
     engine2 = _engine(case, chunk)
     assert engine2.store(tokens, freed) == n  # full group only
-    assert engine2.storage.masks(keys) == [0b01, 0b01]
+    assert zoo.stored_masks(engine2, keys) == [0b01, 0b01]
     assert engine2.lookup(tokens) == 0
     engine2.store(tokens, full_tables)  # now both groups: replaces
-    assert engine2.storage.masks(keys) == [0b11, 0b11]
+    assert zoo.stored_masks(engine2, keys) == [0b11, 0b11]
     assert engine2.lookup(tokens) == n
 
 
@@ -322,5 +322,6 @@ def test_an_inconsistent_chunk_drops_only_itself(rng):
     before = case.clone()
     assert engine.retrieve(tokens, zoo.random_tables(case, n, rng)) == 0  # nothing is loaded
     assert case.first_difference(before) is None
-    assert engine.storage.masks(keys) == [0b11, 0b11, None, 0b11]
+    # only the bad object is dropped: chunk 2's prefix part; its window rows stay (kvconnect/parts.py)
+    assert zoo.stored_masks(engine, engine.chunks(tokens, include_partial=False)) == [0b11, 0b11, 0b10, 0b11]
     assert engine.lookup(tokens) == 128

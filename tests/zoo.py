@@ -583,17 +583,103 @@ def expected_restore(src: ZooCase, dst_before: ZooCase, src_tables, dst_tables, 
 
 
 def small_config(chunk_size: int, **kw) -> Config:
-    """A Config for tests: a 64 MB CPU pool, 2 kernel threads, no lower tiers."""
-    return Config(**{"chunk_size": chunk_size, "max_local_cpu_size": 64 / 1024, "num_threads": 2, **kw})
+    """A Config for tests: a 64 MB CPU pool, 2 kernel threads, no lower tiers, and a restore
+    point at every chunk end (what the hand-computed boundaries assume) made by the restore-point
+    model: an interval of one chunk, so a hybrid layout's chunks are stored as prefix parts and
+    window pieces (kvconnect/parts.py; interval 0 would store whole chunks). The restore-point
+    tests (tests/test_restore_points.py) set other intervals."""
+    return Config(**{"chunk_size": chunk_size, "max_local_cpu_size": 64 / 1024, "num_threads": 2,
+                     "restore_interval_tokens": chunk_size, **kw})
 
 
 def transplant(src_engine, dst_engine, tokens) -> int:
     """Move every stored chunk of ``tokens`` from one engine's pool to another's through the
-    canonical encoded form (export_chunk -> import_chunk); returns chunks moved."""
-    blobs = [(c.key, src_engine.storage.export_chunk(c.key)) for c in src_engine.chunks(tokens, include_partial=True)]
-    assert all(dst_engine.storage.import_chunk(data, key) for key, data in blobs if data is not None)
+    canonical encoded form (export_chunk -> import_chunk); returns chunks moved. A hybrid
+    layout's window pieces (kvconnect/parts.py) move with their chunk and are not counted."""
+    from kvconnect.parts import window_key
+
+    chunks = src_engine.chunks(tokens, include_partial=True)
+    blobs = [(c.key, src_engine.storage.export_chunk(c.key)) for c in chunks]
+    pieces = [(k, src_engine.storage.export_chunk(k)) for c in chunks for k in
+              (window_key(c.key, p) for p in range(len(src_engine.parts.pieces)))]
+    assert all(dst_engine.storage.import_chunk(data, key) for key, data in blobs + pieces if data is not None)
     return sum(data is not None for _, data in blobs)
 
 
 def random_tokens(rng: np.random.Generator, n: int, vocab: int = 32000) -> np.ndarray:
     return rng.integers(0, vocab, n, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------
+# the two parts of a stored chunk (kvconnect/parts.py), reassembled for format checks
+
+
+def stored_masks(engine, chunks) -> list:
+    """Per chunk, the groups stored for it in either part: its prefix part's and, when every
+    window piece is present, the window groups all pieces hold (None: nothing stored)."""
+    from kvconnect.parts import window_key
+
+    prefix = engine.storage.masks([c.key for c in chunks])
+    if not engine.parts.split:
+        return prefix
+    out = []
+    for c, p in zip(chunks, prefix):
+        pieces = engine.storage.masks([window_key(c.key, i) for i in range(len(engine.parts.pieces))])
+        w = None
+        if all(m is not None for m in pieces):
+            w = engine.parts.window_mask
+            for m in pieces:
+                w &= m
+        out.append(None if p is None and w is None else (p or 0) | (w or 0))
+    return out
+
+
+def export_logical_chunk(engine, chunk):
+    """(token start, token end, group mask, plane rows, payload) of a chunk as one object: the
+    prefix part and the window pieces merged plane by plane (None when nothing is stored)."""
+    from kvconnect.chunk_format import decode_header
+    from kvconnect.parts import window_key
+
+    keys = [chunk.key] + ([window_key(chunk.key, i) for i in range(len(engine.parts.pieces))] if engine.parts.split else [])
+    objs = [engine.storage.export_chunk(k) for k in keys]
+    if all(o is None for o in objs):
+        return None
+    planes = engine.layout.planes
+    rows: list = [None] * len(planes)
+    data: list = [b""] * len(planes)
+    mask, window = 0, None
+    for n_obj, (k, obj) in enumerate(zip(keys, objs)):
+        if obj is None:
+            continue
+        owned = (set(i for i, p in enumerate(planes) if not (engine.parts.window_mask >> p.group_index) & 1) if n_obj == 0
+                 else set(engine.parts.pieces[n_obj - 1]))
+        header = decode_header(obj)
+        assert (k == chunk.key) or not header.group_mask & engine.parts.prefix_mask, "a window piece holds prefix groups"
+        if k == chunk.key:
+            mask |= header.group_mask
+        else:
+            window = header.group_mask if window is None else window & header.group_mask
+        off = header.header_bytes
+        for i, (first, n) in enumerate(header.plane_rows):
+            nbytes = n * planes[i].row_bytes
+            if i in owned:
+                rows[i], data[i] = (first, n), bytes(obj[off : off + nbytes])
+            else:
+                assert n == 0, f"plane {i} has rows in a part that does not hold it"
+            off += nbytes
+    if window is not None and all(o is not None for o in objs[1:]):
+        mask |= window
+    header0 = decode_header(next(o for o in objs if o is not None))
+    for i in range(len(planes)):  # a part not stored: its groups' blocks were absent, rows (first, 0)
+        geo = engine.layout.geometries[planes[i].group_index]
+        rows[i] = rows[i] or (geo.stored_rows(header0.token_start, header0.token_end)[0], 0)
+    return header0.token_start, header0.token_end, mask, rows, b"".join(data)
+
+
+def remove_chunk(engine, chunk) -> None:
+    """Evict a chunk from the pool as one unit: its prefix part and every window piece."""
+    from kvconnect.parts import window_key
+
+    engine.pool.remove(chunk.key)
+    for i in range(len(engine.parts.pieces)):
+        engine.pool.remove(window_key(chunk.key, i))

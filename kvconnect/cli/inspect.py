@@ -8,6 +8,7 @@ what a restore at P loads, and the pool, disk and remote bytes for N tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Optional
 
@@ -24,6 +25,8 @@ def add_parser(sub, config: Config) -> None:
     add_model_args(p, config)
     p.add_argument("--tokens", default="1M", help="tokens to size the pool for (e.g. 1M, 32k; default 1M)")
     p.add_argument("--restore-at", default=None, help="prefix length P of a restore (default: --tokens, capped at 128k = 128,000)")
+    p.add_argument("--restore-interval", type=int, default=config.restore_interval_tokens,
+                   help="restore interval in tokens for the restore-point figures (default KVCONNECT_RESTORE_INTERVAL_TOKENS)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -60,6 +63,7 @@ def report(args: argparse.Namespace) -> dict:
         "restore_at": restore_at,
         "restore_bytes": s.restore_bytes(restore_at) if supported else 0,
         "restore_chunks": s.num_chunks(restore_at),
+        "restore_points": dataclasses.asdict(sizing.restore_points(layout, args.chunk_size, args.restore_interval)),
     }
 
 
@@ -118,4 +122,13 @@ def human(r: dict) -> str:
                      f"{human_bytes(mc['segments_needed_bytes'])} (payload + headers + 10% for the master's eviction)")
     aligned = "" if r["restore_asked"] == r["restore_at"] else f" (asked {r['restore_asked']:,}; a hit covers whole chunks)"
     lines.append(f"restore at P={r['restore_at']:,}{aligned}: loads {human_bytes(r['restore_bytes'])} from {r['restore_chunks']:,} chunks")
+    rp = r["restore_points"]
+    if rp["split"]:
+        lines.append(f"restore points every {rp['interval_tokens']:,} tokens (and at each stored prompt's end and branch point): "
+                     f"prefix part {human_bytes(rp['prefix_bytes_per_chunk'])} per chunk; window part "
+                     f"{human_bytes(rp['window_part_bytes'])} per restore point ({rp['window_part_chunks']} chunk(s) x "
+                     f"{rp['pieces_per_chunk']} pieces); {human_bytes(rp['bytes_per_token'])} per cached token "
+                     f"({rp['bytes_per_token'] / rp['whole_bytes_per_token']:.2f} of whole chunks' "
+                     f"{human_bytes(rp['whole_bytes_per_token'])}); CPU pool {human_bytes(rp['pool_bytes_per_token'])} per token "
+                     f"in {human_bytes(rp['slot_bytes'])} slots")
     return "\n".join(lines)

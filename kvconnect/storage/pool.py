@@ -14,6 +14,8 @@ Use, in order:
                                                  # pins without counting a use (write-behind)
     ... scatter rows from pool.entry_view(e) ...
     pool.release(entries)
+    pool.demote(keys)                            # known to be worth less (parts.py: a prefix
+                                                 # chunk no restore point reaches): evicted first
 
 Thread-safe: one lock guards the index; bytes move outside it, protected by the pins.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -52,6 +55,7 @@ class PoolStats:
     evictions: int = 0
     reserve_shortfalls: int = 0
     commits: int = 0
+    demotions: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -96,6 +100,7 @@ class ChunkPool(SlotViews):
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: dict[ChunkKey, PoolEntry] = {}  # eviction order is the policy's
         self._policy = make_policy(eviction, self.num_slots)
+        self._demoted: "OrderedDict[ChunkKey, None]" = OrderedDict()  # out of the policy, evicted first
         self.eviction = self._policy.name
         self._lock = threading.Lock()
         self._stats = PoolStats(num_slots=self.num_slots, slot_bytes=slot_bytes)
@@ -118,6 +123,9 @@ class ChunkPool(SlotViews):
                 if e is not None:
                     e.refs += 1
                     if touch:
+                        if k in self._demoted:  # used after all: back under the policy
+                            del self._demoted[k]
+                            self._policy.insert(k)
                         self._policy.access(k)
                 out.append(e)
         return out
@@ -143,7 +151,9 @@ class ChunkPool(SlotViews):
                 if self._free:
                     slots.append(self._free.pop())
                     continue
-                key = self._policy.victim(self._is_pinned)
+                key = self._demoted_victim()
+                if key is None:
+                    key = self._policy.victim(self._is_pinned)
                 if key is None:
                     self._stats.reserve_shortfalls += 1
                     break
@@ -166,6 +176,9 @@ class ChunkPool(SlotViews):
                 old.live = False
                 if old.refs == 0:
                     self._free.append(old.slot)
+                if key in self._demoted:  # rewritten: worth keeping again
+                    del self._demoted[key]
+                    self._policy.insert(key)
             else:
                 self._policy.insert(key)  # a replaced key keeps its place and counts
             self._entries[key] = entry
@@ -182,7 +195,10 @@ class ChunkPool(SlotViews):
             e = self._entries.pop(key, None)
             if e is None:
                 return False
-            self._policy.remove(key)
+            if key in self._demoted:
+                del self._demoted[key]
+            else:
+                self._policy.remove(key)
             e.live = False
             if e.refs == 0:
                 self._free.append(e.slot)
@@ -202,6 +218,36 @@ class ChunkPool(SlotViews):
                     self._free.append(e.slot)
             self._entries.clear()
             self._policy.clear()
+            self._demoted.clear()
+
+    def demote(self, keys: Sequence[ChunkKey]) -> int:
+        """Make present entries the first to be evicted (the caller knows no lookup can use them
+        now); a later use or rewrite puts them back under the policy. Returns how many moved."""
+        moved = 0
+        with self._lock:
+            for k in keys:
+                if k in self._entries and k not in self._demoted:
+                    self._policy.remove(k)
+                    self._demoted[k] = None
+                    moved += 1
+            self._stats.demotions += moved
+        return moved
+
+    def reinstate(self, keys: Sequence[ChunkKey]) -> None:
+        """Put demoted entries back under the policy (a store made them reachable again); not a use."""
+        with self._lock:
+            for k in keys:
+                if k in self._demoted:
+                    del self._demoted[k]
+                    self._policy.insert(k)
+
+    def _demoted_victim(self) -> Optional[ChunkKey]:
+        """The oldest demoted unpinned key, forgotten; None when there is none."""
+        for k in self._demoted:
+            if not self._is_pinned(k):
+                del self._demoted[k]
+                return k
+        return None
 
     def _is_pinned(self, key: ChunkKey) -> bool:
         return self._entries[key].refs > 0

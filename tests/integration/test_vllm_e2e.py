@@ -18,6 +18,7 @@ chunk-aligned prefix it stored (read from the workers over the connector's looku
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 
 import pytest
@@ -44,6 +45,9 @@ def test_shared_prefix_comes_from_kvconnect(kind, block_size, num_groups, tiny_m
     # b restores the prefix's whole chunks; a restores all 8 of its whole chunks.
     expected_loaded = [0, 448, 448 + 512]
     opts = dict(block_size=block_size, chunk_size=CHUNK, max_tokens=MAX_TOKENS, max_num_batched_tokens=128)
+    if kind == "gemma3":  # a restore point at every chunk end, as these counts assume (interval
+        # restore points: test_vllm_restore_points.py)
+        opts["extra_config"] = json.dumps({"restore_interval_tokens": CHUNK})
     model = tiny_models(kind)
 
     plain = run_vllm(model, phases, **opts)

@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--save-delay-ms", type=float, default=0.0,
                         help="TEST HARNESS: every kvconnect save sleeps this long before it reads vLLM's blocks, "
                              "so saves still run when later steps reuse blocks (in-process worker only)")
+    parser.add_argument("--logprobs", type=int, default=0, help="also return the top-N logprobs of every generated token")
     parser.add_argument("--extra-config", default="{}",
                         help="JSON object merged into kv_connector_extra_config (e.g. remote_url for a lower tier)")
     args = parser.parse_args()
@@ -85,8 +86,9 @@ def main() -> None:
     started = time.monotonic()
     with open(args.prompts) as f:
         phases = json.load(f)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
-    outputs, stats, resets = [], [], []
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True,
+                            logprobs=args.logprobs or None)
+    outputs, stats, resets, logprobs = [], [], [], []
     client = None
     if args.connector:
         from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
@@ -100,11 +102,14 @@ def main() -> None:
             resets.append(bool(llm.reset_prefix_cache()))
         results = llm.generate([_prompt(TokensPrompt, p) for p in prompts], params, use_tqdm=False)
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
+        if args.logprobs:  # per generated token: [[token id, logprob] of the top N]
+            logprobs.extend([[[int(t), float(lp.logprob)] for t, lp in sorted(step.items())] for step in r.outputs[0].logprobs]
+                            for r in results)
         if client is not None:
             stats.append(client.stats())  # one dict per worker (TP rank)
     if client is not None:
         client.close()
-    result = {"outputs": outputs, "stats": stats, "resets": resets,
+    result = {"outputs": outputs, "stats": stats, "resets": resets, "logprobs": logprobs,
               "seconds": {"start": started - start, "generate": time.monotonic() - started}}
     with open(args.out, "w") as f:
         json.dump(result, f)

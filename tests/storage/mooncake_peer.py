@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
             stored = engine.store(tokens, tables)
             flushed = engine.storage.flush(60)
             print(json.dumps({"connected": ok, "stored": stored, "flushed": flushed,
-                              "written": engine.storage.tier_stats()["tiers"][0]["writer"]["written"]}), flush=True)
+                              "written": engine.storage.tier_stats()["tiers"][0]["writer"]["written"],
+                              "window_pieces": engine.stats.window_pieces_stored}), flush=True)
             sys.stdin.read()
             engine.close()
         return 0

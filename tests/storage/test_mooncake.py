@@ -67,7 +67,10 @@ def stored(master):
     """A hybrid prompt stored by another engine process, which holds the segment."""
     peer = Peer("store-hybrid", master.address, str(SEGMENT), str(SEED))
     assert peer.result["connected"] and peer.result["flushed"], peer.result
-    assert peer.result["stored"] == 3 * HYBRID_CHUNK and peer.result["written"] == 3
+    # 3 prefix parts plus the window pieces of the restore point at the prompt's end, each an object
+    # of its own in Mooncake (kvconnect/parts.py)
+    assert peer.result["window_pieces"] > 0
+    assert peer.result["stored"] == 3 * HYBRID_CHUNK and peer.result["written"] == 3 + peer.result["window_pieces"]
     yield peer
     peer.kill()
 
@@ -95,7 +98,9 @@ def test_hybrid_layout_round_trips_byte_exact_between_processes(stored, master, 
         assert engine.retrieve(tokens, dst_tables) == boundary
         assert dst.first_difference(expected) is None
         stats = _tier(engine).stats()
-        assert stats.get_hits == 3 and stats.corrupt == 0 and stats.errors == 0
+        # 3 prefix parts and the window pieces of the one restore point used (kvconnect/parts.py)
+        assert engine.stats.window_pieces_retrieved > 0
+        assert stats.get_hits == 3 + engine.stats.window_pieces_retrieved and stats.corrupt == 0 and stats.errors == 0
         assert _tier(engine).counters["registered_bytes"] >= engine.pool.num_slots * engine.pool.slot_bytes
         # masks come from the header objects: identical to what the storing engine recorded
         keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
@@ -253,7 +258,7 @@ def test_node_server_holds_the_cache_across_engine_restarts(master, tmp_path):
     try:
         assert any("holds a 0.25 GB Mooncake segment" in line for line in holder.lines), holder.lines
         writer = Peer("store-hybrid", master.address, "0", str(SEED))  # contributes no segment
-        assert writer.result["flushed"] and writer.result["written"] == 3, writer.result
+        assert writer.result["flushed"] and writer.result["written"] == 3 + writer.result["window_pieces"] > 3, writer.result
         writer.finish()  # the storing engine exits
         case, dst, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
         try:

@@ -139,7 +139,9 @@ class KVConnectStorage(HiCacheStorage):
                 identity=identity,
             )
             config = dataclasses.replace(self.config, chunk_size=page_tokens)
-            engine = KVCacheEngine(layout, config)
+            # SGLang hands over pages under its own keys and asks for them page by page: each page is
+            # one whole object (its hybrid pools' restores are SGLang's own), not restore-point parts
+            engine = KVCacheEngine(layout, config, window_parts=False)
             self._store = PageStore(engine)
             if KV in self._groups:
                 self._flat = FlatPages(engine, self._pools[KV], self._store.page_bytes(self._groups[KV]))

@@ -1,0 +1,150 @@
+"""The two parts of a stored prefix, and where restore points are made.
+
+A group whose rows of all of [0, P) stay needed to resume at P (full and compressed
+attention, indexers) is stored per chunk: the *prefix part* of the chunk, under the chunk's
+key. A group that needs only the rows (or state) just before P (a sliding window, a
+compressor state, a recurrent state: anything with a restore window) is stored only where a
+request can resume: the *window part* at a restore point P. A hit is the largest restore
+point P such that every prefix part of [0, P) and the window part at P are present.
+
+The window part at P is made of the window rows of the chunks that hold rows of the
+window before P (one chunk when the window is at most a chunk, e.g. DeepSeek V4's; four
+for Gemma 3's 1024-token window at chunk 256). A chunk's window rows are the same whatever
+restore point needs them (rows of [max(s, e - W), e)), so they are keyed by the chunk:
+``window_key(chunk key, piece)``, a BLAKE3 hash of a domain tag, the chunk key and the piece
+number. The key is content-only and block-size-free like the chunk key it derives from,
+and never equals a chain key (chain steps are keyed BLAKE3, this is unkeyed with a tag).
+With restore points at every chunk end (interval 0) this stores exactly the rows a chunk
+stored before parts existed, in two objects.
+
+A chunk's window rows are cut into *pieces* of whole planes, each at most one pool slot,
+so the pool's fixed slots are sized to the prefix part (DeepSeek-V4-Flash: ~1 MiB of the
+~16 MiB a whole chunk held) and not to the largest object. A window part is present only
+when every piece is; each piece is an object of its own in every tier, with the chunk
+format's own checks (its header says ``part = PART_WINDOW``).
+
+Where restore points are made (``restore_points``), from what a store is told:
+the end of the stored tokens (the end of a prompt or of stored decode output: where the
+engine resumes), the point where the stored tokens leave a prefix already stored (a shared
+system prompt, a branching conversation), and the first chunk end at or past every multiple
+of the retention interval (``restore_interval_tokens``; 0: every chunk end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import blake3
+import numpy as np
+
+from .layout import KVLayout
+from .plan import Chunk, max_chunk_payload_bytes, max_group_rows
+from .rows import intersect
+from .spec import ChunkKey
+
+PART_PREFIX = 0  # a chunk's prefix part (or, without window groups, the whole chunk)
+PART_WINDOW = 1  # one piece of a chunk's window rows
+MAX_PIECES = 16  # a chunk's window rows are cut into at most about this many pieces
+_WINDOW_DOMAIN = b"kvconnect/window-part/v1\x00"
+
+
+def window_key(chunk_key: ChunkKey, piece: int) -> ChunkKey:
+    """Key of piece ``piece`` of the window rows of the chunk keyed ``chunk_key``."""
+    digest = blake3.blake3(_WINDOW_DOMAIN + bytes(chunk_key) + int(piece).to_bytes(2, "little")).digest()
+    return ChunkKey(digest[: len(bytes(chunk_key))])
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """How a layout's chunks split into a prefix part and window pieces.
+
+    ``window_mask`` is 0 when the layout has no window group or parts are off
+    (``split=False``): then the prefix part is the whole chunk, as before parts existed.
+    """
+
+    prefix_mask: int
+    window_mask: int
+    pieces: tuple[tuple[int, ...], ...]  # plane indices of each window piece
+    slot_bytes: int  # the largest object: a prefix part or one window piece
+    prefix_bytes: int  # a full chunk's prefix part
+    window_bytes: int  # a full chunk's window rows (all pieces)
+
+    @property
+    def split(self) -> bool:
+        return self.window_mask != 0
+
+    @classmethod
+    def of(cls, layout: KVLayout, chunk_tokens: int, *, split: bool = True) -> "PartLayout":
+        all_groups = (1 << layout.num_groups) - 1
+        window_mask = sum(1 << g for g, geo in enumerate(layout.geometries) if geo.window_tokens is not None)
+        rows = max_group_rows(layout, chunk_tokens)
+        plane_bytes = [rows[p.group_index] * p.row_bytes for p in layout.planes]
+        whole = max_chunk_payload_bytes(layout, chunk_tokens)
+        window_planes = [i for i, p in enumerate(layout.planes) if (window_mask >> p.group_index) & 1 and plane_bytes[i]]
+        if not split or not window_mask or not window_planes:
+            return cls(all_groups, 0, (), max(whole, 1), whole, 0)
+        prefix = sum(b for i, b in enumerate(plane_bytes) if not (window_mask >> layout.planes[i].group_index) & 1)
+        window = sum(plane_bytes[i] for i in window_planes)
+        slot = max(prefix, max(plane_bytes[i] for i in window_planes), -(-window // MAX_PIECES), 1)
+        pieces: list[list[int]] = [[]]
+        used = 0
+        for i in window_planes:
+            if used + plane_bytes[i] > slot and pieces[-1]:
+                pieces.append([])
+                used = 0
+            pieces[-1].append(i)
+            used += plane_bytes[i]
+        return cls(all_groups & ~window_mask, window_mask, tuple(tuple(p) for p in pieces), slot, prefix, window)
+
+    def piece_planes(self, num_planes: int) -> list[np.ndarray]:
+        """Per piece, a bool array over the layout's planes."""
+        out = []
+        for piece in self.pieces:
+            sel = np.zeros(num_planes, np.bool_)
+            sel[list(piece)] = True
+            out.append(sel)
+        return out
+
+
+def window_chunks(layout: KVLayout, window_mask: int, chunks: Sequence[Chunk], k: int) -> list[int]:
+    """Indices of the chunks (<= k) holding window rows needed to resume at ``chunks[k].end``;
+    chunk k itself always (its piece may hold no row, e.g. a state group's partial page)."""
+    boundary = chunks[k].end
+    geos = [(geo, geo.needed_rows(boundary)) for g, geo in enumerate(layout.geometries) if (window_mask >> g) & 1]
+    out = []
+    for j in range(k, -1, -1):
+        below = True
+        hit = False
+        for geo, needed in geos:
+            rows = geo.chunk_rows(chunks[j].start, chunks[j].end)
+            lo, hi = intersect(rows, needed)
+            hit = hit or hi > lo
+            below = below and rows[1] <= needed[0]
+        if hit or j == k:
+            out.append(j)
+        if below:
+            break
+    return out
+
+
+def restore_points(chunks: Sequence[Chunk], first: int, present: Sequence[bool], interval_tokens: int) -> list[int]:
+    """Indices k whose chunk end is a restore point of a store of ``chunks[first:]``.
+
+    ``present[k]``: chunk k's prefix part was stored before this store (known for k >= first).
+    Restore points: the last chunk's end; where the stored tokens leave an already stored
+    prefix (the end of the last present chunk before the first absent one, the store's own
+    start included); the first chunk end at or past every multiple of ``interval_tokens``
+    (0: every chunk end).
+    """
+    if first >= len(chunks):
+        return []
+    points = {len(chunks) - 1}
+    absent = [k for k in range(first, len(chunks)) if not present[k]]
+    if absent and absent[0] > 0:
+        points.add(absent[0] - 1)  # the branch point (for absent[0] == first: the store's start)
+    for k in range(first, len(chunks)):
+        c = chunks[k]
+        if interval_tokens == 0 or c.end // interval_tokens > c.start // interval_tokens:
+            points.add(k)
+    return sorted(points)
