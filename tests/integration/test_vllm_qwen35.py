@@ -123,6 +123,14 @@ def test_boundary_state_offloads_name_the_state_blocks(runs):
               for s in records if s["kind"] == "step"
               for req, entries in s["boundary_state_offloads"].items() for e in entries]
     assert offers, "vLLM offered no boundary state"
+    # which boundaries each request offers: only a cold prompt's last block edge, for every
+    # state group; nothing for a vLLM hit's own edge, a non-aligned branch point or a decode
+    # that crosses a block edge (c decodes past 768)
+    order = list(dict.fromkeys(r["req"] for r in records if r["kind"] == "match"))
+    assert len(order) == len(NAMES)
+    offered = {name: sorted((g, b) for _, req, (g, _, b), _ in offers if req == rid) for name, rid in zip(NAMES, order)}
+    assert offered == {"a": [(g, 768) for g in sorted(state_groups)], "a2": [], "b": [],
+                       "c": [(g, 384) for g in sorted(state_groups)]}
     for _, _, (group, block_id, boundary_tokens), table in offers:
         assert group in state_groups  # only state groups are offered
         assert boundary_tokens % ALIGN_BLOCK_TOKENS == 0
