@@ -193,6 +193,8 @@ def main() -> None:
 
         worker = get_kv_transfer_group()._worker
         worker.drain()
+        if worker.engine is not None:  # lower tiers are written behind: a later process reads them
+            result["flushed"] = worker.engine.storage.flush(timeout_s=60.0)
         result["stats"] = worker.stats()
     result["seconds"] = {"start": started - start, "generate": time.monotonic() - started}
     with open(args.out, "w") as f:

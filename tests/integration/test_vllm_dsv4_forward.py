@@ -105,7 +105,8 @@ def test_cpu_pool_restores_are_bit_exact(cpu_pool, reference):
     assert cpu_pool["logprobs"][asks] == reference["logprobs"]  # exact floats: the restore is bit-exact
 
 
-def test_fresh_engine_restores_from_disk_bit_exact(from_disk, reference):
+def test_fresh_engine_restores_from_disk_bit_exact(cpu_pool, from_disk, reference):
+    assert cpu_pool["flushed"]  # every chunk the first engine stored reached the disk tier before it exited
     assert _loaded(from_disk, 0) == list(DISK_HITS)  # a new process: its CPU pool is empty, the chunks come from disk
     assert from_disk["outputs"] == reference["outputs"]
     assert from_disk["logprobs"] == reference["logprobs"]
