@@ -3,7 +3,11 @@
 //
 // A *plane* is one paged tensor. Row `r` of block `b` lives at
 //     base_addr + b * block_stride_bytes + r * row_stride_bytes
-// and its `row_bytes` bytes are contiguous. A *slot* names one row of a plane:
+// and its `row_bytes` bytes are contiguous. A block whose rows keep their fields in separate
+// regions ([rows x 576 data][rows x 8 scales], vLLM DeepSeek V4) is one plane per region (a
+// sub-plane): base_addr points at the region in block 0, row_stride_bytes = row_bytes = the
+// field's bytes; block_stride_bytes is the block's. Kernels need nothing else for them.
+// A *slot* names one row of a plane:
 //     slot = block * rows_per_block + row_in_block,   0 <= slot < num_slots.
 // A *segment* moves `num_rows` rows of one plane, named by slots[slot_offset ...], to or
 // from a tight run of bytes at buffer_base + buffer_offset (row i at + i * row_bytes).

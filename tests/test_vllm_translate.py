@@ -573,3 +573,22 @@ def test_unaudited_packed_deepseek_v4_cache_is_refused():
     v41 = V4MLAAttentionSpec(256, 1, 512, torch.uint8, tokens_per_state=4, cache_dtype_str="fp8_ds_mla",
                              model_version="deepseek_v4", state_content_bytes=528)  # V4.1 MXFP8: [64 x 512][64 x 16]
     assert engine_tables.VLLM.row_regions(v41, "uint8", 528).region_bytes == (512, 16)
+
+
+def test_tiled_indexer_is_stored_as_whole_pages():
+    """vLLM's ROCm V3.2 indexer (``uses_shuffled_layout``) tiles a block's values: no row is
+    contiguous, so the layer becomes an opaque page per block (its own page group reading
+    the MLA group's block ids; a restore boundary must then fall on a block edge)."""
+    mla = MLAAttentionSpec(16, 1, 576, torch.bfloat16)
+    idx = V4MLAAttentionSpec(16, 1, 132, torch.uint8)
+    caches = {"attn": _filled((NB, 1, 16, 576), torch.bfloat16, 1), "idx": _filled((NB, 1, 16, 132), torch.uint8, 2)}
+    config = KVCacheConfig(NB, [KVCacheGroupSpec(["attn", "idx"], UniformTypeKVCacheSpecs(16, {"attn": mla, "idx": idx}))])
+    module = SimpleNamespace(uses_shuffled_layout=True)
+    vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"idx": module, "attn": object()}))
+    assert translate.tiled_layers(vllm_config, ["attn", "idx"]) == ["idx"]
+    t = translate_kv_caches(config, caches, tiled_layers=["idx"])
+    assert [(p.layer_name, p.is_page, p.row_bytes) for p in t.layout.planes] == [("attn", False, 1152), ("idx", True, 16 * 132)]
+    assert t.source_groups == (0, 0)
+    plain = translate_kv_caches(config, caches)  # not tiled: the split indexer rows
+    assert [p.row_bytes for p in plain.layout.planes] == [1152, 128, 4]
+    _roundtrip(t, 32, [1, 2], [5, 6], chunk=16)

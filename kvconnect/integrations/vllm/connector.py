@@ -129,6 +129,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             translation = translate.translate_kv_caches(
                 self._kv_cache_config, kv_caches,
                 backend_names=translate.attention_backend_names(self._vllm_config, list(kv_caches)),
+                tiled_layers=translate.tiled_layers(self._vllm_config, list(kv_caches)),
                 model_name=self._config.model_name, tp_rank=ranks.tp_rank, tp_size=ranks.tp_size,
                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
             )

@@ -24,6 +24,7 @@ Tensors (one value per layer).
 |----------------------------------------------------------|--------|
 | tuple/list (vLLM-Ascend: MLA nope + rope, indexer K + scale) | one ``[NB, rows, ...]`` plane per distinct element |
 | 4-D ``[B, H, N, C]`` view of a page-packing backend (vLLM CPU: K transposed in a page) | one opaque page per block |
+| a layer whose module reports a tiled layout (``tiled_layers``: ROCm V3.2 indexer) | one opaque page per block |
 | 4-D ``[B, H, N, C]`` whose ``(H, C)`` is contiguous per token (vLLM >= 0.32, MLA ``[B, 1, N, 576]``) | one plane ``[B, N, H*C]`` |
 | 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
 | 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
@@ -305,6 +306,7 @@ def translate_kv_caches(
     dcp: DCPSpec = DCPSpec(),
     identity: Optional[Mapping[str, str]] = None,
     release: Optional[EngineRelease] = None,
+    tiled_layers: Sequence[str] = (),
 ) -> Translation:
     """Build the kvconnect layout of vLLM's registered caches.
 
@@ -314,6 +316,8 @@ def translate_kv_caches(
     backend_names: layer name -> attention backend name (decides page-packed layouts).
     release: the engine release whose block semantics apply (``engine_tables``); default:
         detected from the spec classes and the platform.
+    tiled_layers: layers whose cache module reports a tiled in-block layout (``tiled_layers``):
+        a row's bytes are scattered over its block, so each block is stored as one opaque page.
 
     Raises UnsupportedLayoutError for caches that cannot be restored exactly, LayoutError
     for shapes that do not fit their spec; nothing is registered in either case.
@@ -361,7 +365,10 @@ def translate_kv_caches(
                         f"block_size {spec.block_size} is not a multiple of {release.name}'s kernel block "
                         f"{release.hybrid_kernel_block_tokens}")
                 gspec = group_spec_of(spec, release, split)
-                value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
+                if layer in tiled_layers and isinstance(kv_caches[layer], torch.Tensor):
+                    value, hint, is_page = kv_caches[layer], "page", True
+                else:
+                    value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
                 _check_blocks(value, num_blocks * split, split)
                 for tensor in value if isinstance(value, tuple) else (value,):  # shape errors name the layer
                     views, _ = split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
@@ -382,7 +389,7 @@ def translate_kv_caches(
                 regions[layer] = layer_regions
             quant.add(f"{getattr(spec, 'cache_dtype_str', None)}:{getattr(spec, 'kv_quant_mode', None)}")
             if is_page:
-                page_backends.add(str(backend))
+                page_backends.add("tiled" if layer in tiled_layers else str(backend))
     if not values:
         raise UnsupportedLayoutError("vLLM registered no transferable KV cache")
     layer_names = tuple(values)
@@ -504,6 +511,20 @@ def attention_backend_names(vllm_config: Any, layer_names: Sequence[str]) -> dic
         except Exception:
             continue
     return names
+
+
+def tiled_layers(vllm_config: Any, layer_names: Sequence[str]) -> list[str]:
+    """Layers whose cache module says its rows are tiled across the block (vLLM's ROCm DeepSeek
+    V3.2 indexer: ``uses_shuffled_layout``, values in [blk/16, head/16, 16, 16] tiles)."""
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    out = []
+    for layer in layer_names:
+        try:  # a property of the layer module; any failure to read it means "not tiled"
+            if getattr(context.get(layer), "uses_shuffled_layout", False) is True:
+                out.append(layer)
+        except Exception:
+            continue
+    return out
 
 
 def request_view(request: Any) -> RequestView:
