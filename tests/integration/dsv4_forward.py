@@ -196,6 +196,9 @@ def main() -> None:
         if worker.engine is not None:  # lower tiers are written behind: a later process reads them
             result["flushed"] = worker.engine.storage.flush(timeout_s=60.0)
         result["stats"] = worker.stats()
+    import kvconnect
+
+    result["kvconnect"] = kvconnect.__file__  # the tree under test (the harness puts it first on PYTHONPATH)
     result["seconds"] = {"start": started - start, "generate": time.monotonic() - started}
     with open(args.out, "w") as f:
         json.dump(result, f)

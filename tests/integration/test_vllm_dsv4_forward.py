@@ -98,6 +98,8 @@ def test_reference_runs_the_real_model(reference):
 
 
 def test_cpu_pool_restores_are_bit_exact(cpu_pool, reference):
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    assert os.path.realpath(cpu_pool["kvconnect"]) == os.path.join(repo, "kvconnect", "__init__.py")  # this checkout's
     assert _loaded(cpu_pool, 0)[:len(BASE_LENGTHS)] == [0] * len(BASE_LENGTHS)  # nothing stored before
     assert _loaded(cpu_pool, len(BASE_LENGTHS)) == list(HITS)  # every chunk of each base prompt restored
     asks = slice(len(BASE_LENGTHS), None)
