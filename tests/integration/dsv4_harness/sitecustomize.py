@@ -5,7 +5,7 @@ PYTHONPATH reaches vLLM's engine-core process too); inert otherwise. See docs/vl
 "DeepSeek V4 through the real forward". Each stand-in patches after vLLM's own module is
 imported, through vLLM's own extension points where one exists:
 
-1. Six Triton metadata kernels on V4's path (block-table and slot arithmetic, no model math)
+1. Five Triton metadata kernels on V4's path (block-table and slot arithmetic, no model math)
    have no CPU build: PyPI has no ``triton-cpu``. Torch versions (``dsv4_kernels.py``) are
    registered with ``vllm.triton_utils.dispatcher.register_kernels``, the registry vLLM's CPU
    platform uses for its own overrides, from ``CpuPlatform.register_triton_kernel_overrides``
