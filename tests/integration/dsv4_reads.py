@@ -3,7 +3,10 @@
     from dsv4_reads import which_groups_are_read
     which_groups_are_read(prompt_tokens, restore_point=1280)
     -> {"restore_point": 1280, "hit": 1280, "baseline": {...},
-        "kinds": {"swa": {"read": True, "outputs_equal": False, "max_logprob_diff": 0.8, "blocks": 4}, ...}}
+        "kinds": {"swa": {"read": True, "outputs_equal": False, "max_logprob_diff": inf, "blocks": 8},
+                  "c128_state": {"read": False, "outputs_equal": True, "max_logprob_diff": 0.0, "blocks": 16}, ...}}
+
+(``max_logprob_diff`` is inf when the tokens differ.)
 
 or ``python tests/integration/dsv4_reads.py 1280 [1408 ...]`` (random prompts, prints JSON).
 
@@ -31,7 +34,7 @@ The restore point must be a multiple of ``chunk_size`` (128 by default: kvconnec
 hold whole C128 rows). The prompt is cut to
 ``restore_point + tail`` tokens with ``tail`` < ``chunk_size`` (default 32) so that no request
 of the bench stores another chunk and every ask restores exactly ``restore_point`` tokens.
-One engine process serves a call: a store, then 1 + len(kinds) asks (~1 min on 2 cores).
+One engine process serves a call: a store, then 1 + len(kinds) asks (20-50 s on 2 cores).
 """
 
 from __future__ import annotations
