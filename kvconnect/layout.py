@@ -260,6 +260,11 @@ def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, 
         ],
         "planes": [[p.group_index, p.dtype, p.row_bytes, p.tokens_per_row, p.is_page] for p in planes],
     }
+    if any(geo.window_free_every for geo in geometries):
+        # Chunks stored under a window-free rule lack the group's rows (and their window pieces hold
+        # other planes): a deployment without the rule (or with another) must never read them, nor
+        # they its. Layouts without a rule keep the fingerprint they had before the rule existed.
+        doc["window_free_every"] = [geo.window_free_every for geo in geometries]
     if any(p.num_regions > 1 for p in planes):
         # Chunks of split planes hold each region's rows apart; before sub-planes existed such
         # caches were stored as wide rows (wrong bytes within a block): never match those.

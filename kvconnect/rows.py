@@ -31,6 +31,7 @@ class GroupGeometry:
     window_tokens: Optional[int]
     aligned_boundary: bool  # page/state rows: a boundary must fall on a row edge
     dcp: DCPSpec = DCPSpec()
+    window_free_every: Optional[int] = None  # no rows needed at boundaries that are multiples of this
 
     @classmethod
     def of(cls, group: GroupSpec, *, is_page: bool, dcp: DCPSpec) -> "GroupGeometry":
@@ -41,6 +42,7 @@ class GroupGeometry:
             window_tokens=group.window_tokens,
             aligned_boundary=page_like,
             dcp=dcp,
+            window_free_every=group.window_free_every,
         )
 
     def _rows(self, a: int, b: int) -> RowRange:
@@ -62,7 +64,16 @@ class GroupGeometry:
         """Rows that must be in the engine to resume computing at token ``boundary``."""
         if self.window_tokens is None:
             return self._rows(0, boundary)
+        if self.window_free_at(boundary):
+            end = self._rows(boundary, boundary)[1]
+            return end, end
         return self._rows(max(0, boundary - self.window_tokens), boundary)
+
+    def window_free_at(self, boundary: int) -> bool:
+        """Whether resuming at ``boundary`` needs none of this group's rows (its restore
+        window is 0 there: ``GroupSpec.window_free_every``)."""
+        every = self.window_free_every
+        return every is not None and boundary % every == 0
 
     def boundary_ok(self, boundary: int) -> bool:
         """Whether a restore at ``boundary`` loses no token of a page or state row."""

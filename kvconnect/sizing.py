@@ -103,6 +103,8 @@ class RestorePointSizing:
     bytes_per_token: float  # payload per cached prefix token, a prompt of many intervals
     pool_bytes_per_token: float  # CPU pool bytes (whole slots) per cached prefix token
     whole_bytes_per_token: float  # the same with every chunk whole (interval 0)
+    window_free_bytes_per_chunk: int = 0  # window rows stored in no part (GroupSpec.window_free_every divides the chunk)
+    window_free_groups: tuple = ()  # their group indices
 
 
 def restore_points(layout: KVLayout, chunk_tokens: int, interval_tokens: int) -> RestorePointSizing:
@@ -126,6 +128,7 @@ def restore_points(layout: KVLayout, chunk_tokens: int, interval_tokens: int) ->
     window_part = span * parts.window_bytes
     payload = per_interval * parts.prefix_bytes + min(span, per_interval) * parts.window_bytes
     objects = per_interval + min(span, per_interval) * len(parts.pieces)
+    free = tuple(g for g in range(layout.num_groups) if (parts.free_mask >> g) & 1)
     return RestorePointSizing(interval_tokens, chunk_tokens, True, parts.prefix_bytes, parts.window_bytes, len(parts.pieces),
                               span, window_part, parts.slot_bytes, payload / chunk_span, objects * parts.slot_bytes / chunk_span,
-                              whole / chunk_tokens)
+                              whole / chunk_tokens, whole - parts.prefix_bytes - parts.window_bytes, free)

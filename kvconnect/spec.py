@@ -50,6 +50,10 @@ class GroupSpec:
     restore_window: tokens of trailing history that must be present to resume at a
         boundary (default: the sliding window). An adapter may set it smaller when the
         engine's kernel provably needs less (e.g. non-overlapping compressor windows).
+    window_free_every: restore window 0 tokens at restore points that are multiples of this
+        many (global) tokens; the full restore window at every other point (never assumed).
+        An adapter sets it per engine release where a bench on the real forward showed the
+        group is never read there (vLLM DeepSeek V4's C128 compressor state: 128). None: no rule.
     kind: ATTENTION, or STATE for recurrent state whose snapshot per block is one page.
     """
 
@@ -57,6 +61,7 @@ class GroupSpec:
     compress_ratio: int = 1
     sliding_window: Optional[int] = None
     restore_window: Optional[int] = None
+    window_free_every: Optional[int] = None
     kind: GroupKind = GroupKind.ATTENTION
 
     def __post_init__(self) -> None:
@@ -69,7 +74,7 @@ class GroupSpec:
                 f"block_size {self.block_size} is not a multiple of compress_ratio "
                 f"{self.compress_ratio}: a block must hold whole compressed rows"
             )
-        for name in ("sliding_window", "restore_window"):
+        for name in ("sliding_window", "restore_window", "window_free_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise LayoutError(f"{name} must be a positive int or None, got {value!r}")
@@ -77,6 +82,8 @@ class GroupSpec:
             raise LayoutError("a STATE group has no window: its snapshot is taken per block")
         if self.restore_window is not None and self.sliding_window is None:
             raise LayoutError("restore_window needs a sliding_window (full groups restore everything)")
+        if self.window_free_every is not None and self.sliding_window is None:
+            raise LayoutError("window_free_every needs a sliding_window (full groups restore everything)")
 
     @property
     def rows_per_block(self) -> int:

@@ -346,7 +346,9 @@ def test_inspect_sizes_restore_points_per_preset():
     layout = presets.preset("deepseek-v4-flash").layout(0)
     rp = sizing.restore_points(layout, 256, Config().restore_interval_tokens)
     assert rp.split and rp.window_part_chunks == 1 and rp.pieces_per_chunk > 1
-    assert rp.prefix_bytes_per_chunk + rp.window_bytes_per_chunk == rp.whole_bytes_per_token * 256
+    free = rp.window_free_bytes_per_chunk  # vLLM's C128 compressor state: restore window 0 at every multiple of 128
+    assert rp.window_free_groups == (6,) and free == 10 << 20 and free > rp.window_bytes_per_chunk
+    assert rp.prefix_bytes_per_chunk + rp.window_bytes_per_chunk + free == rp.whole_bytes_per_token * 256
     assert rp.bytes_per_token <= rp.whole_bytes_per_token / 4
     assert rp.slot_bytes == rp.prefix_bytes_per_chunk
     whole = sizing.restore_points(layout, 256, 0)

@@ -592,3 +592,33 @@ def test_tiled_indexer_is_stored_as_whole_pages():
     plain = translate_kv_caches(config, caches)  # not tiled: the split indexer rows
     assert [p.row_bytes for p in plain.layout.planes] == [1152, 128, 4]
     _roundtrip(t, 32, [1, 2], [5, 6], chunk=16)
+
+
+# --- window-free restore points (engine_tables.WindowFree) ------------------------------
+def test_c128_compressor_state_is_window_free_on_the_device_it_was_measured_on():
+    """vLLM's DeepSeek V4 C128 ``CompressorStateCache`` (fp32, window 128, block 8) gets restore window 0
+    at multiples of 128 on CPU (the bench: tests/integration/dsv4_reads.py); nothing else, nowhere else."""
+    state = SlidingWindowMLASpec(8, 1, 1024, torch.float32, sliding_window=128)
+    spec = group_spec_of(state, device_type="cpu")
+    assert (spec.sliding_window, spec.restore_window, spec.window_free_every) == (128, 127, 128)
+    assert engine_tables.VLLM.window_free_every(state, "cpu") == 128
+    for device in ("cuda", "xpu", None):  # not benched there: keep the rows
+        assert group_spec_of(state, device_type=device).window_free_every is None
+    assert group_spec_of(state, engine_tables.VLLM_ASCEND_MAIN, device_type="cpu").window_free_every is None
+    others = [
+        SlidingWindowMLASpec(4, 1, 2048, torch.float32, sliding_window=8),  # C4 compressor state: read
+        SlidingWindowMLASpec(64, 1, 512, torch.uint8, sliding_window=128, **FP8),  # SWA: read
+        SlidingWindowMLASpec(64, 1, 1024, torch.float32, sliding_window=128),  # another block size: not benched
+        SlidingWindowSpec(8, 1, 1024, torch.float32, sliding_window=128),  # another spec class
+    ]
+    for other in others:
+        assert group_spec_of(other, device_type="cpu").window_free_every is None, other
+
+
+def test_translation_sets_the_rule_from_the_registered_tensors_device():
+    state = SlidingWindowMLASpec(8, 1, 1024, torch.float32, sliding_window=128)
+    group = SimpleNamespace(kv_cache_spec=state, layer_names=["layers.0.compressor.state_cache"])
+    config = SimpleNamespace(kv_cache_groups=[group], num_blocks=6)
+    caches = {"layers.0.compressor.state_cache": torch.zeros(6, 8, 1, 1024)}
+    t = translate_kv_caches(config, caches)
+    assert [g.window_free_every for g in t.layout.groups] == [128]

@@ -131,4 +131,8 @@ def human(r: dict) -> str:
                      f"({rp['bytes_per_token'] / rp['whole_bytes_per_token']:.2f} of whole chunks' "
                      f"{human_bytes(rp['whole_bytes_per_token'])}); CPU pool {human_bytes(rp['pool_bytes_per_token'])} per token "
                      f"in {human_bytes(rp['slot_bytes'])} slots")
+        if rp["window_free_groups"]:
+            lines.append(f"window-free   {human_bytes(rp['window_free_bytes_per_chunk'])} per chunk in no part: group(s) "
+                         f"{', '.join(str(g) for g in rp['window_free_groups'])} have restore window 0 at every chunk end "
+                         f"(the engine adapter's rule, GroupSpec.window_free_every)")
     return "\n".join(lines)

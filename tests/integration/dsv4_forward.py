@@ -213,6 +213,19 @@ def main() -> None:
         if worker.engine is not None:  # lower tiers are written behind: a later process reads them
             result["flushed"] = worker.engine.storage.flush(timeout_s=60.0)
         result["stats"] = worker.stats()
+        if worker.engine is not None:  # what the adapter's window-free rules made of the layout (engine_tables)
+            from kvconnect.plan import max_group_rows
+
+            layout, parts = worker.engine.layout, worker.engine.parts
+            rows = max_group_rows(layout, worker.engine.config.chunk_size)
+            result["parts"] = {
+                "window_free_every": [g.window_free_every for g in layout.groups],
+                "free_mask": parts.free_mask, "window_mask": parts.window_mask, "pieces": len(parts.pieces),
+                "window_bytes": parts.window_bytes,
+                "group_bytes": [sum(rows[g] * p.row_bytes for p in layout.planes if p.group_index == g)
+                                for g in range(layout.num_groups)],
+                "piece_groups": sorted({layout.planes[i].group_index for piece in parts.pieces for i in piece}),
+            }
     import kvconnect
 
     result["kvconnect"] = kvconnect.__file__  # the tree under test (the harness puts it first on PYTHONPATH)

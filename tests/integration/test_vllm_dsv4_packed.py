@@ -62,7 +62,8 @@ def test_connector_translation_splits_the_mixed_ratio_group(result):
                                                            (256, 128, None), (4, 1, 7), (8, 1, 127)]
 
 
-@pytest.mark.parametrize("case, prompt, hit, rows", [(0, 1300, 1280, 1953), (1, 777, 768, 1437), (2, 2100, 2048, 2727)])
+# rows compared: every row a restore needs, the C128 compressor state's 127 excluded (every hit is a multiple of 128)
+@pytest.mark.parametrize("case, prompt, hit, rows", [(0, 1300, 1280, 1826), (1, 777, 768, 1310), (2, 2100, 2048, 2600)])
 def test_round_trip_restores_every_row_and_touches_nothing_else(result, case, prompt, hit, rows):
     out = result["cases"][case]
     assert out["prompt"] == prompt
@@ -73,6 +74,11 @@ def test_round_trip_restores_every_row_and_touches_nothing_else(result, case, pr
     assert out["needed"]["model.layers.1.attn"] == hit // 4
     assert out["needed"]["model.layers.1.attn.swa_cache"] == 127  # the last W - 1 tokens
     assert out["needed"]["model.layers.1.attn.compressor.state_cache"] == 7
+    # vLLM's engine table on CPU: the C128 compressor state is window-free at multiples of 128 (engine_tables.
+    # DSV4_C128_STATE_FREE): none of its rows needed, and the 127 an unruled restore would write keep their bytes
+    assert out["window_free_every"] == [None, None, None, None, None, 128]
+    assert out["needed"]["model.layers.2.attn.compressor.state_cache"] == 0
+    assert out["free_rows"] == out["free_rows_kept"] == {"model.layers.2.attn.compressor.state_cache": 127}
     assert out["bytes_outside_changed"] == 0 and out["bytes_outside_checked"] > 70_000_000
 
 

