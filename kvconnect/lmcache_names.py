@@ -182,7 +182,9 @@ ENV_PREFIXES: dict[str, str] = {
 
 # variables read by kvconnect or by the build and test harness, never warned about
 NOT_SETTINGS = ("LMCACHE_CONFIG_FILE", "KVCONNECT_BUILD_CUDA", "KVCONNECT_SGLANG_CPU_HARNESS", "KVCONNECT_RESULT",
-                "KVCONNECT_WHEEL_ADAPTERS", "KVCONNECT_HIVMC_KEEP")
+                "KVCONNECT_WHEEL_ADAPTERS", "KVCONNECT_HIVMC_KEEP",
+                # test harnesses of vLLM's real DeepSeek V4 forward (tests/integration/dsv4_harness)
+                "KVCONNECT_VLLM_DSV4_HARNESS", "KVCONNECT_DSV4_HARNESS_STEP_TOKENS")
 
 
 def instead(name: str) -> Optional[str]:
