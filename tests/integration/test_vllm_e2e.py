@@ -22,6 +22,7 @@ import json
 import random
 
 import pytest
+from tiny_models import random_tokens
 
 pytestmark = [
     pytest.mark.vllm,
@@ -32,15 +33,11 @@ CHUNK = 64
 MAX_TOKENS = 8
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
 @pytest.mark.parametrize("kind, block_size, num_groups", [("llama", 32, 1), ("gemma3", 32, 2)])
 def test_shared_prefix_comes_from_kvconnect(kind, block_size, num_groups, tiny_models, run_vllm, tmp_path):
     rng = random.Random(0)
-    prefix = _tokens(rng, 500)  # 7 whole chunks + 52 tokens
-    a, b = prefix + _tokens(rng, 37), prefix + _tokens(rng, 45)
+    prefix = random_tokens(rng, 500)  # 7 whole chunks + 52 tokens
+    a, b = prefix + random_tokens(rng, 37), prefix + random_tokens(rng, 45)
     phases = [[a], [b], [a]]
     # b restores the prefix's whole chunks; a restores all 8 of its whole chunks.
     expected_loaded = [0, 448, 448 + 512]
@@ -64,7 +61,7 @@ def test_shared_prefix_comes_from_kvconnect(kind, block_size, num_groups, tiny_m
 
 def test_mla_prefix_restores_exactly(tiny_models, run_vllm, tmp_path):
     rng = random.Random(1)
-    prefix = _tokens(rng, 8 * CHUNK)
+    prefix = random_tokens(rng, 8 * CHUNK)
     # vLLM picks AMX_MLA on CPUs with AMX (float32 weights refused, blocks of 32); the reference
     # CPU_MLA backend, named, runs the same on every x86 CPU
     opts = dict(block_size=16, chunk_size=CHUNK, max_tokens=MAX_TOKENS, attention_backend="CPU_MLA")
@@ -88,8 +85,8 @@ def test_tensor_parallel_ranks_each_restore_their_heads(tiny_models, run_vllm, t
     """TP=2 (two CPU workers): every rank stores and restores its own KV heads under keys that
     carry its rank; the scheduler's hit is the minimum over both."""
     rng = random.Random(2)
-    prefix = _tokens(rng, 300)
-    phases = [[prefix + _tokens(rng, 20)], [prefix + _tokens(rng, 30)]]
+    prefix = random_tokens(rng, 300)
+    phases = [[prefix + random_tokens(rng, 20)], [prefix + random_tokens(rng, 30)]]
     opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=MAX_TOKENS, max_num_batched_tokens=128,
                 tensor_parallel_size=2)
     model = tiny_models("llama")
@@ -106,9 +103,9 @@ def test_cache_salt_keeps_tenants_apart(tiny_models, run_vllm, tmp_path):
     """vLLM's per-request ``cache_salt``: a prefix stored under one salt comes back only to
     requests with that salt, never to another salt or to unsalted requests."""
     rng = random.Random(3)
-    prefix = _tokens(rng, 300)  # 4 whole chunks
-    salted = lambda salt: {"tokens": prefix + _tokens(rng, 20), "cache_salt": salt}  # noqa: E731
-    phases = [[salted("tenant-a")], [salted("tenant-b")], [salted("tenant-a")], [prefix + _tokens(rng, 20)]]
+    prefix = random_tokens(rng, 300)  # 4 whole chunks
+    salted = lambda salt: {"tokens": prefix + random_tokens(rng, 20), "cache_salt": salt}  # noqa: E731
+    phases = [[salted("tenant-a")], [salted("tenant-b")], [salted("tenant-a")], [prefix + random_tokens(rng, 20)]]
     opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=MAX_TOKENS, max_num_batched_tokens=128)
     model = tiny_models("llama")
 
@@ -128,11 +125,11 @@ def test_generated_tokens_come_back_in_the_next_turn(tiny_models, run_vllm, tmp_
     the next turn of a conversation (prompt + answer + a new message) restores past the
     first turn's prompt."""
     rng = random.Random(4)
-    turn1 = _tokens(rng, 100)  # one whole chunk + 36 tokens; 40 generated tokens complete chunk 2
+    turn1 = random_tokens(rng, 100)  # one whole chunk + 36 tokens; 40 generated tokens complete chunk 2
     opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=40, max_num_batched_tokens=128)
     model = tiny_models("llama")
     answer = run_vllm(model, [[turn1]], **opts)["outputs"][0]
-    turn2 = turn1 + answer + _tokens(rng, 30)
+    turn2 = turn1 + answer + random_tokens(rng, 30)
     phases = [[turn1], [turn2]]
 
     plain = run_vllm(model, phases, **opts)
@@ -157,7 +154,7 @@ def test_saves_overlapping_preemptions_restore_exactly(tiny_models, run_vllm, tm
     still reads it is up to timing; that guarantee itself is tested without vLLM
     (tests/test_vllm_async_saves.py: a preempting step blocks until every pending save landed)."""
     rng = random.Random(5)
-    prompts = [_tokens(rng, 220) for _ in range(6)]
+    prompts = [random_tokens(rng, 220) for _ in range(6)]
     phases = [prompts] + [[p] for p in prompts]
     opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=40, max_num_batched_tokens=128, max_model_len=512)
     model = tiny_models("llama")

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import random_tokens
 
 STORAGE = Path(__file__).resolve().parents[1] / "storage"
 sys.path.insert(0, str(STORAGE))
@@ -31,10 +32,6 @@ pytestmark = [
 ]
 
 CHUNK = 64
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 1000) for _ in range(n)]
 
 
 @pytest.fixture
@@ -52,8 +49,8 @@ def mooncake_node(tmp_path):
 
 def test_second_engine_process_hits_what_the_first_stored(mooncake_node, tiny_models, run_vllm, tmp_path):
     rng = random.Random(3)
-    prefix = _tokens(rng, 500)  # 7 whole chunks + 52 tokens
-    a, b = prefix + _tokens(rng, 37), prefix + _tokens(rng, 45)
+    prefix = random_tokens(rng, 500)  # 7 whole chunks + 52 tokens
+    a, b = prefix + random_tokens(rng, 37), prefix + random_tokens(rng, 45)
     opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=8, max_num_batched_tokens=128)
     model = tiny_models("llama")
     extra = json.dumps(mooncake_node)

@@ -15,6 +15,7 @@ import json
 import random
 
 import pytest
+from tiny_models import random_tokens
 
 pytestmark = [
     pytest.mark.vllm,
@@ -25,20 +26,16 @@ CHUNK = 64
 INTERVAL = 256
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
 def test_sliding_window_hybrid_resumes_at_restore_points(tiny_models, run_vllm, tmp_path):
     rng = random.Random(7)
-    a = _tokens(rng, 700)  # stored whole chunks end at 640: restore points 256, 512, 640
+    a = random_tokens(rng, 700)  # stored whole chunks end at 640: restore points 256, 512, 640
     phases = [
         [a],
-        [a[:300] + _tokens(rng, 200)],  # shares 300 tokens: at the restore point 256
-        [a[:450] + _tokens(rng, 90)],  # shares 450: between 256 and 512, 448 is no restore point -> 256
-        [a + _tokens(rng, 100)],  # beyond a's end: a's end 640
-        [a[:384] + _tokens(rng, 150)],  # a conversation branches at 384: loads 256, stores a branch point at 384
-        [a[:384] + _tokens(rng, 170)],  # its sibling branch resumes at the branch point
+        [a[:300] + random_tokens(rng, 200)],  # shares 300 tokens: at the restore point 256
+        [a[:450] + random_tokens(rng, 90)],  # shares 450: between 256 and 512, 448 is no restore point -> 256
+        [a + random_tokens(rng, 100)],  # beyond a's end: a's end 640
+        [a[:384] + random_tokens(rng, 150)],  # a conversation branches at 384: loads 256, stores a branch point at 384
+        [a[:384] + random_tokens(rng, 170)],  # its sibling branch resumes at the branch point
     ]
     expected = [0, 256, 256, 640, 256, 384]
     opts = dict(block_size=32, chunk_size=CHUNK, max_tokens=6, max_num_batched_tokens=1024, logprobs=3)

@@ -21,6 +21,11 @@ import os
 import torch
 
 VOCAB = 1000
+
+
+def random_tokens(rng, n: int) -> list[int]:
+    """``n`` prompt token ids from ``rng`` (a ``random.Random``), never the special ids 0-2."""
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
 LOGIT_SHARPNESS = 30.0
 
 
