@@ -229,6 +229,7 @@ class KVLayout:
                     block_size=group.block_size,
                     compress_ratio=group.compress_ratio,
                     window=geo.window_tokens,
+                    window_free_every=geo.window_free_every,
                     num_planes=len(members),
                     row_bytes_per_row=sum(p.row_bytes for p in members),
                 )

