@@ -45,6 +45,12 @@ means in LMCache: no CPU cache, the disk and remote tiers still work (the pool o
 LMCache's other names (``kvconnect/lmcache_names.py``, docs/migrating.md) are read where the
 meaning maps (``min_retrieve_tokens``, ``cache_policy``, ``lookup_timeout_ms``,
 ``extra_config``) and otherwise warned about once, naming what kvconnect does instead.
+
+Variables kvconnect does not read but sets for a library it loads: when a Mooncake tier
+connects, ``kvconnect/storage/mooncake_config.py`` gives Mooncake's native client its own
+``MC_TCP_BIND_ADDRESS`` (loopback unless the master's host is an address), ``MC_LOG_LEVEL``
+(WARNING) and ``MC_RPC_TIMEOUT_MS`` (from ``remote_timeout_s``), each only where the operator
+has not set it (``os.environ.setdefault``): those are Mooncake's settings, not kvconnect's.
 """
 
 from __future__ import annotations
