@@ -59,8 +59,6 @@ def test_prefix_chunk_and_snapshot_bytes(name):
     assert rp.window_part_chunks == 1
     assert rp.bytes_per_token == pytest.approx((16 * prefix + gdn * state) / 4096)
     for engine in presets.ENGINES:
-        if engine == "vllm-ascend":
-            continue  # the GQA preset builder describes vLLM's / SGLang's tensors
         assert presets.preset(name, engine=engine).snapshots_served is (engine in presets.SNAPSHOT_ENGINES)
 
 
