@@ -14,10 +14,21 @@ layout kvconnect would build over the engine's tensors, not from a separate form
 | deepseek-v4-flash   | 44     | SWA, C4 / C128 MLA (584 B fp8_ds_mla), C4 indexer, compressor states |
 | gemma-3-27b         | 62     | K, V: 16 KV heads x 128 bf16; 5 sliding (W 1024) : 1 full            |
 | qwen3-next-80b-a3b  | 48     | every 4th layer K, V (2 x 256 bf16); others Gated DeltaNet state     |
+| qwen3.5-27b         | 64     | every 4th layer K, V (4 x 256 bf16); others Gated DeltaNet state     |
 
 Sources: the models' public config.json files and the layouts in docs/design.md and the
 project's layout notes. TP shards KV heads (replicated when TP > heads); MLA latents are
 not split by TP; DCP shards tokens.
+
+Gated DeltaNet hybrids (``gdn_hybrid``): the full-attention layers are a full group (the
+prefix part of each chunk); the GDN layers a ``GroupKind.STATE`` group of the same block
+size (vLLM's ``mamba_cache_mode="align"`` gives both one block size), one page per block per
+layer holding the state after the block's last token: conv state ``(K - 1) x conv_dim / TP``
+in the model dtype, conv_dim = 2 x key heads x key dim + value heads x value dim, plus the
+recurrent state ``(value heads / TP, value dim, key dim)`` in ``mamba_ssm_dtype`` (float32),
+the shapes of vLLM's ``MambaStateShapeCalculator.gated_delta_net_state_shape``. The engine's
+page padding (vLLM pads the state page up to the attention page) is not stored. A snapshot
+(the window part at a restore point) is one such page per GDN layer.
 """
 
 from __future__ import annotations
@@ -34,6 +45,10 @@ from .spec import DCPSpec, GroupKind, GroupSpec, RowRegions
 from .integrations.vllm.engine_tables import DSV4_C128_STATE_FREE
 
 ENGINES = ("vllm", "vllm-ascend", "sglang")
+# Engines whose kvconnect adapter stores recurrent-state snapshots at restore points. SGLang
+# 0.5.23 and vLLM-Ascend 0.23 refuse such models (docs/recurrent.md); vLLM joins when its
+# connector stores them (issue 28, items 1-2).
+SNAPSHOT_ENGINES: frozenset = frozenset()
 KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
              "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "fp8": torch.uint8,
              "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}
@@ -90,7 +105,8 @@ class Cache:
 @dataclass(frozen=True)
 class ModelKV:
     """A model's KV caches for one engine, block size, TP and DCP; ``state_layers`` lists
-    recurrent-state layers (Mamba / Gated DeltaNet), which kvconnect cannot restore yet."""
+    recurrent-state layers (Mamba / Gated DeltaNet), whose caches are a STATE group;
+    ``snapshots_served``: the engine's adapter stores their snapshots (``SNAPSHOT_ENGINES``)."""
 
     name: str
     engine: str
@@ -101,6 +117,8 @@ class ModelKV:
     dcp: DCPSpec = DCPSpec()
     state_layers: tuple[str, ...] = ()
     state_bytes_per_layer: int = 0
+    state_parts: tuple[tuple[str, int], ...] = ()  # (what, bytes) of one layer's state
+    snapshots_served: bool = False
     notes: tuple[str, ...] = field(default=())
 
     def blocks_for(self, num_tokens: int) -> list[int]:
@@ -134,7 +152,8 @@ class ModelKV:
         kv = self.tensors(num_tokens, device=device, fill=fill)
         return KVLayout.from_tensors(
             kv, groups=self.groups, layer_groups={c.layer: c.group for c in self.caches},
-            layout_hints={c.layer: "kv_first" if c.kv_pair else "blocks_first" for c in self.caches},
+            layout_hints={c.layer: "kv_first" if c.kv_pair else ("page" if self.groups[c.group].kind is GroupKind.STATE
+                                                                  else "blocks_first") for c in self.caches},
             model_name=self.name, tp_size=self.tp_size, dcp=self.dcp,
             row_regions={c.layer: c.regions for c in self.caches if c.regions is not None},
         )
@@ -215,24 +234,59 @@ def dsv4_flash(name: str = "deepseek-v4-flash", *, layers: int = 44, engine: str
     return ModelKV(name, engine, tuple(specs[n] for n in used), tuple(used), caches, tp_size=tp, dcp=dcp)
 
 
-def qwen3_next(name: str = "qwen3-next-80b-a3b", *, layers: int = 48, full_every: int = 4, kv_heads: int = 2,
-               head_dim: int = 256, linear_k_heads: int = 16, linear_v_heads: int = 32, linear_k_dim: int = 128,
-               linear_v_dim: int = 128, conv_kernel: int = 4, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
+def gdn_hybrid(name: str, *, layers: int, full_layers: set, kv_heads: int, head_dim: int, linear_k_heads: int,
+               linear_v_heads: int, linear_k_dim: int, linear_v_dim: int, conv_kernel: int = 4,
+               dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32, block_size: int = 16,
                engine: str = "vllm", tp: int = 1, dcp: DCPSpec = DCPSpec()) -> ModelKV:
-    """Attention layers as a GQA group; Gated DeltaNet layers listed as state layers (conv
-    state (k-1, conv_dim/tp) in ``dtype`` + temporal state (v_heads/tp, v_dim, k_dim) fp32)."""
-    full = {i for i in range(layers) if i % full_every == full_every - 1}
+    """Gated DeltaNet + full attention (Qwen3-Next, Qwen3.5): the attention layers a full GQA
+    group, the GDN layers one STATE group of the same block size (see the module doc)."""
     base = gqa(name, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_size=block_size,
                engine=engine, tp=tp, dcp=dcp)
-    caches = tuple(c for c in base.caches if int(c.layer.split(".")[1]) in full)
+    if linear_k_heads % tp or linear_v_heads % tp:
+        raise ConfigError(f"tensor parallel size {tp} does not divide {name}'s {linear_k_heads} key / {linear_v_heads} "
+                          "value heads of its Gated DeltaNet layers")
     conv_dim = (2 * linear_k_heads * linear_k_dim + linear_v_heads * linear_v_dim) // tp
-    elem = torch.empty(0, dtype=dtype).element_size()
-    state = (conv_kernel - 1) * conv_dim * elem + (linear_v_heads // tp) * linear_v_dim * linear_k_dim * 4
-    return replace(base, caches=caches, state_layers=tuple(f"layers.{i}.linear_attn" for i in range(layers) if i not in full),
-                   state_bytes_per_layer=state,
-                   notes=("Gated DeltaNet layers keep a recurrent state (vLLM MambaSpec): a hit needs the state at exactly P, "
-                          "which kvconnect cannot store yet; the vLLM connector stays off for this model (every lookup is 0) "
-                          "and nothing is stored. The attention figures are what would be stored once state snapshots are.",))
+    conv = (conv_kernel - 1) * conv_dim * torch.empty(0, dtype=dtype).element_size()
+    recurrent = (linear_v_heads // tp) * linear_v_dim * linear_k_dim * torch.empty(0, dtype=state_dtype).element_size()
+    state_layers = tuple(f"layers.{i}.linear_attn" for i in range(layers) if i not in full_layers)
+    caches = tuple(c for c in base.caches if int(c.layer.split(".")[1]) in full_layers)
+    caches += tuple(Cache(layer, 1, torch.uint8, (conv + recurrent,)) for layer in state_layers)
+    served = engine in SNAPSHOT_ENGINES
+    if served:
+        note = ("Gated DeltaNet layers keep a recurrent state (vLLM MambaSpec): a hit at P needs the state after exactly "
+                "P tokens, stored as a snapshot (the window part) at each restore point; attention as prefix parts.")
+    else:
+        note = (f"Gated DeltaNet layers keep a recurrent state: a hit needs the state after exactly P, which kvconnect's "
+                f"{engine} adapter does not store (docs/recurrent.md); it stays off for this model (every lookup is 0) "
+                "and nothing is stored. The figures are what snapshots at restore points would take.")
+    return replace(base, groups=(base.groups[0], GroupSpec(block_size=block_size, kind=GroupKind.STATE)),
+                   group_names=("full", "gdn state"), caches=caches, state_layers=state_layers,
+                   state_bytes_per_layer=conv + recurrent,
+                   state_parts=((f"conv {conv_kernel - 1} x {conv_dim} {str(dtype).replace('torch.', '')}", conv),
+                                (f"recurrent {linear_v_heads // tp} x {linear_v_dim} x {linear_k_dim} "
+                                 f"{str(state_dtype).replace('torch.', '')}", recurrent)),
+                   snapshots_served=served, notes=(note,))
+
+
+def qwen3_next(name: str = "qwen3-next-80b-a3b", *, layers: int = 48, full_every: int = 4, kv_heads: int = 2,
+               head_dim: int = 256, linear_k_heads: int = 16, linear_v_heads: int = 32, linear_k_dim: int = 128,
+               linear_v_dim: int = 128, **kw) -> ModelKV:
+    """Qwen3-Next-80B-A3B (public config.json; transformers' ``Qwen3NextConfig`` defaults): every
+    4th of 48 layers full attention (16 q / 2 KV heads of 256), GDN 16 key / 32 value heads of 128."""
+    return gdn_hybrid(name, layers=layers, full_layers={i for i in range(layers) if i % full_every == full_every - 1},
+                      kv_heads=kv_heads, head_dim=head_dim, linear_k_heads=linear_k_heads, linear_v_heads=linear_v_heads,
+                      linear_k_dim=linear_k_dim, linear_v_dim=linear_v_dim, **kw)
+
+
+def qwen35(name: str = "qwen3.5-27b", *, layers: int = 64, full_every: int = 4, kv_heads: int = 4, head_dim: int = 256,
+           linear_k_heads: int = 16, linear_v_heads: int = 48, linear_k_dim: int = 128, linear_v_dim: int = 128,
+           **kw) -> ModelKV:
+    """Qwen3.5-27B (public config.json, ``text_config``: 64 layers, ``layer_types`` linear x 3 +
+    full, 24 q / 4 KV heads of 256, GDN 16 key / 48 value heads of 128, conv kernel 4,
+    ``mamba_ssm_dtype`` float32; Qwen3.6-27B has the same text config)."""
+    return gdn_hybrid(name, layers=layers, full_layers={i for i in range(layers) if i % full_every == full_every - 1},
+                      kv_heads=kv_heads, head_dim=head_dim, linear_k_heads=linear_k_heads, linear_v_heads=linear_v_heads,
+                      linear_k_dim=linear_k_dim, linear_v_dim=linear_v_dim, **kw)
 
 
 PRESETS: dict[str, Any] = {  # name -> builder(**kw); ``layers`` overrides the model's depth
@@ -244,10 +298,11 @@ PRESETS: dict[str, Any] = {  # name -> builder(**kw); ``layers`` overrides the m
     "gemma-3-27b": lambda layers=62, **kw: gqa("gemma-3-27b", layers=layers, kv_heads=16, head_dim=128, dtype=torch.bfloat16,
                                                window=1024, full_every=6, **kw),
     "qwen3-next-80b-a3b": lambda layers=48, **kw: qwen3_next(layers=layers, **kw),
+    "qwen3.5-27b": lambda layers=64, **kw: qwen35(layers=layers, **kw),
 }
 ALIASES = {"llama": "llama-3.1-8b", "deepseek-v3.1": "deepseek-v3", "dsv3": "deepseek-v3", "dsv32": "deepseek-v3.2",
            "v4-flash": "deepseek-v4-flash", "dsv4": "deepseek-v4-flash", "gemma-3": "gemma-3-27b", "gemma3": "gemma-3-27b",
-           "qwen3-next": "qwen3-next-80b-a3b"}
+           "qwen3-next": "qwen3-next-80b-a3b", "qwen3.5": "qwen3.5-27b", "qwen3.6-27b": "qwen3.5-27b"}
 
 
 def preset(name: str, **kw) -> ModelKV:
@@ -297,11 +352,18 @@ def from_hf_config(config: Mapping[str, Any], *, name: str = "model", kv_dtype: 
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = int(text.get("head_dim") or need("hidden_size") // heads)
     bs = {"block_size": block_size} if block_size else {}
-    if model_type.startswith("qwen3_next") or "linear_num_value_heads" in text:
-        return qwen3_next(name, layers=layers, full_every=int(text.get("full_attention_interval", 4)), kv_heads=kv_heads,
-                          head_dim=head_dim, linear_k_heads=need("linear_num_key_heads"), linear_v_heads=need("linear_num_value_heads"),
+    if model_type.startswith(("qwen3_next", "qwen3_5")) or "linear_num_value_heads" in text:
+        if isinstance(text.get("layer_types"), list):
+            full = {i for i, kind in enumerate(text["layer_types"]) if kind == "full_attention"}
+        else:
+            every = int(text.get("full_attention_interval", 4))
+            full = {i for i in range(layers) if i % every == every - 1}
+        state_dtype = KV_DTYPES.get(str(text.get("mamba_ssm_dtype") or "float32").lower(), torch.float32)
+        return gdn_hybrid(name, layers=layers, full_layers=full, kv_heads=kv_heads, head_dim=head_dim,
+                          linear_k_heads=need("linear_num_key_heads"), linear_v_heads=need("linear_num_value_heads"),
                           linear_k_dim=need("linear_key_head_dim"), linear_v_dim=need("linear_value_head_dim"),
-                          conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), dtype=dtype, **bs, **common)
+                          conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), dtype=dtype, state_dtype=state_dtype,
+                          **bs, **common)
     window = text.get("sliding_window") if model_type.startswith(("gemma3", "gemma2", "gpt_oss")) or text.get("layer_types") else None
     full_layers = None
     if window and isinstance(text.get("layer_types"), list):

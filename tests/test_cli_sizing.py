@@ -85,7 +85,8 @@ def test_inspect_human_and_state_models(capsys):
     assert main(["inspect", "--preset", "qwen3-next", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["supported"] is False and r["stored_bytes"] == 0 and r["restore_bytes"] == 0 and r["state_layers"] == 36
-    assert any("state at exactly P" in n for n in r["notes"])
+    assert any("state after exactly P" in n for n in r["notes"])
+    assert r["snapshot"]["bytes"] == 36 * r["state_bytes_per_layer"] and r["snapshot"]["stored"] is False
 
 
 def test_inspect_from_hf_config(tmp_path, capsys):

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError(f"--device must be cpu or an available cuda, got {device!r}")
     num_tokens = parse_tokens(args.tokens)
     model = model_of(args, layers=args.layers)
-    if model.state_layers:
+    if model.state_layers and not model.snapshots_served:
         raise ConfigError(f"{model.name}: kvconnect does not store recurrent state yet (see `kvconnect inspect`); nothing to benchmark")
     if num_tokens < args.chunk_size:
         raise ConfigError(f"--tokens ({num_tokens}) must hold at least one chunk of {args.chunk_size}")

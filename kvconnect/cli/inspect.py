@@ -37,13 +37,16 @@ def report(args: argparse.Namespace) -> dict:
     restore_at = asked - asked % args.chunk_size  # a hit ends on a chunk boundary (whole chunks are stored)
     layout = model.layout(0)
     s = sizing.of(layout, args.chunk_size)
-    supported = not model.state_layers
+    supported = not model.state_layers or model.snapshots_served
     per_group_restore = [s._group_bytes(g, geo.needed_rows(restore_at)) for g, geo in enumerate(layout.geometries)]
     return {
         "model": model.name, "engine": model.engine, "tp": model.tp_size, "dcp": model.dcp.size,
         "chunk_tokens": args.chunk_size, "num_planes": len(layout.planes), "fingerprint": bytes(layout.fingerprint).hex(),
         "supported": supported, "notes": list(model.notes),
         "state_layers": len(model.state_layers), "state_bytes_per_layer": model.state_bytes_per_layer,
+        "snapshot": {"bytes": len(model.state_layers) * model.state_bytes_per_layer,
+                     "parts_per_layer": [{"what": w, "bytes": b} for w, b in model.state_parts],
+                     "stored": model.snapshots_served} if model.state_layers else None,
         "groups": [
             {"group": g.index, "name": model.group_names[g.index], "kind": g.kind, "block_size": g.block_size,
              "compress_ratio": g.compress_ratio, "window_tokens": g.window_tokens, "num_planes": g.num_planes,
@@ -104,12 +107,19 @@ def human(r: dict) -> str:
         lines.append("  ".join(x.rjust(w) if i >= 2 else x.ljust(w) for i, (x, w) in enumerate(zip(row, widths))))
     lines.append(f"per chunk   {human_bytes(r['bytes_per_chunk'])} ({human_bytes(r['bytes_per_token'])} per token); "
                  f"one CPU pool slot {human_bytes(r['pool_slot_bytes'])}")
-    if r["state_layers"]:
-        lines.append(f"state       {r['state_layers']} recurrent-state layers, {human_bytes(r['state_bytes_per_layer'])} "
-                     f"per layer per request snapshot (not stored)")
+    snap = r.get("snapshot")
+    if snap:
+        parts = " + ".join(f"{p['what']} {human_bytes(p['bytes'])}" for p in snap["parts_per_layer"])
+        lines.append(f"snapshot    {human_bytes(snap['bytes'])} per restore point: {r['state_layers']} recurrent-state layers x "
+                     f"{human_bytes(r['state_bytes_per_layer'])} ({parts}); " + ("stored" if snap["stored"] else "not stored"))
     for note in r["notes"]:
         lines.append(f"note        {note}")
     if not r["supported"]:
+        rp = r["restore_points"]
+        if snap and rp["split"]:
+            lines.append(f"would take  restore points every {rp['interval_tokens']:,} tokens: prefix part "
+                         f"{human_bytes(rp['prefix_bytes_per_chunk'])} per chunk + one snapshot per restore point: "
+                         f"{human_bytes(rp['bytes_per_token'])} per cached token")
         lines.append(f"stored      nothing: for {r['tokens']:,} tokens kvconnect keeps 0 bytes and every lookup hits 0")
         return "\n".join(lines)
     lines.append(f"{r['tokens']:,} tokens  {r['chunks']:,} chunks: payload {human_bytes(r['stored_bytes'])}; "

@@ -358,3 +358,41 @@ def deepseek_v4(*, device: str = "A3", block_size: int = 128, num_blocks: int = 
     runner.use_hybrid_blocks = False
     caches = _allocate(runner, config)
     return RealCase(f"deepseek-v4-{device}", config, caches, specs, vc, block_size, device=device)
+
+
+def qwen35(*, num_blocks: int = 12, mamba_cache_mode: str = "align") -> RealCase:
+    """The tiny Qwen3.5 of tests/integration/qwen35_model.py as vLLM-Ascend 0.23 lays it out:
+    3 Gated DeltaNet layers (``MambaSpec``; shapes from vLLM's ``MambaStateShapeCalculator``:
+    conv state of conv dim 2 x 2 x 64 + 4 x 64 = 512 over kernel 4 - 1, recurrent state
+    (4, 64, 64); dtypes from ``gated_delta_net_state_dtype`` for a bf16 model with
+    ``mamba_ssm_dtype`` float32, as Qwen3.5 configs set it) and 1 full-attention layer (1 KV
+    head x 64, bf16). Block size 384 and the state page padded to the attention page (98,304
+    bytes), as vLLM 0.23's ``_align_hybrid_block_size`` computes it for Ascend's 128-token
+    kernel blocks."""
+    setup()
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+    from vllm_ascend.attention.attention_v1 import AscendAttentionBackend
+
+    kernel = AscendAttentionBackend.get_supported_kernel_block_sizes()[0]
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 2, 4, 64, 64, 4)
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", "float32")
+    real = sum(int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes))
+    token_bytes = 2 * 1 * 64 * 2
+    block_size = kernel * -(-real // (kernel * token_bytes))
+    specs = {}
+    for i in range(3):
+        specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+            block_size=block_size, shapes=tuple(shapes), dtypes=tuple(dtypes), page_size_padded=block_size * token_bytes,
+            mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode=mamba_cache_mode)
+    specs["model.layers.3.self_attn.attn"] = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64,
+                                                               dtype=torch.bfloat16)
+    vc = _vllm_config(block_size=block_size, num_blocks=num_blocks, model_type="qwen3_5_text")
+    vc.cache_config.mamba_cache_mode = mamba_cache_mode
+    config = _group(vc, specs, num_blocks)
+    groups = _attn_groups(config, lambda g: AscendAttentionBackend)
+    runner = _runner(vc, attn_groups=groups, hybrid_with_attn_and_mamba=True)
+    caches = _allocate(runner, config)
+    return RealCase("qwen35", config, caches, specs, vc, kernel)

@@ -135,8 +135,18 @@ def test_restorable_prefixes_agree_with_sglangs_file_backend(tmp_path):
     ours.close()
 
 
+@pytest.fixture
+def mamba_verified(monkeypatch):
+    """The page mechanics for a release on which the Mamba restore would be verified: kvconnect
+    refuses Mamba pools on every SGLang release not in ``MAMBA_VERIFIED_RELEASES`` (none yet,
+    tests/sglang/test_mamba_pool.py), so these tests name the installed one."""
+    from kvconnect.integrations.sglang import storage
+
+    monkeypatch.setattr(storage, "MAMBA_VERIFIED_RELEASES", frozenset({storage.sglang_release()}))
+
+
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_mamba_hybrid_state_pages_and_gate(tmp_path, layout):
+def test_mamba_hybrid_state_pages_and_gate(tmp_path, layout, mamba_verified):
     """A Mamba hybrid: SGLang's MHA host pool (KV anchor, 4 tokens per page) and its real
     ``MambaPoolHost`` (one state slot per page, TRAILING_PAGES)."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
@@ -172,7 +182,7 @@ def test_mamba_hybrid_state_pages_and_gate(tmp_path, layout):
     b.close()
 
 
-def test_mla_hybrid_non_writer_rank_still_writes_its_tp_sharded_mamba_state(tmp_path):
+def test_mla_hybrid_non_writer_rank_still_writes_its_tp_sharded_mamba_state(tmp_path, mamba_verified):
     """SGLang's rule (as its file backend): MLA KV is replicated (only writer ranks store it),
     Mamba state stays TP-sharded (every rank stores and reads its own)."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo

@@ -13,6 +13,14 @@ object is one page of one pool, under SGLang's page key folded with the layout f
 (``kvconnect.page_keys``) and moved by kvconnect's compiled CPU kernel (``PageStore``).
 Every entry point catches failures: a tier that is down or slow, a corrupt page or a bug
 here is a miss (False / 0) and a log line, never an exception into SGLang's controller.
+
+Hybrid GDN / Mamba models (Qwen3.5, Qwen3-Next, Nemotron-H, Falcon-H1): SGLang registers a
+Mamba state pool (``PoolName.MAMBA``, one state per page key, hit policy TRAILING_PAGES with
+N = 1). That the state SGLang hands over under a page key is the state after exactly that
+page's last token has not been checked on SGLang's real forward (its GDN / Mamba kernels
+have no CPU build; docs/recurrent.md), so the backend refuses such a model: one warning
+naming the SGLang release, then every page is a miss (SGLang recomputes) -- never a hit that
+could restore a wrong state.
 """
 
 from __future__ import annotations
@@ -49,6 +57,32 @@ logger = logging.getLogger(__name__)
 
 KV = "kv"
 MAMBA = "mamba"
+# SGLang releases on whose real forward a restore of the Mamba pool was checked bit-exact
+# (none yet: SGLang's GDN / Mamba kernels have no CPU build). The page mechanics themselves
+# (one state per page key, TRAILING_PAGES gating, TP-sharded under MLA) are tested with
+# SGLang's real MambaPoolHost in tests/sglang/test_v2_pools.py.
+MAMBA_VERIFIED_RELEASES: frozenset = frozenset()
+
+
+def sglang_release() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:  # pragma: no cover - SGLang imported but not installed as a dist
+        return "(unknown version)"
+
+
+def refusal(pool_names) -> Optional[str]:
+    """Why kvconnect serves no page for this pool set (None: it serves them)."""
+    mamba = sorted(n for n in pool_names if n.startswith(MAMBA))
+    release = sglang_release()
+    if not mamba or release in MAMBA_VERIFIED_RELEASES:
+        return None
+    return (f"kvconnect: off for this model on SGLang {release}: it registers the Mamba state pool {mamba} "
+            f"(a hybrid Gated DeltaNet / Mamba model); that the state SGLang {release} stores under a page key is the "
+            f"state after exactly that page was not verified on its real forward, so kvconnect stores and serves "
+            f"nothing for this model (every page is a miss; SGLang recomputes)")
 _CONFIG_KEYS = {f.name for f in dataclasses.fields(Config)}
 
 
@@ -103,7 +137,12 @@ class KVConnectStorage(HiCacheStorage):
     def _build(self) -> None:
         """Describe every registered pool as a kvconnect group and open the engine (raises on bad layouts)."""
         with self._lock:
-            if self._store is not None:
+            if self._store is not None or self._failed:
+                return
+            why = refusal(self._pools)
+            if why is not None:
+                self._failed = True  # every later call is a miss; no retry, no second warning
+                logger.warning(why)
                 return
             sc = self.storage_config
             described: list[PoolPlanes] = [pool_planes(pool, name) for name, pool in self._pools.items()]

