@@ -102,6 +102,13 @@ class ModelKV:
     state_layers: tuple[str, ...] = ()
     state_bytes_per_layer: int = 0
     notes: tuple[str, ...] = field(default=())
+    tp_replicated: bool = False  # the same cache on every TP rank (MLA): one rank per DCP shard writes the shared tiers
+
+    @property
+    def shared_writers(self) -> int:
+        """Ranks whose chunks a shared tier holds: every TP rank's shard, or one copy per DCP shard
+        when the cache is replicated over TP (docs/vllm.md, "Replicated KV")."""
+        return self.dcp.size if self.tp_replicated else self.tp_size
 
     def blocks_for(self, num_tokens: int) -> list[int]:
         local = self.dcp.local_tokens_before(num_tokens)
@@ -189,7 +196,7 @@ def mla(name: str, *, layers: int, indexer: bool = False, dtype: torch.dtype = t
             regions = DSA_INDEXER_REGIONS if engine == "vllm" else None
             caches.append(Cache(f"layers.{i}.indexer", 0, torch.uint8, (132,), regions=regions))
     return ModelKV(name, engine, (GroupSpec(block_size=block_size),), ("mla" + (" + indexer" if indexer else ""),),
-                   tuple(caches), tp_size=tp, dcp=dcp)
+                   tuple(caches), tp_size=tp, dcp=dcp, tp_replicated=True)
 
 
 def dsv4_flash(name: str = "deepseek-v4-flash", *, layers: int = 44, engine: str = "vllm", tp: int = 1,
@@ -212,7 +219,7 @@ def dsv4_flash(name: str = "deepseek-v4-flash", *, layers: int = 44, engine: str
               regions=DSV4_ROW_REGIONS.get(n))
         for i in range(layers) for n in dsv4_layer_caches(i)
     )
-    return ModelKV(name, engine, tuple(specs[n] for n in used), tuple(used), caches, tp_size=tp, dcp=dcp)
+    return ModelKV(name, engine, tuple(specs[n] for n in used), tuple(used), caches, tp_size=tp, dcp=dcp, tp_replicated=True)
 
 
 def qwen3_next(name: str = "qwen3-next-80b-a3b", *, layers: int = 48, full_every: int = 4, kv_heads: int = 2,

@@ -41,6 +41,12 @@ counts compressed blocks in rows and re-splits hybrid attention tensors into ker
 layer that only re-read bytes its other views cover (vLLM-Ascend A5's third indexer view) are
 stored once; a partial overlap is refused. Every refusal names the layer.
 
+Tensor parallelism. A layout whose every group has a spec in ``TP_REPLICATED_SPECS`` (MLA-like:
+the same cache on every TP rank) is ``Translation.tp_replicated``: its fingerprint carries the
+TP size but not the rank, so every rank computes the same keys, and only the rank that
+``ParallelRanks.writes_shared`` names writes the shared tiers (docs/vllm.md, "Replicated KV").
+Any other layout, a mix of replicated and sharded groups included, keeps the rank in its keys.
+
 The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
 the window): it becomes -1. Layers of one group that share a tensor are stored once.
 """
