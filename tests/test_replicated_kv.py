@@ -134,6 +134,35 @@ def test_disk_tier_holds_one_copy_and_a_fresh_replica_restores_from_it(tmp_path)
     assert _disk_files(disk) == files  # the replica wrote nothing
 
 
+def test_a_live_replica_follows_the_writers_disk_directory(tmp_path):
+    """Within one run: the replica (started first, empty directory) reads files the writer wrote
+    after its start, and stops offering them once the writer removed them."""
+    disk = str(tmp_path / "disk")
+    config = Config(chunk_size=CHUNK, max_local_cpu_size=0.01, local_disk=disk, max_local_disk_size=0.01)
+    r0, r1 = _mla(0), _mla(1, seed=60)
+    replica = KVCacheEngine(r1.layout, config, shared_writer=False)
+    writer = KVCacheEngine(r0.layout, config)
+    try:
+        assert replica.lookup(TOKENS) == 0
+        assert writer.store(TOKENS, _tables(r0, SRC)) == len(TOKENS)
+        assert writer.storage.flush(30)
+        assert len(_disk_files(disk)) == 4
+        assert replica.lookup(TOKENS) == len(TOKENS)  # found on disk: the replica's pool is empty
+        assert replica.retrieve(TOKENS, _tables(r1, DST)) == len(TOKENS)
+        for got, want in zip(r1.layout.tensors, r0.layout.tensors):
+            assert torch.equal(got[list(DST)], want[list(SRC)])
+        replica.pool.clear()  # its private pool forgets: only the disk could serve now
+        (disk_tier,) = writer.storage.tiers
+        keys = [c.key for c in writer.chunks(TOKENS, include_partial=False)]
+        assert disk_tier.delete(keys[2:]) == [True, True]  # the writer evicts the last two chunks
+        assert replica.lookup(TOKENS) == 2 * CHUNK  # never a promise of what is gone
+        assert replica.retrieve(TOKENS, _tables(r1, DST)) == 2 * CHUNK
+    finally:
+        writer.close()
+        replica.close()
+    assert len(_disk_files(disk)) == 2  # the replica removed and wrote nothing
+
+
 def test_a_replica_alone_writes_no_shared_tier_so_a_restart_misses(tmp_path):
     """Exactness: a hit needs the objects; a replica's private pool does not reach the disk."""
     disk = str(tmp_path / "disk")

@@ -49,8 +49,9 @@ FETCH_BATCH_BYTES = 256 << 20  # bound on encoded chunks held in memory while pr
 MAX_PENDING_WRITE_BYTES = 1 << 30  # per lower tier, further capped to a quarter of the pool
 
 
-def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
-    """The lower tiers ``config`` asks for, fastest first (disk, then remote).
+def open_tiers(config: "Config", fingerprint: Fingerprint, *, writes_shared: bool = True) -> list[LowerTier]:
+    """The lower tiers ``config`` asks for, fastest first (disk, then remote). A replica
+    (``writes_shared=False``) follows the writer's disk directory (``DiskTier(follow_writer=)``).
 
     Raises ConfigError / StorageError for a tier that cannot be set up (bad URL, missing
     ``redis`` package, directory that cannot be created): configuration errors surface at
@@ -64,7 +65,8 @@ def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
         else:
             from .disk import DiskTier
 
-            tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync))
+            tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync,
+                                  follow_writer=not writes_shared))
     if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
         from .mooncake_config import make_spec
         from .mooncake_tier import MooncakeTier
@@ -114,7 +116,7 @@ class StorageManager:
     @classmethod
     def from_config(cls, pool: ChunkPool, fingerprint: Fingerprint, config: "Config", *,
                     writes_shared: bool = True) -> "StorageManager":
-        return cls(pool, fingerprint, open_tiers(config, fingerprint), writes_shared=writes_shared)
+        return cls(pool, fingerprint, open_tiers(config, fingerprint, writes_shared=writes_shared), writes_shared=writes_shared)
 
     # -- reads -----------------------------------------------------------------------
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
