@@ -98,8 +98,9 @@ class KVCacheEngine:
         ``shared_writer=False`` makes a *replica*: one of several engines (TP ranks) whose
         layouts hold the same KV under the same fingerprint, of which another writes the
         shared places. A replica reads every tier but writes only its private CPU pool: it
-        queues nothing for the disk or remote tiers and, over the node server's shared pool,
-        stores nothing (``store`` returns 0). Every rank then reads the writer's one copy.
+        queues nothing for the disk or remote tiers and, over the node server's shared pool or
+        with ``local_cpu`` off (the pool only a buffer for the tiers), stores nothing (``store``
+        returns 0). Every rank then reads the writer's one copy.
         """
         self.config = config or Config.from_env()
         self.layout = layout = _named(layout, self.config.model_name)
@@ -232,8 +233,8 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok))
         tables = BlockTables.of(self.layout, block_ids)
-        if not self.shared_writer and not isinstance(self.pool, ChunkPool):
-            with self._stats_lock:  # a replica over a shared pool: the writer's store lands for it
+        if not self.shared_writer and (not isinstance(self.pool, ChunkPool) or not self.config.local_cpu):
+            with self._stats_lock:  # a replica with no pool of its own to keep: the writer's store lands for it
                 self.stats.replica_stores_left += 1
             return 0
         every = self._chunks(tok, self.config.save_unfull_chunk, namespace)

@@ -112,8 +112,9 @@ def test_disk_tier_holds_one_copy_and_a_fresh_replica_restores_from_it(tmp_path)
     writer = KVCacheEngine(r0.layout, config)
     replica = KVCacheEngine(r1.layout, config, shared_writer=False)
     try:
-        assert writer.store(TOKENS, _tables(r0, SRC)) == len(TOKENS)
+        # the replica first (the writer's files would be found, and not stored again, after)
         assert replica.store(TOKENS, _tables(r1, SRC)) == len(TOKENS)  # into its private pool: no failure
+        assert writer.store(TOKENS, _tables(r0, SRC)) == len(TOKENS)
         assert replica.stats.stored_chunks == 4 and replica.lookup(TOKENS) == len(TOKENS)
     finally:
         writer.close()
@@ -161,6 +162,18 @@ def test_a_live_replica_follows_the_writers_disk_directory(tmp_path):
         writer.close()
         replica.close()
     assert len(_disk_files(disk)) == 2  # the replica removed and wrote nothing
+
+
+def test_a_replica_without_a_cpu_cache_of_its_own_stores_nothing(tmp_path):
+    config = Config(chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.01, local_disk=str(tmp_path),
+                    max_local_disk_size=0.01)
+    t = _mla(1)
+    replica = KVCacheEngine(t.layout, config, shared_writer=False)
+    try:
+        assert replica.store(TOKENS, _tables(t, SRC)) == 0
+        assert replica.stats.replica_stores_left == 1 and replica.stats.stored_chunks == 0
+    finally:
+        replica.close()
 
 
 def test_a_replica_alone_writes_no_shared_tier_so_a_restart_misses(tmp_path):
