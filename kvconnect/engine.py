@@ -84,15 +84,24 @@ class EngineStats:
     restore_point_hits: int = 0  # retrieves that resumed at a restore point
     window_pieces_retrieved: int = 0
     prefix_chunks_demoted: int = 0  # found present but reached by no restore point (parts.py)
+    replica_stores_left: int = 0  # stores a replica left to the writer (shared pool; KVCacheEngine(shared_writer=False))
 
 
 class KVCacheEngine:
     def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None,
-                 window_parts: bool = True) -> None:
+                 window_parts: bool = True, shared_writer: bool = True) -> None:
         """``window_parts=False`` stores every group's rows in one object per chunk (engines
         that hand over pages under their own keys: ``store_chunks``), as does a restore interval
         of 0; by default a layout with window groups stores them only at restore points
-        (kvconnect/parts.py)."""
+        (kvconnect/parts.py).
+
+        ``shared_writer=False`` makes a *replica*: one of several engines (TP ranks) whose
+        layouts hold the same KV under the same fingerprint, of which another writes the
+        shared places. A replica reads every tier but writes only its private CPU pool: it
+        queues nothing for the disk or remote tiers and, over the node server's shared pool or
+        with ``local_cpu`` off (the pool only a buffer for the tiers), stores nothing (``store``
+        returns 0). Every rank then reads the writer's one copy.
+        """
         self.config = config or Config.from_env()
         self.layout = layout = _named(layout, self.config.model_name)
         check_chunk_size(layout, self.config.chunk_size)
@@ -110,7 +119,8 @@ class KVCacheEngine:
         self.max_chunk_bytes = self.parts.slot_bytes  # the largest object: a whole chunk, or a part
         # a private ChunkPool, or the node cache server's shared pool when server_url is set
         pool = make_pool(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
-        self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config)
+        self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config, writes_shared=shared_writer)
+        self.shared_writer = shared_writer
         self.stats = EngineStats()
         self._stats_lock = threading.Lock()
         self.ops = metrics.OpLog()  # store/retrieve latency and per-operation sizes
@@ -154,7 +164,7 @@ class KVCacheEngine:
         return self.events
 
     # -- reset -----------------------------------------------------------------------
-    def reset(self) -> None:
+    def reset(self, generation: Optional[bytes] = None) -> None:
         """Never serve a chunk stored before this call (an engine's weights changed, or its
         operator asked for a clean cache); chunks stored after it are served as usual.
 
@@ -172,8 +182,15 @@ class KVCacheEngine:
         computed its keys before the call lands under the old generation (never read again),
         a lookup racing the call may offer a hit the retrieve then misses (reported short).
         Adapters order it after their pending saves (the vLLM worker does).
+
+        ``generation``: the new generation's bytes (default: 16 random bytes). Engines whose
+        KV is replicated (TP ranks of an MLA model, ``shared_writer``) must move to the same
+        one to keep reading the writer's chunks: the vLLM scheduler sends one to every rank.
         """
-        self.keyer = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=os.urandom(16))
+        if generation is not None and not generation:
+            raise ValueError("a reset generation must not be empty (that is the generation before any reset)")
+        self.keyer = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size,
+                                generation=os.urandom(16) if generation is None else bytes(generation))
         if self.events is not None:
             self.events.cleared()
         if isinstance(self.pool, ChunkPool):  # private to this engine; a shared pool keeps other engines' hits
@@ -216,6 +233,10 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok))
         tables = BlockTables.of(self.layout, block_ids)
+        if not self.shared_writer and (not isinstance(self.pool, ChunkPool) or not self.config.local_cpu):
+            with self._stats_lock:  # a replica with no pool of its own to keep: the writer's store lands for it
+                self.stats.replica_stores_left += 1
+            return 0
         every = self._chunks(tok, self.config.save_unfull_chunk, namespace)
         chunks = [c for c in every if c.start >= skip]
         if not self.parts.split:

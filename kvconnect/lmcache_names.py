@@ -139,8 +139,8 @@ INSTEAD: dict[str, str] = {
 }
 
 # keys of LMCache's extra_config mapping (LMCACHE_EXTRA_CONFIG, a JSON object)
-_FIRST_RANK = ("read, not needed: KV replicated over tensor-parallel ranks (MLA) is written by one rank and read "
-               "by all where the adapter knows it is replicated (SGLang today; vLLM: issue 25)")
+_FIRST_RANK = ("read, not needed: KV replicated over tensor-parallel ranks (MLA) is always keyed without the rank, "
+               "written once by the first rank and read by all (vLLM, vLLM-Ascend and SGLang)")
 _BACKEND = "an option of an LMCache backend kvconnect does not have"
 _AUDIT = "no audit backend: every chunk carries a checksum that is verified on every read"
 _FS = "kvconnect's disk tier (LMCACHE_LOCAL_DISK) writes whole files and renames them into place (docs/storage.md)"

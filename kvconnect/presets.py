@@ -120,6 +120,13 @@ class ModelKV:
     state_parts: tuple[tuple[str, int], ...] = ()  # (what, bytes) of one layer's state
     snapshots_served: bool = False
     notes: tuple[str, ...] = field(default=())
+    tp_replicated: bool = False  # the same cache on every TP rank (MLA): one rank per DCP shard writes the shared tiers
+
+    @property
+    def shared_writers(self) -> int:
+        """Ranks whose chunks a shared tier holds: every TP rank's shard, or one copy per DCP shard
+        when the cache is replicated over TP (docs/vllm.md, "Replicated KV")."""
+        return self.dcp.size if self.tp_replicated else self.tp_size
 
     def blocks_for(self, num_tokens: int) -> list[int]:
         local = self.dcp.local_tokens_before(num_tokens)
@@ -208,7 +215,7 @@ def mla(name: str, *, layers: int, indexer: bool = False, dtype: torch.dtype = t
             regions = DSA_INDEXER_REGIONS if engine == "vllm" else None
             caches.append(Cache(f"layers.{i}.indexer", 0, torch.uint8, (132,), regions=regions))
     return ModelKV(name, engine, (GroupSpec(block_size=block_size),), ("mla" + (" + indexer" if indexer else ""),),
-                   tuple(caches), tp_size=tp, dcp=dcp)
+                   tuple(caches), tp_size=tp, dcp=dcp, tp_replicated=True)
 
 
 def dsv4_flash(name: str = "deepseek-v4-flash", *, layers: int = 44, engine: str = "vllm", tp: int = 1,
@@ -231,7 +238,7 @@ def dsv4_flash(name: str = "deepseek-v4-flash", *, layers: int = 44, engine: str
               regions=DSV4_ROW_REGIONS.get(n))
         for i in range(layers) for n in dsv4_layer_caches(i)
     )
-    return ModelKV(name, engine, tuple(specs[n] for n in used), tuple(used), caches, tp_size=tp, dcp=dcp)
+    return ModelKV(name, engine, tuple(specs[n] for n in used), tuple(used), caches, tp_size=tp, dcp=dcp, tp_replicated=True)
 
 
 def gdn_hybrid(name: str, *, layers: int, full_layers: set, kv_heads: int, head_dim: int, linear_k_heads: int,

@@ -240,7 +240,7 @@ def test_lookup_channel_figures(tmp_path):
         def stats(self):
             return {}
 
-        def clear(self):
+        def clear(self, generation=None):
             pass
 
     base = f"ipc://{tmp_path}/kvc"

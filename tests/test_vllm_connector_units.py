@@ -29,6 +29,7 @@ CHUNK = 64
 class FixedHits:
     def __init__(self, hit: int, delay_s: float = 0.0) -> None:
         self.hit, self.delay_s, self.cleared, self.seen, self.namespaces = hit, delay_s, 0, [], []
+        self.generations = []
 
     def lookup(self, tokens, namespace=b""):
         self.seen.append(tokens.copy())
@@ -39,8 +40,9 @@ class FixedHits:
     def stats(self):
         return {"hit": self.hit}
 
-    def clear(self):
+    def clear(self, generation=None):
         self.cleared += 1
+        self.generations.append(generation)
 
 
 @pytest.fixture
@@ -68,6 +70,9 @@ def test_hit_is_the_minimum_over_workers(servers):
     assert [h.namespaces for h in handlers] == [[b"", b"\x91\xa4salt"]] * 2
     assert client.stats() == [{"hit": 512}, {"hit": 448}]
     assert client.clear() and [h.cleared for h in handlers] == [1, 1]
+    # one new key generation for every rank (replicated KV keeps reading the writer's chunks)
+    (gen,), (gen1,) = [h.generations for h in handlers]
+    assert isinstance(gen, bytes) and len(gen) == 16 and gen == gen1
     client.close()
 
 

@@ -62,6 +62,10 @@ def report(args: argparse.Namespace) -> dict:
         "stored_bytes": s.stored_bytes(tokens) if supported else 0,
         "pool_bytes": s.pool_bytes(tokens) if supported else 0,
         "tier_bytes": s.encoded_bytes(tokens) if supported else 0,
+        # every figure above is one rank's; a shared tier holds the chunks of these many ranks
+        "tp_replicated": model.tp_replicated and model.tp_size > 1,
+        "shared_tier_writers": model.shared_writers,
+        "shared_tier_bytes": (s.encoded_bytes(tokens) if supported else 0) * model.shared_writers,
         "restore_asked": asked,
         "restore_at": restore_at,
         "restore_bytes": s.restore_bytes(restore_at) if supported else 0,
@@ -125,6 +129,11 @@ def human(r: dict) -> str:
     lines.append(f"{r['tokens']:,} tokens  {r['chunks']:,} chunks: payload {human_bytes(r['stored_bytes'])}; "
                  f"CPU pool {human_bytes(r['pool_bytes'])} (LMCACHE_MAX_LOCAL_CPU_SIZE={r['pool_bytes'] / (1 << 30):.2f}); "
                  f"disk / remote {human_bytes(r['tier_bytes'])}")
+    if r["tp"] > 1 or r["dcp"] > 1:
+        how = ("KV replicated over TP: one copy per DCP shard, written by one rank and read by all" if r["tp_replicated"]
+               else "every TP rank stores its own shard")
+        lines.append(f"all ranks   the figures above are one rank's; a shared tier (disk dir, remote, node server) holds "
+                     f"{r['shared_tier_writers']} rank(s)' chunks, {human_bytes(r['shared_tier_bytes'])} ({how})")
     mc = r.get("mooncake")
     if mc:
         lines.append(f"mooncake    master {mc['master']} ({mc['protocol']}, as {mc['local_hostname']}); this engine contributes "

@@ -12,6 +12,12 @@ next start removes. Every read verifies the chunk (magic, version, fingerprint, 
 size, checksum); any failure (missing file, short read, flipped byte, permission) is a
 miss, a counted error, and the file is removed.
 
+A *follower* (``follow_writer=True``: a replica TP rank whose writer rank, another process,
+writes this directory; docs/vllm.md, "Replicated KV") writes nothing and keeps its index in
+step with the directory: ``masks`` checks each asked key's file (one ``stat`` per key with the
+group masks seen so far, one listing of a key's subdirectory per call to learn a new mask),
+so it finds what the writer wrote since the start and forgets what the writer evicted.
+
 The size limit (``capacity_bytes``) counts the files of this fingerprint; when a write
 needs room, the least recently used files go first. Recency survives a restart only as
 file modification order (reads do not touch files).
@@ -128,7 +134,8 @@ class DiskTier(LowerTier):
     name = "disk"
     reads_into = True  # straight from the file into a pool slot: no intermediate buffer
 
-    def __init__(self, root: str, fingerprint: Fingerprint, capacity_bytes: int, *, fsync: bool = False) -> None:
+    def __init__(self, root: str, fingerprint: Fingerprint, capacity_bytes: int, *, fsync: bool = False,
+                 follow_writer: bool = False) -> None:
         """Open (creating if needed) the tier at ``root`` and rebuild its index from the files.
 
         Raises StorageError when the directory cannot be created or listed.
@@ -140,6 +147,8 @@ class DiskTier(LowerTier):
         self.dir = os.path.join(self.root, bytes(fingerprint).hex())
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.follow_writer = follow_writer
+        self._masks_seen: set[int] = set()  # group masks of files seen (a follower stats these names)
         self._lock = threading.Lock()
         self._index: "OrderedDict[ChunkKey, _Entry]" = OrderedDict()
         self._used_bytes = 0  # indexed files plus writes in flight
@@ -180,8 +189,10 @@ class DiskTier(LowerTier):
                 self._index_file(f, found)
         for key, (_, _, entry) in sorted(found.items(), key=lambda kv: kv[1][0]):
             self._index[key] = entry
+            self._masks_seen.add(entry.mask)
             self._used_bytes += entry.size_bytes
-        self._evict_locked(0)
+        if not self.follow_writer:  # a follower never removes the writer's files
+            self._evict_locked(0)
         if found:
             logger.info("kvconnect: disk tier %s indexed %d chunks (%d bytes)", self.dir, len(self._index), self._used_bytes)
 
@@ -222,10 +233,58 @@ class DiskTier(LowerTier):
 
     # -- reads -----------------------------------------------------------------------
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
+        if self.follow_writer:
+            self._follow(keys)
         with self._lock:
             out = [(e.mask if (e := self._index.get(k)) is not None else None) for k in keys]
         self._count(lookups=len(keys), lookup_hits=sum(m is not None for m in out))
         return out
+
+    def _follow(self, keys: Sequence[ChunkKey]) -> None:
+        """A follower's index for ``keys`` as the directory has it now (see the module doc)."""
+        listed = False
+        for key in keys:
+            with self._lock:
+                entry = self._index.get(key)
+                masks = [entry.mask] if entry is not None else sorted(self._masks_seen)
+            found = None
+            for mask in masks:
+                try:
+                    found = (mask, os.stat(self._path(key, mask)).st_size)
+                    break
+                except OSError:
+                    continue
+            if found is None and entry is None and not listed:
+                listed = True  # at most one listing per call: new masks are rare (a layout has a handful)
+                found = self._find_listed(key)
+            with self._lock:
+                current = self._index.get(key)
+                if found is None:
+                    if current is not None and current is entry:  # the writer evicted it
+                        del self._index[key]
+                        self._used_bytes -= current.size_bytes
+                elif current is None or (current.mask, current.size_bytes) != found:
+                    if current is not None:
+                        self._used_bytes -= current.size_bytes
+                    self._index[key] = _Entry(*found)
+                    self._used_bytes += found[1]
+                    self._masks_seen.add(found[0])
+
+    def _find_listed(self, key: ChunkKey) -> Optional[tuple[int, int]]:
+        """(mask, size) of ``key``'s file found by listing its subdirectory, or None."""
+        hexkey = bytes(key).hex()
+        try:
+            names = os.listdir(os.path.join(self.dir, hexkey[:2]))
+        except OSError:
+            return None
+        for name in names:
+            if name.startswith(hexkey + "-") and name.endswith(_SUFFIX):
+                try:
+                    mask = int(name[len(hexkey) + 1 : -len(_SUFFIX)], 16)
+                    return mask, os.stat(self._path(key, mask)).st_size
+                except (ValueError, OSError):
+                    return None
+        return None
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
         out: list[Optional[bytes]] = []

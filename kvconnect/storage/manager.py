@@ -16,6 +16,10 @@ remote store). Contract used by the engine:
     import_chunk(data, ...)  verify and insert encoded bytes (a corrupt chunk is refused)
     flush() / close()        wait for / stop the write-behind threads
 
+A *replica* manager (``writes_shared=False``: a TP rank of KV that another rank writes, see
+``KVCacheEngine(shared_writer=False)``) reads every tier but queues nothing for them: what it
+commits stays in its private pool, and the writer rank's copy is the one in the shared tiers.
+
 A failure of a lower tier is a miss and a counted error (``tier_stats``), never an
 exception into the engine.
 """
@@ -45,8 +49,9 @@ FETCH_BATCH_BYTES = 256 << 20  # bound on encoded chunks held in memory while pr
 MAX_PENDING_WRITE_BYTES = 1 << 30  # per lower tier, further capped to a quarter of the pool
 
 
-def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
-    """The lower tiers ``config`` asks for, fastest first (disk, then remote).
+def open_tiers(config: "Config", fingerprint: Fingerprint, *, writes_shared: bool = True) -> list[LowerTier]:
+    """The lower tiers ``config`` asks for, fastest first (disk, then remote). A replica
+    (``writes_shared=False``) follows the writer's disk directory (``DiskTier(follow_writer=)``).
 
     Raises ConfigError / StorageError for a tier that cannot be set up (bad URL, missing
     ``redis`` package, directory that cannot be created): configuration errors surface at
@@ -60,7 +65,8 @@ def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
         else:
             from .disk import DiskTier
 
-            tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync))
+            tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync,
+                                  follow_writer=not writes_shared))
     if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
         from .mooncake_config import make_spec
         from .mooncake_tier import MooncakeTier
@@ -76,14 +82,18 @@ def open_tiers(config: "Config", fingerprint: Fingerprint) -> list[LowerTier]:
 
 class StorageManager:
     def __init__(self, pool: ChunkPool, fingerprint: Fingerprint, tiers: Sequence[LowerTier] = (), *,
-                 max_pending_write_bytes: Optional[int] = None, max_queued_writes: int = 4096) -> None:
+                 max_pending_write_bytes: Optional[int] = None, max_queued_writes: int = 4096,
+                 writes_shared: bool = True) -> None:
         """Front ``pool`` and the lower ``tiers`` (fastest first; the manager owns and closes them).
 
         max_pending_write_bytes: payload bytes each tier's write-behind queue keeps pinned
             in the pool (default: 1 GiB, at most a quarter of the pool, at least one slot).
         max_queued_writes: further chunks each queue holds unpinned (see writer.py).
+        writes_shared: False for a replica (see the module doc): nothing is written to the lower
+            tiers (deletes of corrupt objects still are).
         """
         self.pool = pool
+        self.writes_shared = writes_shared
         self.fingerprint = fingerprint
         self.corrupt_chunks = 0
         self.promotions = 0
@@ -104,8 +114,9 @@ class StorageManager:
         self._fetch_batch = max(1, FETCH_BATCH_BYTES // max(pool.slot_bytes, 1))
 
     @classmethod
-    def from_config(cls, pool: ChunkPool, fingerprint: Fingerprint, config: "Config") -> "StorageManager":
-        return cls(pool, fingerprint, open_tiers(config, fingerprint))
+    def from_config(cls, pool: ChunkPool, fingerprint: Fingerprint, config: "Config", *,
+                    writes_shared: bool = True) -> "StorageManager":
+        return cls(pool, fingerprint, open_tiers(config, fingerprint, writes_shared=writes_shared), writes_shared=writes_shared)
 
     # -- reads -----------------------------------------------------------------------
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
@@ -210,8 +221,7 @@ class StorageManager:
         """Commit a promoted chunk, pin it for the caller, queue it for the tiers above ``level``."""
         self.pool.commit(key, header, slot)
         (entry,) = self.pool.acquire([key])  # None only if evicted in between: a miss
-        for writer in self.writers[:level]:
-            writer.submit(key)
+        self._queue(key, level)
         with self._counter_lock:
             self.promotions += entry is not None
         return entry
@@ -242,9 +252,14 @@ class StorageManager:
     def commit(self, key: ChunkKey, header: chunk_format.ChunkHeader, slot: int) -> PoolEntry:
         """Publish a written slot and queue the chunk for every lower tier (never blocks)."""
         entry = self.pool.commit(key, header, slot)
-        for writer in self.writers:
-            writer.submit(key)
+        self._queue(key, len(self.writers))
         return entry
+
+    def _queue(self, key: ChunkKey, level: int) -> None:
+        """Queue ``key`` for the lower tiers above ``level`` (none for a replica)."""
+        if self.writes_shared:
+            for writer in self.writers[:level]:
+                writer.submit(key)
 
     def abort(self, slots: Sequence[int]) -> None:
         self.pool.abort(slots)
@@ -286,8 +301,7 @@ class StorageManager:
         view = self.pool.slot_view(slots[0])[: header.payload_bytes]
         view.numpy()[:] = memoryview(payload)
         self.pool.commit(key, header, slots[0])
-        for writer in self.writers:
-            writer.submit(key)
+        self._queue(key, len(self.writers))
         return True
 
     # -- lifecycle and stats -----------------------------------------------------------

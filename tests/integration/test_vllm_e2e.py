@@ -8,11 +8,12 @@ chunk-aligned prefix it stored (read from the workers over the connector's looku
 - Llama: one KV-cache group.
 - Gemma-3-like: a sliding-window group and a full group (hybrid allocator kept on), long
   prompts prefilled over several steps (window blocks freed between steps).
-- DeepseekV2 MLA (576-wide latent, block 16): vLLM's CPU MLA computes a prefill over cached
+- DeepseekV2 MLA (576-wide latent, block 16), at TP=2: vLLM's CPU MLA computes a prefill over cached
   context differently from a one-pass prefill (its CPU platform turns chunked prefill and
   prefix caching off for MLA), so a restored prefix is checked where vLLM's own path is the
   same: the prompt is the prefix plus the first token vLLM generated, and the run must
-  continue exactly as the plain engine's decode did.
+  continue exactly as the plain engine's decode did. The latent is replicated over TP: one
+  rank writes it once, both read it (issue 25).
 """
 
 from __future__ import annotations
@@ -59,26 +60,39 @@ def test_shared_prefix_comes_from_kvconnect(kind, block_size, num_groups, tiny_m
     assert last["engine_stored_chunks"] == 9  # a's 8 whole chunks + b's 8th, stored once each
 
 
-def test_mla_prefix_restores_exactly(tiny_models, run_vllm, tmp_path):
-    rng = random.Random(1)
+def test_mla_kv_replicated_over_tp_is_written_once(tiny_models, run_vllm, tmp_path):
+    """The MLA model's prefix restores exactly, under TP=2 (two CPU workers). The latent is
+    the same on both ranks, so both key it without the rank, rank 0 alone writes the disk tier (one copy: 8 objects for the 8
+    whole chunks, where rank-keyed names wrote 16), and a fresh TP=2 engine restores the
+    prefix on BOTH ranks from that one copy (rank 1 reads what rank 0 wrote), outputs and
+    logprobs bit-identical to the plain TP=2 run (decode after the restored prefix: see the
+    module doc)."""
+    rng = random.Random(4)
     prefix = random_tokens(rng, 8 * CHUNK)
-    # vLLM picks AMX_MLA on CPUs with AMX (float32 weights refused, blocks of 32); the reference
-    # CPU_MLA backend, named, runs the same on every x86 CPU
-    opts = dict(block_size=16, chunk_size=CHUNK, max_tokens=MAX_TOKENS, attention_backend="CPU_MLA")
+    opts = dict(block_size=16, chunk_size=CHUNK, max_tokens=MAX_TOKENS, attention_backend="CPU_MLA",
+                tensor_parallel_size=2, logprobs=3)
     model = tiny_models("deepseek_v2")
+    disk = tmp_path / "disk"
 
-    plain = run_vllm(model, [[prefix]], **opts)
-    generated = plain["outputs"][0]
-    # Phase 2's prompt is the prefix plus vLLM's first generated token: with the prefix
-    # restored, vLLM computes that one token as a decode, exactly as the plain run did.
-    cached = run_vllm(model, [[prefix], [prefix + generated[:1]]], connector=f"ipc://{tmp_path}/kvc", **opts)
+    plain = run_vllm(model, [[prefix]], timeout_s=300, **opts)
+    generated, logprobs = plain["outputs"][0], plain["logprobs"][0]
+    stored = run_vllm(model, [[prefix]], connector=f"ipc://{tmp_path}/kvc1", local_disk=str(disk), timeout_s=300, **opts)
+    assert stored["outputs"][0] == generated and stored["logprobs"][0] == logprobs
+    (rank0, rank1), = stored["stats"]
+    # rank 0 stores every chunk; rank 1 keeps in its private pool what it did not find on disk yet
+    assert rank0["engine_stored_chunks"] == 8 and rank0["save_failures"] == rank1["save_failures"] == 0
+    files = sorted(disk.rglob("*.kvc"))
+    assert len({f.parent.parent for f in files}) == 1  # one fingerprint: no rank in the key
+    assert len(files) == 8 and len({f.stat().st_size for f in files}) == 1  # one copy of each chunk
 
-    assert all(cached["resets"])
-    assert cached["outputs"][0] == generated
-    assert cached["outputs"][1][: MAX_TOKENS - 1] == generated[1:]
-    assert [s["loaded_tokens"] for (s,) in cached["stats"]] == [0, 8 * CHUNK]
-    (last,) = cached["stats"][-1]
-    assert last["enabled"] == 1 and last["num_groups"] == 1 and last["load_failures"] == 0
+    resumed = run_vllm(model, [[prefix + generated[:1]]], connector=f"ipc://{tmp_path}/kvc2", local_disk=str(disk),
+                       timeout_s=300, **opts)
+    (rank0, rank1), = resumed["stats"]
+    assert rank0["loaded_tokens"] == rank1["loaded_tokens"] == 8 * CHUNK  # both ranks, from rank 0's files
+    assert rank0["load_failures"] == rank1["load_failures"] == 0
+    assert resumed["outputs"][0][: MAX_TOKENS - 1] == generated[1:]
+    assert resumed["logprobs"][0][: MAX_TOKENS - 1] == logprobs[1:]
+    assert sorted(disk.rglob("*.kvc")) == files  # nothing new written: the restore read the one copy
 
 
 def test_tensor_parallel_ranks_each_restore_their_heads(tiny_models, run_vllm, tmp_path):

@@ -143,7 +143,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                 model_name=self._config.model_name, tp_rank=ranks.tp_rank, tp_size=ranks.tp_size,
                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
             )
-            self._worker.register(translation)
+            # KV replicated over TP (MLA) is written once per copy: the other ranks read it
+            self._worker.register(translation, shared_writer=ranks.writes_shared(translation.tp_replicated))
             if self._events_on and ranks.worker_index == 0 and self._worker.engine is not None:
                 self._worker.engine.enable_events()
         except translate.UnsupportedLayoutError as exc:

@@ -14,7 +14,9 @@ timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong 
 Wire format: msgpack maps with a fixed schema, no extension types, sizes capped; no
 object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "tokens": bin,
 "ns": bin}`` (tokens little-endian int64; ``ns``, the request's namespace, only when not empty),
-``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear"}``; replies
+``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin}`` (``gen``: the new key
+generation, 16 random bytes the scheduler draws once for every worker, so ranks whose KV is
+replicated keep reading each other's chunks after a reset); replies
 ``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
 
 Addresses: ``ipc://`` paths (the default; the socket file is made owner-only) or
@@ -50,7 +52,7 @@ _POLL_MS = 100
 class LookupHandler(Protocol):
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int: ...
     def stats(self) -> dict[str, int]: ...
-    def clear(self) -> None: ...
+    def clear(self, generation: Optional[bytes] = None) -> None: ...
 
 
 def check_address(address: str) -> str:
@@ -158,7 +160,10 @@ class LookupServer:
             if op == "stats":
                 return {"id": rid, "ok": True, "stats": {str(k): int(v) for k, v in self._handler.stats().items()}}
             if op == "clear":
-                self._handler.clear()
+                generation = msg.get("gen")
+                if generation is not None and (not isinstance(generation, bytes) or not 1 <= len(generation) <= 64):
+                    raise ValueError("gen must be 1 to 64 bytes")
+                self._handler.clear(generation)
                 return {"id": rid, "ok": True}
             raise ValueError(f"unknown op {op!r}")
         except Exception as exc:
@@ -270,7 +275,8 @@ class LookupClient:
         return [r.get("stats") if r else None for r in self._ask({"op": "stats"})]
 
     def clear(self) -> bool:
-        return all(r is not None for r in self._ask({"op": "clear"}))
+        """Every worker moves to one new key generation (``KVCacheEngine.reset``)."""
+        return all(r is not None for r in self._ask({"op": "clear", "gen": os.urandom(16)}))
 
     def close(self) -> None:
         for sock in self._socks:

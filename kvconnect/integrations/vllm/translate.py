@@ -41,6 +41,12 @@ counts compressed blocks in rows and re-splits hybrid attention tensors into ker
 layer that only re-read bytes its other views cover (vLLM-Ascend A5's third indexer view) are
 stored once; a partial overlap is refused. Every refusal names the layer.
 
+Tensor parallelism. A layout whose every group has a spec in ``TP_REPLICATED_SPECS`` (MLA-like:
+the same cache on every TP rank) is ``Translation.tp_replicated``: its fingerprint carries the
+TP size but not the rank, so every rank computes the same keys, and only the rank that
+``ParallelRanks.writes_shared`` names writes the shared tiers (docs/vllm.md, "Replicated KV").
+Any other layout, a mix of replicated and sharded groups included, keeps the rank in its keys.
+
 The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
 the window): it becomes -1. Layers of one group that share a tensor are stored once.
 """
@@ -79,6 +85,10 @@ PAGE_PACKED_BACKENDS = frozenset({"CPU_ATTN"})
 
 _FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec", "AscendSFAIndexerCacheSpec"})
 _WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec", "AscendSlidingWindowMLASpec"})
+TP_REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec", "AscendMLAAttentionSpec",
+                                 "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec"})
+"""Specs whose cache is the same on every TP rank: MLA latents, DeepSeek V4's compressed and SWA
+latents and compressor states, the V3.2 / V4 indexer K (one head from replicated weights)."""
 
 
 class UnsupportedLayoutError(LayoutError):
@@ -234,6 +244,7 @@ class Translation:
     layer_names: tuple[str, ...]
     kernel_splits: tuple[int, ...] = ()  # per kvconnect group: kernel blocks per vLLM block (default 1)
     release: str = engine_tables.VLLM.name
+    tp_replicated: bool = False  # every group's cache is the same on every TP rank: keyed without the rank
 
     def split_of(self, group: int) -> int:
         return self.kernel_splits[group] if self.kernel_splits else 1
@@ -312,6 +323,7 @@ def translate_kv_caches(
     hints: dict[str, Optional[str]] = {}
     regions: dict[str, RowRegions] = {}
     seen: set[tuple] = set()
+    spec_names: set[str] = set()
     quant: set[str] = set()
     page_backends: set[str] = set()
     for vllm_group, group in enumerate(vllm_groups):
@@ -352,6 +364,7 @@ def translate_kv_caches(
                 sources.append(vllm_group)
                 splits.append(split)
             g = group_index[key]
+            spec_names.add(type(spec).__name__)
             values[layer] = value
             layer_groups[layer] = tuple([g] * len(value)) if isinstance(value, tuple) else g
             hints[layer] = hint
@@ -363,6 +376,9 @@ def translate_kv_caches(
     if not values:
         raise UnsupportedLayoutError("vLLM registered no transferable KV cache")
     layer_names = tuple(values)
+    # KV replicated over TP (every group MLA-like) is keyed without the rank: one object per
+    # chunk serves every rank. A layout mixing replicated and sharded groups keeps the rank.
+    tp_replicated = tp_size > 1 and spec_names <= TP_REPLICATED_SPECS
     ident = {
         "engine": "vllm",
         "pp": f"{pp_rank}/{pp_size}",
@@ -373,10 +389,11 @@ def translate_kv_caches(
     }
     layout = KVLayout.from_tensors(
         values, groups=group_specs, layer_groups=layer_groups, layout_hints=hints, model_name=model_name,
-        tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
+        tp_rank=0 if tp_replicated else tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
     )
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
-                       layer_names=layer_names, kernel_splits=tuple(splits), release=release.name)
+                       layer_names=layer_names, kernel_splits=tuple(splits), release=release.name,
+                       tp_replicated=tp_replicated)
 
 
 def _row_regions(spec: Any, views: Sequence[torch.Tensor], release: EngineRelease) -> Optional[RowRegions]:
@@ -427,6 +444,17 @@ class ParallelRanks:
     @property
     def worker_index(self) -> int:
         return self.pp_rank * self.tp_size + self.tp_rank
+
+    def writes_shared(self, tp_replicated: bool) -> bool:
+        """Whether this rank writes the shared places (lower tiers, the node server's pool).
+
+        Every rank does for rank-keyed KV. KV replicated over TP is written by one rank per
+        copy: with decode context parallelism each DCP rank's tokens are a copy of their own,
+        held by the TP ranks with that DCP rank (vLLM's DCP groups are consecutive TP ranks:
+        ``dcp_rank = tp_rank % dcp_size``), so the writers are the ranks whose TP rank equals
+        their DCP rank (tp_rank < dcp_size; as SGLang's ``is_storage_writer``).
+        """
+        return not tp_replicated or self.tp_rank == self.dcp.rank
 
 
 def parallel_ranks(vllm_config: Any, *, in_worker: bool) -> ParallelRanks:

@@ -79,13 +79,18 @@ class KVConnectWorker:
         self.summary = Periodic(config.log_interval_s, self._log_summary)
 
     # -- setup -------------------------------------------------------------------------
-    def register(self, translation: Translation) -> None:
+    def register(self, translation: Translation, *, shared_writer: bool = True) -> None:
         """Build the engine over vLLM's caches.
+
+        ``shared_writer``: whether this rank writes the shared tiers; False for the TP ranks
+        other than the writer of a replicated layout (``Translation.tp_replicated``,
+        ``ParallelRanks.writes_shared``): they read the writer's objects and keep their own
+        stores in their private pool (``KVCacheEngine(shared_writer=False)``).
 
         Raises LayoutError when the engine cannot serve the layout (e.g. a chunk size that is
         not a multiple of a page group's block size); the worker then stays off (0 hits).
         """
-        engine = KVCacheEngine(translation.layout, self.config)
+        engine = KVCacheEngine(translation.layout, self.config, shared_writer=shared_writer)
         reason = off_reason(engine, self.config)
         if reason is not None:
             engine.close()
@@ -98,8 +103,11 @@ class KVConnectWorker:
         self.translation, self.engine = translation, engine
         # vLLM frees window / state blocks of running requests between steps (see the module doc)
         self._blocks_leave_running = any(g.is_windowed for g in translation.layout.groups)
-        logger.info("%s; copy threads: %d store, %d load (%s)", registration_line(translation.layout, self.config, engine.pool,
-                    engine.storage), placement.store_threads, placement.load_threads, placement.reason)
+        replicated = ("; KV replicated over TP: keyed without the rank, " +
+                      ("this rank writes the shared tiers" if shared_writer else "read from the writer rank's shared copy")
+                      if translation.tp_replicated else "")
+        logger.info("%s; copy threads: %d store, %d load (%s)%s", registration_line(translation.layout, self.config, engine.pool,
+                    engine.storage), placement.store_threads, placement.load_threads, placement.reason, replicated)
         logger.debug("kvconnect: groups: %s", translation.layout.describe())
 
     # -- lookup channel handler (called from the server thread) --------------------------
@@ -116,13 +124,14 @@ class KVConnectWorker:
         out["num_groups"] = self.translation.layout.num_groups if self.engine is not None else 0
         return out
 
-    def clear(self) -> None:
+    def clear(self, generation: Optional[bytes] = None) -> None:
         """vLLM's reset_connector: never serve a chunk stored before now, from any tier
-        (``KVCacheEngine.reset``). Runs on the save thread after every save submitted so far,
-        so a save of KV computed before the reset lands under the old generation and is
-        never served after it. Called from the lookup channel's thread."""
+        (``KVCacheEngine.reset``), moving to ``generation`` (the one the scheduler sent every
+        rank). Runs on the save thread after every save submitted so far, so a save of KV
+        computed before the reset lands under the old generation and is never served after it.
+        Called from the lookup channel's thread."""
         if self.engine is not None:
-            self._executor.submit(self.engine.reset).result()
+            self._executor.submit(self.engine.reset, generation).result()
 
     # -- per step ----------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
