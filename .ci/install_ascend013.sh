@@ -32,7 +32,11 @@ PY="$VENV/bin/python"
 PIP="$PY -m pip"
 
 
-if ! [ -f "$VENV/.complete" ]; then
+usable() {  # a finished venv whose python still runs the release's modules
+    [ -f "$VENV/.complete" ] && TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PY" -c "import vllm, vllm_ascend.models.layer.attention" 2>/dev/null
+}
+
+if ! usable; then
     echo "install_ascend013: building $VENV (cold cache: ~4 min)"
     rm -rf "$VENV"
     mkdir -p "$CACHE"
