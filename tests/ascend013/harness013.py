@@ -172,11 +172,12 @@ def _vllm_config(ctx: dict, hf: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=2)
-def deepseek_v4(*, num_blocks_memory: int = 1024) -> Case:
+def deepseek_v4(*, num_blocks_memory: int = 1024, device: str = "A3") -> Case:
     """DeepSeek V4 as vLLM-Ascend 0.13.0rc3 registers it on A2/A3 (bf16 head 512, int8 indexer); built
     once per size (tests re-randomise its memory and take fresh allocators from ``Case.coordinator``)."""
     setup()
     import torch
+    import vllm_ascend.utils as ascend_utils
     from vllm.v1.core import kv_cache_utils
     from vllm_ascend.attention.dsa_v1 import AscendDSABackend
     from vllm_ascend.models.layer.attention.layer import DSAAttention
@@ -199,7 +200,11 @@ def deepseek_v4(*, num_blocks_memory: int = 1024) -> Case:
         kv_states=[], speculative_config=None,
     ).items():
         setattr(runner, key, value)
-    specs = runner.get_kv_cache_spec()
+    ascend_utils._ascend_device_type = getattr(ascend_utils.AscendDeviceType, device)
+    try:
+        specs = runner.get_kv_cache_spec()
+    finally:
+        ascend_utils._ascend_device_type = ascend_utils.AscendDeviceType.A3
     groups = kv_cache_utils.get_kv_cache_groups(vc, specs)
     per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
     config = kv_cache_utils.get_kv_cache_config_from_groups(vc, groups, per_block * num_blocks_memory)

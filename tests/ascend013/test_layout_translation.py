@@ -66,3 +66,12 @@ def test_the_0_23_row_refuses_these_tensors():
     case = h.deepseek_v4()
     with pytest.raises(translate.UnsupportedLayoutError, match="Compress4AttentionSpec is not supported|fewer than"):
         translate.translate_kv_caches(case.kv_cache_config, case.kv_caches, release=engine_tables.VLLM_ASCEND_0_23)
+
+
+def test_a5_specs_cannot_be_built_by_this_release():
+    """Why only A2/A3 is covered: on A5 the release's get_kv_cache_spec passes ``nope_dytpe`` (sic),
+    which Compress4AttentionSpec does not take. Should a later build fix it, this fails: add A5."""
+    import pytest
+
+    with pytest.raises(TypeError, match="nope_dytpe"):
+        h.deepseek_v4(device="A5")
