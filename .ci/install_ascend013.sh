@@ -32,8 +32,15 @@ PY="$VENV/bin/python"
 PIP="$PY -m pip"
 
 
-usable() {  # a finished venv whose python still runs the release's modules
-    [ -f "$VENV/.complete" ] && TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PY" -c "import vllm, vllm_ascend.models.layer.attention" 2>/dev/null
+usable() {  # a finished venv whose python still runs and holds the release (importing
+    # vllm_ascend here would load the real torch_npu, which needs CANN: the tests stand in for it)
+    [ -f "$VENV/.complete" ] && "$PY" - 2>/dev/null <<PYEOF
+import os, sys, sysconfig
+from importlib import metadata
+site = sysconfig.get_path("purelib")
+sys.exit(0 if metadata.version("vllm") == "$VLLM_VERSION" and metadata.version("vllm_ascend") == "$VLLM_ASCEND_VERSION"
+         and os.path.exists(os.path.join(site, "vllm_ascend/models/layer/attention/layer.py")) else 1)
+PYEOF
 }
 
 if ! usable; then
