@@ -254,6 +254,8 @@ def test_engine_release_table_by_version():
     assert engine_tables.ascend_release("0.23.0.post1") is engine_tables.VLLM_ASCEND_0_23
     assert engine_tables.ascend_release("0.22.1rc1") is engine_tables.VLLM_ASCEND_0_23
     assert engine_tables.ascend_release("0.24.0") is engine_tables.VLLM_ASCEND_MAIN
+    assert engine_tables.ascend_release("0.13.0rc3") is engine_tables.VLLM_ASCEND_0_13  # its DeepSeek V4 line
+    assert engine_tables.ascend_release("0.13.0") is engine_tables.VLLM_ASCEND_0_13
     assert engine_tables.release_of([AscendMLAAttentionSpec(16, 1, 576, torch.bfloat16)]) is engine_tables.VLLM  # look-alike
 
 
@@ -622,3 +624,49 @@ def test_translation_sets_the_rule_from_the_registered_tensors_device():
     caches = {"layers.0.compressor.state_cache": torch.zeros(6, 8, 1, 1024)}
     t = translate_kv_caches(config, caches)
     assert [g.window_free_every for g in t.layout.groups] == [128]
+
+
+# --- vLLM-Ascend 0.13 (releases/v0.13.0's DeepSeek V4) ----------------------------------------
+# SYNTHETIC look-alikes of vllm_ascend/core/kv_cache_spec.py's classes at 0.13.0rc3 (names and
+# the fields translate reads); the release's own code builds the real ones in tests/ascend013.
+@dataclass(frozen=True)
+class Compress4AttentionSpec:
+    block_size: int
+    num_kv_heads: int = 1
+    head_size: int = 512
+    dtype: torch.dtype = torch.bfloat16
+    compress_ratio: int = 4
+
+
+@dataclass(frozen=True)
+class Compress128AttentionSpec(Compress4AttentionSpec):
+    compress_ratio: int = 128
+
+
+def _v013_case(nb=256):
+    config = LegacyKVCacheConfig(nb, [KVCacheGroupSpec(["c4"], Compress4AttentionSpec(128)),
+                                      KVCacheGroupSpec(["c128"], Compress128AttentionSpec(128))])
+    caches = {"c4": (_filled((nb // 4, 128, 1, 512), torch.bfloat16, 1), _filled((nb // 4, 128, 1, 128), torch.int8, 2),
+                     _filled((nb // 4, 128, 1), torch.float16, 3)),
+              "c128": (_filled((nb // 128, 128, 1, 512), torch.bfloat16, 4),)}
+    return config, caches
+
+
+def test_v013_compressed_specs_have_per_group_pools():
+    config, caches = _v013_case()
+    t = translate_kv_caches(config, caches, release=engine_tables.VLLM_ASCEND_0_13)
+    assert t.layout.groups == (GroupSpec(block_size=512, compress_ratio=4), GroupSpec(block_size=16384, compress_ratio=128))
+    assert [p.row_bytes for p in t.layout.planes] == [1024, 128, 2, 1024]
+    with pytest.raises(UnsupportedLayoutError, match="Compress4AttentionSpec is not supported"):
+        translate_kv_caches(config, caches, release=engine_tables.VLLM_ASCEND_0_23)  # not 0.23's specs
+
+
+def test_v013_states_refusal_names_the_release_and_the_reason():
+    config, caches = _v013_case()
+    states = {"c4": (torch.zeros(6, 128, 512),), "c128": (torch.zeros(6, 128, 512),)}
+    text = translate.states_refusal(config, caches, states, release=engine_tables.VLLM_ASCEND_0_13)
+    assert "vllm-ascend 0.13" in text and "per request slot" in text and "stale" in text
+    assert "kv_states of 2 layers" in text and "2 block-addressed groups" in text
+    assert "Compress128AttentionSpec, Compress4AttentionSpec" in text
+    generic = translate.states_refusal(config, caches, states, release=engine_tables.VLLM_ASCEND_0_23)
+    assert "vllm-ascend-0.23 registered per-request state buffers" in generic and "do not translate" in generic

@@ -110,8 +110,9 @@ def test_v013_state_buffers_as_a_second_argument_turn_the_connector_off_without_
     """vLLM-Ascend releases/v0.13.0 (DeepSeek V4, #8648) calls ``register_kv_caches(kv_caches,
     kv_states)``: its sliding-window and compressor states are per-request buffers
     ``[(max_num_reqs + 1) * multiple, block_size, dim]`` indexed by state ids, not blocks. That
-    release does not run here (it needs vLLM 0.13), so ``kv_states`` below is a SYNTHETIC fixture
-    with its shapes for one C4 layer; the point is the call form: one WARNING, off, nothing raised."""
+    release runs in its own venv (tests/ascend013/test_connector.py, on its real ``kv_states``);
+    here ``kv_states`` is a SYNTHETIC fixture with its shapes for one C4 layer, on 0.23's caches:
+    any release handing kv_states over gets one WARNING, off, nothing raised."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 

@@ -123,16 +123,14 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
     # worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_states: Optional[dict] = None) -> None:
-        """``kv_states``: vLLM-Ascend releases/v0.13.0 passes DeepSeek V4's sliding-window and
-        compressor states as a second argument: per-request buffers no block table addresses,
-        so no chunk could restore them. The connector stays off there (one WARNING), never raises."""
+        """``kv_states``: vLLM-Ascend 0.13 (releases/v0.13.0) passes DeepSeek V4's sliding-window and
+        compressor states as a second argument: per-request-slot buffers no block table addresses,
+        so no chunk could restore them. The connector stays off there (one WARNING naming the
+        release and the reason, ``translate.states_refusal``), never raises."""
         assert self._worker is not None
         if kv_states:
-            logger.warning(
-                "kvconnect: off for this model: the engine registered per-request state buffers (kv_states of %d "
-                "layers: vLLM-Ascend releases/v0.13.0's DeepSeek V4 sliding-window and compressor states) that no "
-                "block table addresses; kvconnect cannot restore them (supported: vLLM-Ascend 0.23's DeepSeek V4 "
-                "layout, docs/vllm.md)", len(kv_states))
+            logger.warning("kvconnect: off for this model: %s",
+                           translate.states_refusal(self._kv_cache_config, kv_caches, kv_states))
             return
         ranks = self._ranks
         try:

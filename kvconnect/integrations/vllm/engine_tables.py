@@ -10,6 +10,17 @@ registered tensors against what the row says (a mismatch refuses the model clear
 | vLLM (CUDA / CPU, 0.23 - 0.32) | tokens; rows = ``storage_block_size`` (= tokens / ratio) | one vLLM block per tensor block |
 | vLLM-Ascend <= 0.23.x (0.23.0.post1) | rows (one block = rows x ratio tokens; ``CompressAttentionManager`` divides token counts by the ratio) | attention tensors re-split into kernel blocks of 128 tokens when block_size > 128 (vLLM block b = kernel blocks kb..kb+k-1) |
 | vLLM-Ascend main after its PR 13242 | tokens; rows = ``storage_block_size`` | as 0.23 |
+| vLLM-Ascend 0.13 (0.13.0rc3: releases/v0.13.0's DeepSeek V4 line, commit bbe9bc0d90) | rows, as 0.23; ``Compress4AttentionSpec`` / ``Compress128AttentionSpec`` are full compressed groups | as 0.23; DeepSeek V4 (``USE_MULTI_BLOCK_POOL=1``): each group has its own block pool of ``num_blocks // compress_ratio`` ids and tensors of that many blocks (``KVCacheCoordinatorWithMultiPool``) |
+
+vLLM-Ascend 0.13's DeepSeek V4 registers more than blocks: ``register_kv_caches(kv_caches, kv_states)``
+hands over the sliding-window and compressor states as buffers indexed by the request's state
+slot (``KVStateManager``), which no block id addresses. The release itself turns prefix caching
+off for the model (``NPUPlatform.check_and_update_config``: ``enable_prefix_caching = False``)
+and its compressed groups' ``find_longest_cache_hit`` returns nothing; its own P/D connector
+(``mooncake_state_connector``) copies whole state slots prefill -> decode. A kvconnect restore
+at a chunk boundary would leave those states stale, so ``EngineRelease.states_refusal`` names
+why hits are refused on this release (the connector stays off; the block-addressed caches
+translate and round-trip byte-exact, tests/ascend013).
 
 In-block layouts (``EngineRelease.split_rows``): caches whose blocks keep each row's fields in separate
 regions, as the engines' cache-write kernels lay them out. vLLM registers them as rows of
@@ -80,6 +91,9 @@ class EngineRelease:
     audit_required: tuple = ()  # (attr, value) pairs: packed caches of such specs must be in split_rows
     window_free: tuple = ()  # WindowFree rules: caches whose restore window is 0 at multiples of N tokens
     recurrent_refusal: Optional[str] = None  # why MambaSpec groups are refused on this release (None: not refused here)
+    compressed_full_specs: frozenset = frozenset()  # release-own spec classes restored as full compressed groups
+    pool_per_group: bool = False  # groups draw ids from their own pools of num_blocks // compress_ratio blocks
+    states_refusal: Optional[str] = None  # why hits are refused when the release registers kv_states
 
     def __post_init__(self) -> None:
         if self.compressed_block_unit not in ("rows", "tokens"):
@@ -93,6 +107,10 @@ class EngineRelease:
         if block_size % kernel:
             return 0  # the runner cannot split it either; translate refuses
         return block_size // kernel
+
+    def group_blocks(self, num_blocks: int, compress_ratio: int) -> int:
+        """Blocks a group's registered tensors hold (the ids its block table may carry)."""
+        return num_blocks // compress_ratio if self.pool_per_group else num_blocks
 
     def row_regions(self, spec: Any, dtype: str, row_bytes: int) -> Optional[RowRegions]:
         """The regions of a cache whose blocks this release writes split (None: rows are whole)."""
@@ -201,18 +219,34 @@ VLLM = EngineRelease("vllm", compressed_block_unit="tokens",
                      split_rows=(FP8_DS_MLA_V4, FP8_DS_MLA_V41, DSA_INDEXER_K, DSA_INDEXER_K_MXFP4),
                      audit_required=(("model_version", "deepseek_v4"),), window_free=(DSV4_C128_STATE_FREE,))
 _ASCEND_RECURRENT = (
-    "vLLM-Ascend {release} does not hand connectors the states it keeps (vLLM 0.23 has no "
+    "vLLM-Ascend {release} does not hand connectors the states it keeps (its vLLM has no "
     "kv_connector_block_state / boundary_state_offloads) and stores each MambaSpec layer as one contiguous tensor "
     "per state (state-major); that a block holds the state after exactly a restore point was not verified on this "
     "release, so kvconnect refuses Gated DeltaNet / Mamba models here (docs/recurrent.md)")
 VLLM_ASCEND_0_23 = EngineRelease("vllm-ascend-0.23", compressed_block_unit="rows", hybrid_kernel_block_tokens=128,
                                  kernel_split_specs=_ASCEND_ATTENTION_SPECS,
                                  recurrent_refusal=_ASCEND_RECURRENT.format(release="0.23 (0.23.0.post1)"))
+# vLLM-Ascend 0.13.0rc3 (releases/v0.13.0, DeepSeek V4 commit bbe9bc0d90): model_runner_v1's
+# _allocate_kv_cache_tensors / _reshape_kv_cache_tensors give a C4 layer (c4_kv [NB/4, bs, 1, 512],
+# indexer_k int8 [NB/4, bs, 1, 128], indexer_scale fp16 [NB/4, bs, 1]) and a C128 layer
+# (kv [NB/128, bs, 1, 512],); CompressAttentionManager divides token counts by the ratio (bs rows
+# a block); BlockTable.compute_slot_mapping on compressed positions (get_compressed_pos_and_indices)
+# addresses row = block_id * bs + compressed position % bs.
+VLLM_ASCEND_0_13 = EngineRelease(
+    "vllm-ascend-0.13", compressed_block_unit="rows", hybrid_kernel_block_tokens=128,
+    kernel_split_specs=_ASCEND_ATTENTION_SPECS,
+    compressed_full_specs=frozenset({"Compress4AttentionSpec", "Compress128AttentionSpec"}),
+    pool_per_group=True,
+    recurrent_refusal=_ASCEND_RECURRENT.format(release="0.13 (0.13.0rc3)"),
+    states_refusal=(
+        "vllm-ascend 0.13 keeps DeepSeek V4's SWA/compressor states per request slot (kv_states), not per "
+        "block; a restore would leave them stale (the release itself turns prefix caching off for this model). "
+        "Supported: vLLM-Ascend 0.23's DeepSeek V4 layout (docs/migrating.md)"))
 VLLM_ASCEND_MAIN = EngineRelease("vllm-ascend-main", compressed_block_unit="tokens", hybrid_kernel_block_tokens=128,
                                  kernel_split_specs=_ASCEND_ATTENTION_SPECS,
                                  recurrent_refusal=_ASCEND_RECURRENT.format(release="main (after 0.23)"))
 
-RELEASES = {r.name: r for r in (VLLM, VLLM_ASCEND_0_23, VLLM_ASCEND_MAIN)}
+RELEASES = {r.name: r for r in (VLLM, VLLM_ASCEND_0_13, VLLM_ASCEND_0_23, VLLM_ASCEND_MAIN)}
 
 # vLLM-Ascend versions up to and including this one count compressed blocks in rows.
 _ASCEND_ROWS_UNTIL = (0, 23)
@@ -225,6 +259,8 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 def ascend_release(version: Optional[str]) -> EngineRelease:
     """The table row of an installed vLLM-Ascend version (unknown: the newest semantics)."""
+    if version and _version_tuple(version) == (0, 13):
+        return VLLM_ASCEND_0_13
     if version and _version_tuple(version) <= _ASCEND_ROWS_UNTIL:
         return VLLM_ASCEND_0_23
     return VLLM_ASCEND_MAIN

@@ -15,6 +15,7 @@ token rows); a kvconnect group reads the block ids of the vLLM group it came fro
 |---------------------------------------------------------|---------------------|
 | FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
 | SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a bench-proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU) |
+| Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
 | UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
 | anything else (MambaSpec, chunked local, cross attention, ...) | ``UnsupportedLayoutError``: the connector stays off |
 
@@ -149,7 +150,7 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
         return GroupSpec(block_size=tokens, compress_ratio=ratio,
                          sliding_window=window, restore_window=max(1, window - 1),
                          window_free_every=release.window_free_every(spec, device_type))
-    if name in _FULL_SPECS:
+    if name in _FULL_SPECS or name in release.compressed_full_specs:
         # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
         # keeps blocks for every token, so it is restored as a full group.
         return GroupSpec(block_size=tokens, compress_ratio=ratio)
@@ -351,7 +352,7 @@ def translate_kv_caches(
                     value, hint, is_page = kv_caches[layer], "page", True
                 else:
                     value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
-                _check_blocks(value, num_blocks * split, split)
+                _check_blocks(value, release.group_blocks(num_blocks, gspec.compress_ratio) * split, split)
                 for tensor in value if isinstance(value, tuple) else (value,):  # shape errors name the layer
                     views, _ = split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
                 layer_regions = None if is_page or isinstance(value, tuple) else _row_regions(spec, views, release)
@@ -394,6 +395,27 @@ def translate_kv_caches(
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
                        layer_names=layer_names, kernel_splits=tuple(splits), release=release.name,
                        tp_replicated=tp_replicated)
+
+
+def states_refusal(kv_cache_config: Any, kv_caches: Mapping[str, Any], kv_states: Mapping[str, Any],
+                   release: Optional[EngineRelease] = None) -> str:
+    """Why a cache registered with per-request ``kv_states`` gets no hit: the release's reason
+    (``EngineRelease.states_refusal``) and what its block-addressed caches translate to."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    specs = [_layer_spec(g.kv_cache_spec, layer) for g in groups for layer in g.layer_names[:1]]
+    if release is None:
+        release = engine_tables.release_of(specs)
+    names = ", ".join(sorted({type(s).__name__ for s in specs})) or "none"
+    try:
+        translation = translate_kv_caches(kv_cache_config, kv_caches, release=release)
+        blocks = (f"its {len(groups)} block-addressed groups ({names}) translate to "
+                  f"{len(translation.layout.groups)} kvconnect groups")
+    except LayoutError as exc:
+        blocks = f"its block-addressed groups ({names}) do not translate either: {exc}"
+    reason = release.states_refusal or (
+        f"{release.name} registered per-request state buffers (kv_states) that no block id addresses; "
+        "a restore would leave them stale")
+    return f"{reason}; kv_states of {len(kv_states)} layers; {blocks}"
 
 
 def _row_regions(spec: Any, views: Sequence[torch.Tensor], release: EngineRelease) -> Optional[RowRegions]:
