@@ -18,8 +18,8 @@ Engine runs, one process each, every request alone (greedy, logprobs on):
   ``a`` resumes at 768, ``b`` (branches from ``a`` after 800 tokens) at 768, ``d`` at 384 (the
   decode's 768 was never proven, so never stored) -- outputs and logprobs bit-identical;
 - ``rand``: the same resume of ``a`` with the restored state blocks overwritten by random
-  states right after the load: the outputs must differ (the hit tests would catch a wrong
-  snapshot).
+  states right after the load: the logprobs must differ (the hit tests would catch a wrong
+  snapshot; this random model's greedy tokens may stay the same).
 """
 
 from __future__ import annotations
@@ -199,8 +199,10 @@ def test_a_randomised_restored_state_changes_the_outputs(runs):
     (loads,) = rand["loads"]
     assert loads == [{"hit": 768, "loaded": 768, "randomized": 3}]  # every state group's block at 768
     a = NAMES.index("a")
-    assert rand["outputs"][0] != plain["outputs"][a]
-    assert rand["logprobs"][0] != plain["logprobs"][a]
+    # the tiny random model's greedy tokens may survive a wrong state; its logprobs do not: the
+    # first one already comes from the forward that continues from the restored state
+    assert rand["logprobs"][0][0] != plain["logprobs"][a][0]
+    assert not _same(rand, 0, plain, a)
 
 
 def test_kvconnect_refuses_vllm_without_prefix_caching(runs):
