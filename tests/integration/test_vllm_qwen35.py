@@ -208,6 +208,7 @@ def test_a_randomised_restored_state_changes_the_outputs(runs):
 def test_kvconnect_refuses_vllm_without_prefix_caching(runs):
     off, plain = runs["off"], runs["plain"]
     assert off["config"]["mamba_cache_mode"] == "none"
+    assert all(_same(off, i, plain, i) for i in range(len(NAMES)))  # vLLM runs unharmed
     assert off["cached_tokens"] == [0] * (len(NAMES) + 1)
     (stats,) = off["stats"][-1]
     assert stats["enabled"] == 0
