@@ -35,3 +35,7 @@ class CorruptChunkError(KVConnectError, ValueError):
 
 class StorageError(KVConnectError, RuntimeError):
     """A storage tier failed; callers turn this into a miss, never into a crash."""
+
+
+class UnsupportedLayoutError(LayoutError):
+    """An engine's cache holds a group kvconnect cannot restore exactly; the adapter must stay off."""

@@ -49,8 +49,11 @@ class SlidingWindowSpec:
 
 
 @dataclass(frozen=True)
-class MambaSpec:
+class MambaSpec:  # vLLM 0.32's fields that translate reads (tests/test_vllm_recurrent.py covers the STATE groups)
     block_size: int
+    shapes: tuple = ((3, 512), (4, 64, 64))
+    dtypes: tuple = (torch.bfloat16, torch.float32)
+    mamba_cache_mode: str = "none"
 
 
 @dataclass(frozen=True)
@@ -144,11 +147,11 @@ def test_unsupported_specs_keep_the_connector_off(spec):
         group_spec_of(spec)
 
 
-def test_a_mamba_group_turns_the_whole_model_off():
+def test_a_mamba_group_without_prefix_caching_turns_the_whole_model_off():
     attn = FullAttentionSpec(16, 2, 64, torch.float32)
     config = KVCacheConfig(NB, [KVCacheGroupSpec(["a"], attn), KVCacheGroupSpec(["m"], MambaSpec(16))])
     caches = {"a": torch.zeros(NB, 16, 2, 64).permute(0, 2, 1, 3), "m": torch.zeros(1024, dtype=torch.int8)}
-    with pytest.raises(UnsupportedLayoutError):
+    with pytest.raises(UnsupportedLayoutError, match="mamba_cache_mode 'none'"):
         translate_kv_caches(config, caches)
 
 

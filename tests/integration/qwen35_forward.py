@@ -9,19 +9,87 @@ Requests run one at a time (batching changes logprobs), greedily, with the chose
 logprob; with ``--reset-between-phases true`` vLLM's own prefix cache is emptied before
 every phase but the first. Writes ``{"outputs": [[ids]], "logprobs": [[float]],
 "cached_tokens": [vLLM's own prefix hit per request], "stats": [kvconnect worker stats per
-phase], "resets": [bool], "config": {...}, "seconds": {...}}``.
+phase], "resets": [bool], "loads": [[{"hit", "loaded", "randomized"}] per request],
+"config": {...}, "seconds": {...}}``.
+
+With kvconnect, ``--local-disk DIR`` adds the disk tier (flushed before the process ends, so a
+later process reads it) and ``--randomize-state true`` overwrites, right after each restore, the
+state blocks kvconnect just wrote (the rows of the restore point, every state group) with random
+bytes: the negative control of the hit tests (a wrong snapshot must change the outputs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
 
 def _bool(s: str) -> bool:
     return s.lower() in ("1", "true", "yes")
+
+
+class _LoadRecorder:
+    """Wraps the kvconnect worker's per-request restore (this test process only): records each
+    load's hit and loaded tokens and, when asked, randomises the state blocks it restored."""
+
+    def __init__(self, randomize: bool, seed: int = 1234) -> None:
+        self.randomize, self.seed = randomize, seed
+        self.loads: list[dict] = []
+        self.kv_caches: dict = {}
+        self.state_groups: dict[int, tuple[int, list[str]]] = {}  # vLLM group -> (block size, layers)
+
+    def install(self) -> None:
+        from kvconnect.integrations.vllm.connector import KVConnectConnector
+        from kvconnect.integrations.vllm.worker import KVConnectWorker
+
+        recorder = self
+        register, load_one = KVConnectConnector.register_kv_caches, KVConnectWorker._load_one
+
+        def register_kv_caches(connector, kv_caches, *args):
+            recorder.kv_caches = dict(kv_caches)
+            for g, group in enumerate(connector._kv_cache_config.kv_cache_groups):
+                if type(group.kv_cache_spec).__name__ == "MambaSpec":
+                    spec = group.kv_cache_spec
+                    recorder.state_groups[g] = (int(spec.block_size), list(group.layer_names), spec)
+            return register(connector, kv_caches, *args)
+
+        def _load_one(worker, job):
+            landed = load_one(worker, job)
+            recorder.loads.append({"hit": int(job.end_tokens), "loaded": int(landed - job.present_tokens),
+                                   "randomized": recorder._randomize(job.block_ids, int(landed))})
+            return landed
+
+        KVConnectConnector.register_kv_caches = register_kv_caches
+        KVConnectWorker._load_one = _load_one
+
+    def _randomize(self, block_ids, landed: int) -> int:
+        """Overwrite the state blocks of the restore point ``landed`` (block-table row landed / B - 1
+        of every state group) with plausible random states: each state of the spec (conv, recurrent)
+        as normal values of its dtype, at its offset in the page, so the forward runs on finite
+        numbers; how many blocks were overwritten."""
+        import torch
+
+        if not self.randomize or landed <= 0:
+            return 0
+        gen = torch.Generator().manual_seed(self.seed + landed)
+        done = 0
+        for g, (block_tokens, layers, spec) in sorted(self.state_groups.items()):
+            row = landed // block_tokens - 1
+            if landed % block_tokens or row < 0 or row >= len(block_ids[g]) or block_ids[g][row] == 0:
+                continue
+            for layer in layers:
+                page = self.kv_caches[layer][block_ids[g][row]].reshape(-1)  # int8 bytes of one state page
+                at = 0
+                for shape, dtype in zip(spec.shapes, spec.dtypes):
+                    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    values = torch.randn(math.prod(shape), generator=gen).to(dtype)
+                    page[at:at + n].copy_(values.view(torch.int8))
+                    at += n
+                done += 1
+        return done
 
 
 def main() -> None:
@@ -39,7 +107,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--chunk-size", type=int, default=64, help="kvconnect's chunk size")
+    parser.add_argument("--chunk-size", type=int, default=128, help="kvconnect's chunk size")
+    parser.add_argument("--local-disk", default=None, help="kvconnect's disk tier directory")
+    parser.add_argument("--save-decode-cache", type=_bool, default=False, help="kvconnect: store generated tokens' chunks")
+    parser.add_argument("--randomize-state", type=_bool, default=False,
+                        help="kvconnect: randomise the restored state blocks after each load (negative control)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -50,12 +122,17 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     kwargs = {}
+    recorder = _LoadRecorder(args.randomize_state)
     if args.connector == "kvconnect":
+        recorder.install()
+        extra = {"lookup_url": args.lookup_url, "chunk_size": args.chunk_size, "max_local_cpu_size": 0.25,
+                 "lookup_timeout_s": 10.0, "save_decode_cache": args.save_decode_cache}
+        if args.local_disk:
+            extra.update(local_disk=args.local_disk, max_local_disk_size=0.25)
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVConnectConnector", kv_role="kv_both",
             kv_connector_module_path="kvconnect.integrations.vllm", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"lookup_url": args.lookup_url, "chunk_size": args.chunk_size,
-                                       "max_local_cpu_size": 0.25, "lookup_timeout_s": 10.0})
+            kv_connector_extra_config=extra)
     elif args.connector == "recorder":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="RecordingConnector", kv_role="kv_both", kv_connector_module_path="qwen35_recorder",
@@ -80,23 +157,37 @@ def main() -> None:
         from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
 
         client = LookupClient([rank_address(args.lookup_url, 0)], timeout_s=10.0)
-    outputs, logprobs, cached, stats, resets = [], [], [], [], []
+    outputs, logprobs, cached, stats, resets, loads = [], [], [], [], [], []
     for i, prompts in enumerate(phases):
         if i and args.reset_between_phases:
             resets.append(bool(llm.reset_prefix_cache()))
         for prompt in prompts:  # one request at a time: bit-deterministic
+            before = len(recorder.loads)
             (r,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             out = r.outputs[0]
             outputs.append(list(out.token_ids))
             logprobs.append([step[tok].logprob for tok, step in zip(out.token_ids, out.logprobs)])
             cached.append(r.num_cached_tokens)
+            loads.append(recorder.loads[before:])
         if client is not None:
             stats.append(client.stats())
     if client is not None:
         client.close()
+    extra_out = {}
+    if args.connector == "kvconnect":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        import kvconnect
+
+        worker = get_kv_transfer_group()._worker
+        worker.drain()
+        if worker.engine is not None:  # lower tiers are written behind: a later process reads them
+            extra_out["flushed"] = worker.engine.storage.flush(timeout_s=60.0)
+            extra_out["fingerprint"] = worker.engine.layout.fingerprint.hex()
+        extra_out["kvconnect"] = kvconnect.__file__  # the tree under test
     with open(args.out, "w") as f:
         json.dump({"outputs": outputs, "logprobs": logprobs, "cached_tokens": cached, "stats": stats,
-                   "resets": resets, "config": config,
+                   "resets": resets, "loads": loads, "config": config, **extra_out,
                    "seconds": {"start": started - start, "generate": time.monotonic() - started}}, f)
     del llm
 

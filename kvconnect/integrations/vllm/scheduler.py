@@ -61,8 +61,11 @@ class _Tracked:
 class KVConnectScheduler:
     def __init__(self, hits: HitSource, *, chunk_tokens: int, save_unfull_chunk: bool = False,
                  save_decode_cache: bool = False, min_load_tokens: int = 0, log_interval_s: float = 0.0,
-                 role: RolePolicy = BOTH, tail_align_tokens: int = 1) -> None:
+                 role: RolePolicy = BOTH, tail_align_tokens: int = 1, exact_resume: bool = False) -> None:
         self.hits = hits
+        # recurrent-state layouts (recurrent.py): a restore point P is the state after exactly P tokens, so
+        # vLLM must resume at P itself; the lookup covers prompt[:-1], leaving the last token to compute
+        self.exact_resume = exact_resume
         # P/D tails end on a multiple of this (vLLM's block size): a restore of a paged layout resumes
         # only on a block edge, and the decode side then computes at most one block of the prompt
         self.tail_align_tokens = max(1, tail_align_tokens)
@@ -100,7 +103,10 @@ class KVConnectScheduler:
             return 0, False
         start = time.perf_counter()
         # a P/D producer's last chunk ends where it stored the prompt (tail_end), not at its end
-        boundary = self.hits.lookup(prompt[:remote_prefill_tokens] if remote_prefill else prompt, req.namespace)
+        asked = prompt[:remote_prefill_tokens] if remote_prefill else prompt
+        if self.exact_resume:
+            asked = asked[: req.num_tokens - 1]
+        boundary = self.hits.lookup(asked, req.namespace)
         self.lookup_stats["lookup_us"] += int((time.perf_counter() - start) * 1e6)
         # vLLM must compute at least one token itself to produce logits.
         end = min(boundary, req.num_tokens - 1, len(prompt))

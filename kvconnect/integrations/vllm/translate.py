@@ -17,7 +17,8 @@ token rows); a kvconnect group reads the block ids of the vLLM group it came fro
 | SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a bench-proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU) |
 | Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
 | UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
-| anything else (MambaSpec, chunked local, cross attention, ...) | ``UnsupportedLayoutError``: the connector stays off |
+| MambaSpec (Gated DeltaNet, Mamba), ``mamba_cache_mode`` "align" | STATE group of the spec's block size: one state page per block, its snapshot at a restore point P is row P / B - 1 (``recurrent``); other modes refused |
+| anything else (chunked local, cross attention, ...)     | ``UnsupportedLayoutError``: the connector stays off |
 
 Tensors (one value per layer).
 
@@ -65,13 +66,13 @@ import msgpack
 import numpy as np
 import torch
 
-from kvconnect.errors import BlockTableError, LayoutError
+from kvconnect.errors import BlockTableError, LayoutError, UnsupportedLayoutError
 from kvconnect.keys import MAX_NAMESPACE_BYTES
 from kvconnect.layout import KVLayout
 from kvconnect.layout_detect import split_planes
 from kvconnect.spec import DCPSpec, GroupSpec, RowRegions
 
-from . import engine_tables
+from . import engine_tables, recurrent
 from .engine_tables import EngineRelease
 from .metadata import BlockIds, RequestView, freeze_block_ids
 from kvconnect.views import distinct_view_indices
@@ -90,10 +91,6 @@ TP_REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec", "As
                                  "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec"})
 """Specs whose cache is the same on every TP rank: MLA latents, DeepSeek V4's compressed and SWA
 latents and compressor states, the V3.2 / V4 indexer K (one head from replicated weights)."""
-
-
-class UnsupportedLayoutError(LayoutError):
-    """vLLM's cache holds a group kvconnect cannot restore exactly; the connector must stay off."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,6 +133,8 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
     (None: no rule).
     """
     name = type(spec).__name__
+    if recurrent.is_state_spec(spec):
+        return recurrent.state_group_spec(spec)
     if getattr(spec, "sfa_dcp_replicated_indexer_size", 1) > 1:
         raise UnsupportedLayoutError(
             f"{name}: the indexer cache is replicated over {spec.sfa_dcp_replicated_indexer_size} decode-context "
@@ -155,7 +154,7 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
         # keeps blocks for every token, so it is restored as a full group.
         return GroupSpec(block_size=tokens, compress_ratio=ratio)
     raise UnsupportedLayoutError(
-        f"vLLM cache spec {name} is not supported (recurrent state, chunked local, cross attention and "
+        f"vLLM cache spec {name} is not supported (chunked local, cross attention and "
         f"unknown specs cannot be restored exactly); kvconnect stays off for this model"
     )
 
@@ -203,6 +202,9 @@ def _distinct_views(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]
 
 def _planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], logical_views: bool):
     """(value for KVLayout, layout hint or None, is_page) of one layer."""
+    if recurrent.is_state_spec(spec):  # one state page per block (conv state, then recurrent state)
+        recurrent.check_state_tensor(spec, value)
+        return value, "page", True
     if isinstance(value, (tuple, list)):
         return _distinct_views(value), None, False
     if not isinstance(value, torch.Tensor):
@@ -289,6 +291,7 @@ def translate_kv_caches(
     identity: Optional[Mapping[str, str]] = None,
     release: Optional[EngineRelease] = None,
     tiled_layers: Sequence[str] = (),
+    conv_state_layout: Optional[str] = None,
 ) -> Translation:
     """Build the kvconnect layout of vLLM's registered caches.
 
@@ -300,6 +303,8 @@ def translate_kv_caches(
         detected from the spec classes and the platform.
     tiled_layers: layers whose cache module reports a tiled in-block layout (``tiled_layers``):
         a row's bytes are scattered over its block, so each block is stored as one opaque page.
+    conv_state_layout: vLLM's conv-state layout ("SD" / "DS", ``recurrent.conv_state_layout()``),
+        required when a group is a recurrent state (MambaSpec); part of the fingerprint.
 
     Raises UnsupportedLayoutError for caches that cannot be restored exactly, LayoutError
     for shapes that do not fit their spec; nothing is registered in either case.
@@ -327,6 +332,7 @@ def translate_kv_caches(
     spec_names: set[str] = set()
     quant: set[str] = set()
     page_backends: set[str] = set()
+    states: set[str] = set()
     for vllm_group, group in enumerate(vllm_groups):
         if vllm_group not in transferable:
             continue
@@ -371,8 +377,11 @@ def translate_kv_caches(
             hints[layer] = hint
             if layer_regions is not None:
                 regions[layer] = layer_regions
-            quant.add(f"{getattr(spec, 'cache_dtype_str', None)}:{getattr(spec, 'kv_quant_mode', None)}")
-            if is_page:
+            if recurrent.is_state_spec(spec):
+                states.add(recurrent.state_identity(spec, conv_state_layout))
+            else:
+                quant.add(f"{getattr(spec, 'cache_dtype_str', None)}:{getattr(spec, 'kv_quant_mode', None)}")
+            if is_page and not recurrent.is_state_spec(spec):
                 page_backends.add("tiled" if layer in tiled_layers else str(backend))
     if not values:
         raise UnsupportedLayoutError("vLLM registered no transferable KV cache")
@@ -386,6 +395,7 @@ def translate_kv_caches(
         "layers": blake3.blake3("\n".join(layer_names).encode()).hexdigest(length=16),
         "quant": ",".join(sorted(quant)),
         "page_backends": ",".join(sorted(page_backends)),
+        **({"states": ",".join(sorted(states))} if states else {}),
         **(identity or {}),
     }
     layout = KVLayout.from_tensors(
