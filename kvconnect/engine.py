@@ -27,7 +27,6 @@ masked tokens are never written.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from .events import ChunkEventLog
 from .chunk_format import ChunkHeader
 from .config import Config
 from .errors import CorruptChunkError, LayoutError, TokenError
-from .keys import ChunkKeyer, Namespace, Tokens, tokens_as_int64
+from .keys import ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
 from .layout import KVLayout
 from .parts import PartLayout, restore_points, window_chunks, window_key
 from .plan import (
@@ -183,14 +182,15 @@ class KVCacheEngine:
         a lookup racing the call may offer a hit the retrieve then misses (reported short).
         Adapters order it after their pending saves (the vLLM worker does).
 
-        ``generation``: the new generation's bytes (default: 16 random bytes). Engines whose
-        KV is replicated (TP ranks of an MLA model, ``shared_writer``) must move to the same
-        one to keep reading the writer's chunks: the vLLM scheduler sends one to every rank.
+        ``generation``: the new generation (``GENERATION_BYTES`` bytes), when the caller chose
+        it (the vLLM scheduler does, so that every TP rank moves to the same one and a P/D
+        decode server can be told it; TP ranks whose KV is replicated, ``shared_writer``, keep
+        reading the writer's chunks); a fresh random one by default.
         """
-        if generation is not None and not generation:
-            raise ValueError("a reset generation must not be empty (that is the generation before any reset)")
-        self.keyer = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size,
-                                generation=os.urandom(16) if generation is None else bytes(generation))
+        generation = new_generation() if generation is None else generation_bytes(generation)
+        if not generation:
+            raise TokenError("a reset needs a new, non-empty key generation")
+        self.keyer = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=generation)
         if self.events is not None:
             self.events.cleared()
         if isinstance(self.pool, ChunkPool):  # private to this engine; a shared pool keeps other engines' hits
@@ -198,13 +198,23 @@ class KVCacheEngine:
         logger.info("kvconnect: reset: chunks stored before now are no longer served by this engine")
 
     # -- keys ------------------------------------------------------------------------
-    def chunks(self, tokens: Tokens, *, include_partial: bool, namespace: Namespace = None) -> list[Chunk]:
+    def chunks(self, tokens: Tokens, *, include_partial: bool, namespace: Namespace = None,
+               generation: Optional[bytes] = None) -> list[Chunk]:
         """The chunks of a token sequence with their keys."""
-        return self._chunks(tokens_as_int64(tokens), include_partial, namespace)
+        return self._chunks(tokens_as_int64(tokens), include_partial, namespace, generation)
 
-    def _chunks(self, tok: np.ndarray, include_partial: bool, namespace: Namespace) -> list[Chunk]:
+    def _keyer_of(self, generation: Optional[bytes]) -> ChunkKeyer:
+        """The keyer of ``generation`` (None: this engine's own). Another engine's generation is
+        read, never adopted: a P/D decode server loads under its producer's (vLLM adapter)."""
+        keyer = self.keyer
+        if generation is None or bytes(generation) == keyer.generation:
+            return keyer
+        return ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=generation_bytes(generation))
+
+    def _chunks(self, tok: np.ndarray, include_partial: bool, namespace: Namespace,
+                generation: Optional[bytes] = None) -> list[Chunk]:
         bounds = chunk_bounds(len(tok), self.config.chunk_size, include_partial)
-        keys = self.keyer.keys(tok, bounds, namespace)
+        keys = self._keyer_of(generation).keys(tok, bounds, namespace)
         return [Chunk(i, s, e, k) for i, ((s, e), k) in enumerate(zip(bounds, keys))]
 
     def _masked_prefix(self, mask, num_tokens: int, *, chunk_aligned: bool = True) -> int:
@@ -221,13 +231,15 @@ class KVCacheEngine:
         return skip
 
     # -- store -----------------------------------------------------------------------
-    def store(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None) -> int:
+    def store(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None,
+              generation: Optional[bytes] = None) -> int:
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
         With window groups (parts.py), their rows are stored only at the restore points of
         this store: its end, where it leaves an already stored prefix, and every
-        ``restore_interval_tokens``.
+        ``restore_interval_tokens``. ``generation``: the key generation to store under (None:
+        this engine's; keys.py).
         """
         start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
@@ -237,7 +249,7 @@ class KVCacheEngine:
             with self._stats_lock:  # a replica with no pool of its own to keep: the writer's store lands for it
                 self.stats.replica_stores_left += 1
             return 0
-        every = self._chunks(tok, self.config.save_unfull_chunk, namespace)
+        every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation)
         chunks = [c for c in every if c.start >= skip]
         if not self.parts.split:
             return self._store_chunks(chunks, tables, start_s, (tok, every))
@@ -365,15 +377,16 @@ class KVCacheEngine:
                 self.stats.window_pieces_evicted += 1
 
     # -- lookup ----------------------------------------------------------------------
-    def lookup(self, tokens: Tokens, *, namespace: Namespace = None) -> int:
+    def lookup(self, tokens: Tokens, *, namespace: Namespace = None, generation: Optional[bytes] = None) -> int:
         """Tokens restorable from token 0: the largest chunk end at which every group can resume
         (with window groups: the largest restore point whose prefix and window parts are present).
 
         The pool's objects of the hit become its most recently used, so that the stores running
         between an engine's lookup and its retrieve evict other chunks first (a hit is still
-        not a promise: ``retrieve`` returns what it loaded).
+        not a promise: ``retrieve`` returns what it loaded). ``generation``: the key generation
+        to look under (None: this engine's; keys.py).
         """
-        chunks = self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace)
+        chunks = self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace, generation=generation)
         if not self.parts.split:
             return self.lookup_chunks(chunks)
         prefix = self._prefix_masks(chunks)
@@ -460,7 +473,8 @@ class KVCacheEngine:
                 self.stats.prefix_chunks_demoted += moved
 
     # -- retrieve --------------------------------------------------------------------
-    def retrieve(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None) -> int:
+    def retrieve(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None,
+                 generation: Optional[bytes] = None) -> int:
         """Load the rows needed to resume at the restorable boundary P into ``block_ids``.
 
         Returns P minus the masked prefix (0 on a miss). Raises BlockTableError, before
@@ -470,7 +484,7 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
-        chunks = self._chunks(tok, include_partial=True, namespace=namespace)
+        chunks = self._chunks(tok, include_partial=True, namespace=namespace, generation=generation)
         if self.parts.split:
             return self._retrieve_parts(chunks, tables, skip, start_s)
         return self._retrieve_chunks(chunks, tables, skip, start_s)

@@ -16,11 +16,14 @@ namespace's chain. The empty namespace gives the keys of a request without one.
 A *generation* (``ChunkKeyer(..., generation=)``) is what an engine's reset changes (see
 ``KVCacheEngine.reset``): random bytes folded into h_0 after the chunk size, tagged and
 length-prefixed, so chains of different generations never meet. No generation (before any
-reset, and after every restart) leaves h_0 as above.
+reset, and after every restart) leaves h_0 as above. A generation is empty or
+``GENERATION_BYTES`` bytes (``generation_bytes`` checks one that came from outside: the vLLM
+scheduler names its generation to its workers and, in P/D params, to a decode server).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Sequence, Union
 
 import blake3
@@ -32,6 +35,7 @@ from .spec import ChunkKey, Fingerprint
 
 KEY_BYTES = 16
 MAX_NAMESPACE_BYTES = 4096
+GENERATION_BYTES = 16
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
 Namespace = Union[str, bytes, None]
 
@@ -69,6 +73,21 @@ def namespace_bytes(namespace: Namespace) -> bytes:
     if len(namespace) > MAX_NAMESPACE_BYTES:
         raise TokenError(f"a namespace holds at most {MAX_NAMESPACE_BYTES} bytes, got {len(namespace)}")
     return namespace
+
+
+def new_generation() -> bytes:
+    """A fresh random generation (what a reset moves to)."""
+    return os.urandom(GENERATION_BYTES)
+
+
+def generation_bytes(generation) -> bytes:
+    """A generation as bytes: empty (no reset yet) or GENERATION_BYTES bytes; TokenError otherwise."""
+    if not isinstance(generation, (bytes, bytearray, memoryview)):
+        raise TokenError(f"a key generation must be bytes, got {type(generation).__name__}")
+    generation = bytes(generation)
+    if len(generation) not in (0, GENERATION_BYTES):
+        raise TokenError(f"a key generation is empty or {GENERATION_BYTES} bytes, got {len(generation)}")
+    return generation
 
 
 class ChunkKeyer:

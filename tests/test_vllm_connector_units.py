@@ -29,11 +29,12 @@ CHUNK = 64
 class FixedHits:
     def __init__(self, hit: int, delay_s: float = 0.0) -> None:
         self.hit, self.delay_s, self.cleared, self.seen, self.namespaces = hit, delay_s, 0, [], []
-        self.generations = []
+        self.generations, self.cleared_to = [], []
 
-    def lookup(self, tokens, namespace=b""):
+    def lookup(self, tokens, namespace=b"", generation=None):
         self.seen.append(tokens.copy())
         self.namespaces.append(namespace)
+        self.generations.append(generation)
         time.sleep(self.delay_s)
         return self.hit
 
@@ -42,7 +43,7 @@ class FixedHits:
 
     def clear(self, generation=None):
         self.cleared += 1
-        self.generations.append(generation)
+        self.cleared_to.append(generation)
 
 
 @pytest.fixture
@@ -70,9 +71,6 @@ def test_hit_is_the_minimum_over_workers(servers):
     assert [h.namespaces for h in handlers] == [[b"", b"\x91\xa4salt"]] * 2
     assert client.stats() == [{"hit": 512}, {"hit": 448}]
     assert client.clear() and [h.cleared for h in handlers] == [1, 1]
-    # one new key generation for every rank (replicated KV keeps reading the writer's chunks)
-    (gen,), (gen1,) = [h.generations for h in handlers]
-    assert isinstance(gen, bytes) and len(gen) == 16 and gen == gen1
     client.close()
 
 
@@ -378,4 +376,48 @@ def test_worker_without_a_layout_answers_misses():
     _, loaded, failed = _step(worker, StepPlan(loads=(LoadJob("x", np.arange(128), ((1, 2),), 0, 127),)))
     assert loaded == failed == {"x"}
     assert worker.stats()["enabled"] == 0
+    worker.close()
+
+
+# --- key generations (issue 26, item 6) --------------------------------------------------------
+def test_the_channel_carries_the_schedulers_generation_and_refuses_a_bad_one(servers):
+    handlers = [FixedHits(128), FixedHits(128)]
+    addresses = servers(*handlers)
+    client = LookupClient(addresses, timeout_s=5.0)
+    gen = b"\x42" * 16
+    assert client.clear(gen) and [h.cleared_to for h in handlers] == [[gen]] * 2  # every rank: the same one
+    assert client.lookup(np.arange(100), generation=gen) == 128
+    assert client.lookup(np.arange(100), generation=b"") == 128
+    assert client.lookup(np.arange(100)) == 128
+    assert [h.generations for h in handlers] == [[gen, b"", None]] * 2
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(addresses[0])
+    for bad in (b"x" * 15, b"x" * 17, "a str", 5):
+        for op in ("lookup", "clear"):
+            sock.send(msgpack.packb({"id": 9, "op": op, "tokens": b"\0" * 8, "gen": bad}))
+            assert msgpack.unpackb(sock.recv(), raw=False)["ok"] is False
+    sock.close(linger=0)
+    ctx.term()
+    assert handlers[0].cleared == 1 and len(handlers[0].generations) == 3  # nothing reached the handler
+    client.close()
+
+
+def test_saves_and_loads_name_their_generation_and_a_reset_moves_every_worker_to_the_schedulers():
+    layout = KVLayout.from_tensors({"l": torch.randn(NB, 2, BS, 16)}, groups=[GroupSpec(block_size=BS)], layout_hints="page")
+    worker = _worker(Translation(layout, (0,), 1, ("l",)))
+    tokens = np.arange(128, dtype=np.int64)
+    producer_gen, own_gen = b"\x01" * 16, b"\x02" * 16
+    worker.clear(own_gen)  # (a reset empties this private pool: store after it)
+    assert worker.engine.generation == own_gen
+    _step(worker, StepPlan(saves=(SaveJob("p", tokens, ((1, 2, 3, 4),), 0, generation=producer_gen),)))
+    worker.drain()
+    assert worker.lookup(tokens) == 0  # its own generation: nothing
+    assert worker.lookup(tokens, b"", b"") == 0 and worker.lookup(tokens, b"", producer_gen) == 128
+    job = LoadJob("d", tokens, ((5, 6, 7, 8),), present_tokens=0, end_tokens=127, generation=producer_gen)
+    _, loaded, failed = _step(worker, StepPlan(loads=(job,)))
+    assert loaded == {"d"} and not failed and not worker.take_load_error_blocks()
+    assert worker.stats()["loaded_tokens"] == 128
+    with pytest.raises(Exception, match="key generation"):
+        worker.engine.reset(b"short")
     worker.close()

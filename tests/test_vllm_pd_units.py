@@ -117,17 +117,23 @@ def test_identity_checks():
 
 # --- the scheduler side ----------------------------------------------------------------------
 class TierHits:
-    """The lookup channel over a shared tier holding chunks of one prompt up to ``restorable``."""
+    """The lookup channel over a shared tier holding chunks of one prompt up to ``restorable``,
+    stored under the key generation ``generation`` (a lookup under another finds nothing)."""
 
     def __init__(self) -> None:
         self.restorable = 0
+        self.generation = b""
         self.calls: list[tuple[int, bool]] = []  # (tokens asked about, counted)
+        self.asked_generations: list = []  # the generation each lookup named
+        self.cleared_to: list = []
 
-    def lookup(self, tokens, namespace=b"", *, count=True):
+    def lookup(self, tokens, namespace=b"", *, count=True, generation=None):
         self.calls.append((len(tokens), count))
-        return min(self.restorable, len(tokens))
+        self.asked_generations.append(generation)
+        return min(self.restorable, len(tokens)) if generation == self.generation else 0
 
-    def clear(self):
+    def clear(self, generation=None):
+        self.cleared_to.append(generation)
         return True
 
     def close(self):
@@ -417,3 +423,87 @@ def test_params_naming_a_prompt_never_stored_cost_a_bounded_number_of_probes():
     assert got == (0, False) and server.counters["remote_prefill_timeouts"] == 1
     assert steps >= 5000
     assert len(hits.calls) <= 34, len(hits.calls)  # ~32 probes and the final lookup for a 5 s wait (it was ~100)
+
+
+# --- P/D across resets (issue 26, item 6) ------------------------------------------------------
+GEN_A, GEN_B = b"\xaa" * 16, b"\xbb" * 16
+
+
+def test_params_carry_the_producers_generation_as_hex():
+    params = stored(generation=GEN_A).to_params()
+    assert params["kvconnect"]["generation"] == "aa" * 16
+    assert tp.remote_prefill(params).generation == GEN_A
+    assert stored().to_params()["kvconnect"]["generation"] == ""  # a producer never reset: no generation
+    legacy = stored().to_params()
+    del legacy["kvconnect"]["generation"]  # a producer from before the field: the empty generation
+    assert tp.remote_prefill(legacy).generation == b""
+
+
+@pytest.mark.parametrize("bad", [None, 7, True, b"\xaa" * 16, ["aa"], {"g": 1}, "aa" * 15, "aa" * 17, "AA" * 16,
+                                 "zz" * 16, " " + "a" * 31, "a" * 10_000])
+def test_a_malformed_generation_is_a_typed_error_never_a_wait(bad, caplog):
+    params = stored().to_params()
+    params["kvconnect"]["generation"] = bad
+    with pytest.raises(tp.TransferParamsError, match="'generation'") as err:
+        tp.remote_prefill(params)
+    assert len(str(err.value)) < 300  # a huge value is not echoed back into the logs
+    server, _, hits, _ = make("kv_consumer")
+    hits.restorable = 256
+    with caplog.at_level(logging.WARNING, logger="kvconnect"):
+        assert server.num_new_matched_tokens(view(), 0, params) == (256, True)  # a plain lookup, at once
+    assert server.counters["remote_prefill_rejected"] == 1 and server.num_waiting == 0
+    assert hits.calls == [(300, True)] and hits.asked_generations == [b""]  # under this server's own generation
+
+
+def _prefill(server, sched, req_id="r"):
+    req = view(req_id)
+    server.num_new_matched_tokens(req, 0, PREFILL)
+    sched.after_alloc(req, (), 0, 0)
+    return req
+
+
+def test_a_producer_reset_moves_its_saves_and_params_to_one_new_generation():
+    server, sched, hits, _ = make("kv_producer")
+    before = _prefill(server, sched, "old")  # admitted before the reset
+    assert sched.reset_cache()
+    (new_gen,) = hits.cleared_to
+    assert len(new_gen) == 16 and sched.generation == new_gen  # the scheduler chose it and named it to every worker
+    after = _prefill(server, sched, "new")
+    plan = sched.build_plan({"old": 300, "new": 300}, lambda r: 0, lambda r: ((1,) * 10,))
+    assert {s.req_id: s.generation for s in plan.saves} == {"old": b"", "new": new_gen}
+    # each prefill's params name the generation its chunks were stored under
+    assert tp.remote_prefill(server.request_finished(before, PREFILL)).generation == b""
+    assert tp.remote_prefill(server.request_finished(after, PREFILL)).generation == new_gen
+    assert sched.reset_cache() and hits.cleared_to[1] not in (b"", new_gen)  # every reset a fresh one
+
+
+def test_a_consumer_loads_under_the_producers_generation_whatever_its_own():
+    server, sched, hits, clock = make("kv_consumer")
+    assert sched.reset_cache()  # the consumer's own generation moves
+    own = sched.generation
+    hits.generation, hits.restorable = GEN_A, 288  # the producer stored under its generation A
+    req = view()
+    assert server.num_new_matched_tokens(req, 0, stored(generation=GEN_A).to_params()) == (288, True)
+    assert server.counters["remote_prefill_ready"] == 1 and server.counters["remote_prefill_timeouts"] == 0
+    assert set(hits.asked_generations) == {GEN_A}  # probe and lookup: the producer's generation
+    sched.after_alloc(req, ((1,) * 10,), 0, 288)
+    (load,) = sched.build_plan({"r": 12}, lambda r: 288, lambda r: ((1,) * 10,)).loads
+    assert load.generation == GEN_A
+    # a plain request on the consumer looks under its own generation (the producer's chunks are not its own)
+    assert server.num_new_matched_tokens(view("plain"), 0, None) == (0, False)
+    assert hits.asked_generations[-1] == own
+
+
+def test_params_of_a_prefill_from_before_the_producers_reset_find_its_chunks_or_miss_cleanly():
+    """Old params name the old generation: its chunks load while the tier holds them; once gone,
+    the decode waits the bounded timeout and loads nothing (vLLM recomputes), never other chunks."""
+    server, sched, hits, clock = make("kv_consumer", timeout_s=2.0)
+    hits.generation, hits.restorable = GEN_B, 288  # the tier holds the new generation's chunks only
+    old = stored(generation=GEN_A).to_params()
+    assert server.num_new_matched_tokens(view(), 0, old) == (None, False)
+    clock.t += 2.0
+    assert server.num_new_matched_tokens(view(), 0, old) == (0, False)
+    assert server.counters["remote_prefill_timeouts"] == 1
+    assert set(hits.asked_generations) == {GEN_A} and len(hits.calls) <= 10
+    hits.generation = GEN_A  # the old generation's chunks are still there
+    assert server.num_new_matched_tokens(view("r2"), 0, old) == (288, True)

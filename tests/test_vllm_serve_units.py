@@ -27,10 +27,10 @@ class FixedHits:
     def __init__(self, hit: int) -> None:
         self.hit = hit
 
-    def lookup(self, tokens, namespace=b""):
+    def lookup(self, tokens, namespace=b"", *, generation=None):
         return self.hit
 
-    def clear(self):
+    def clear(self, generation=None):
         return True
 
     def close(self):

@@ -234,6 +234,7 @@ class PDCluster:
 
     def _engine_env(self, cores: str) -> dict:
         env = vllm_env(cores)
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache (the reset tests), on loopback only
         if self.tier == "mooncake":  # Mooncake's TCP listener on loopback, its logs quiet
             from mooncake_master import CLIENT_ENV
 
@@ -246,6 +247,12 @@ class PDCluster:
         cores = self.producer_cores if role == "producer" else self.consumer_cores
         self.procs[role] = Proc(role, vllm_cmd(self.model, port, block_size=self.block_size, kv=self._kv(kv_role),
                                                serve_args=self.serve_args), self._engine_env(cores), self.workdir)
+
+    def reset(self, role: str) -> bool:
+        """vLLM's ``POST /reset_prefix_cache?reset_external=true`` on one engine: its prefix cache and
+        kvconnect's (a new key generation, what a weight update is followed by)."""
+        url = self.producer_url if role == "producer" else self.consumer_url
+        return post(url + "/reset_prefix_cache?reset_external=true", {})["success"] is True
 
     def metrics(self, role: str) -> str:
         url = self.producer_url if role == "producer" else self.consumer_url

@@ -9,6 +9,11 @@ and its greedy output must equal that of one plain ``vllm serve`` without any co
 The servers' own ``/metrics`` must show the decode side loading >= 90% of the prompt tokens,
 the producer loading nothing and the consumer storing nothing.
 
+A reset of either engine (``POST /reset_prefix_cache?reset_external=true``: a new key
+generation on that side) must leave the pair working: the decode side loads the producer's
+chunks under the generation its params name, no timeout waited, outputs and logprobs those of
+the plain server.
+
 The sliding-window hybrid, on Redis as the shared tier: test_vllm_pd_hybrid.py.
 """
 
@@ -49,12 +54,22 @@ AFTER_ABORT = prompts(3, (333,))
 NEVER_STORED = prompts(4, (400,))
 KILLED = prompts(5, (450,))
 ABORTED = prompts(6, (380,))[0]
+RESET = {"producer": prompts(7, (420,))[0], "consumer": prompts(8, (390,))[0]}
+OLD_PARAMS = prompts(9, (360,))[0]
 
 
 def completion(base: str, model: str, prompt: list[int], **extra) -> list[int]:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True, **extra}
     out = pc.post(base + "/v1/completions", body)
     return out["choices"][0]["token_ids"]
+
+
+def completion_logprobs(base: str, model: str, prompt: list[int], **extra) -> tuple[list[int], list[float]]:
+    """Greedy output ids and the chosen tokens' logprobs (compared to the bit: JSON floats round-trip)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True,
+            "logprobs": 1, "return_tokens_as_token_ids": True, **extra}
+    choice = pc.post(base + "/v1/completions", body)["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +85,10 @@ def pd_llama(tmp_path_factory):
             cluster.start(plain)
             everything = SEQUENTIAL + CONCURRENT + AFTER_ABORT + NEVER_STORED + KILLED
             reference = {tuple(p): completion(plain.url, model, p) for p in everything}
+            with_logprobs = {tuple(p): completion_logprobs(plain.url, model, p) for p in (*RESET.values(), OLD_PARAMS)}
         finally:
             plain.stop()  # the reference is taken: free its memory and core
-        cluster.model, cluster.reference = model, reference
+        cluster.model, cluster.reference, cluster.with_logprobs = model, reference, with_logprobs
         yield cluster
     except Exception:
         print(cluster.logs())
@@ -86,7 +102,8 @@ def scrape(cluster: pc.PDCluster, role: str) -> dict[str, float]:
     names = ("kvconnect_retrieved_tokens_total", "kvconnect_stored_chunks_total", "kvconnect_lookups_total",
              "kvconnect_load_failures_total", "kvconnect_pd_remote_prefills_total", "kvconnect_pd_remote_prefill_ready_total",
              "kvconnect_pd_remote_prefill_timeouts_total", "kvconnect_pd_remote_prefill_rejected_total",
-             "kvconnect_pd_remote_decode_prefills_total", "prompt_tokens_total", "num_requests_running",
+             "kvconnect_pd_remote_decode_prefills_total", "kvconnect_pd_remote_prefill_wait_seconds_total",
+             "prompt_tokens_total", "num_requests_running",
              "num_requests_waiting")
     return {name: pc.metric(text, "vllm:" + name) for name in names}
 
@@ -192,6 +209,56 @@ def test_roles_hold_producer_loads_nothing_consumer_stores_nothing(pd_llama):
     assert consumer["kvconnect_stored_chunks_total"] == 0
     assert consumer["kvconnect_pd_remote_decode_prefills_total"] == 0
     assert consumer["kvconnect_pd_remote_prefill_rejected_total"] == 0
+
+
+def _loaded_at_once(c: pc.PDCluster, before: dict, named: int) -> None:
+    """Asserts the consumer, since ``before``, loaded the ``named`` tokens of one decode whose chunks
+    were ready, without waiting out the timeout."""
+    d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] - before["kvconnect_retrieved_tokens_total"]
+                     >= named and f["kvconnect_pd_remote_prefill_ready_total"] > before["kvconnect_pd_remote_prefill_ready_total"]),
+              before)
+    assert d["kvconnect_retrieved_tokens_total"] == named
+    assert d["kvconnect_pd_remote_prefills_total"] == 1 == d["kvconnect_pd_remote_prefill_ready_total"]
+    assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 0 and d["kvconnect_pd_remote_prefill_rejected_total"] == 0
+    assert d["kvconnect_load_failures_total"] == 0
+    assert d["kvconnect_pd_remote_prefill_wait_seconds_total"] < WAIT_TIMEOUT_S / 2
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_after_a_reset_of_either_side_the_decode_still_loads_the_producers_chunks(pd_llama, role):
+    """A reset gives that engine a new key generation (issue 26, item 6). The producer's params name
+    the generation its prefill was stored under and the consumer loads under it, whatever its own:
+    no decode waits out the timeout, and outputs and logprobs are the plain server's to the bit."""
+    c = pd_llama
+    p = RESET[role]
+    assert c.reset(role)
+    before = scrape(c, "consumer")
+    assert completion_logprobs(c.router_url, c.model, p) == c.with_logprobs[tuple(p)]
+    _loaded_at_once(c, before, len(p) // BLOCK * BLOCK)
+
+
+def test_params_from_before_a_producer_reset_still_name_its_chunks(pd_llama):
+    """A prefill answered before the producer's reset names the old generation, one after it the
+    new one; the shared tier still holds the old chunks, so both decodes load them and answer right
+    (the consumer reset in between empties vLLM's own prefix cache, which would hold the prompt)."""
+    c = pd_llama
+    p = OLD_PARAMS
+
+    def prefill() -> dict:
+        return pc.post(c.producer_url + "/v1/completions", {
+            "model": c.model, "prompt": p, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})["kv_transfer_params"]
+
+    old = prefill()
+    assert c.reset("producer")
+    new = prefill()
+    generations = {old["kvconnect"]["generation"], new["kvconnect"]["generation"]}
+    assert len(generations) == 2 and all(len(g) == 32 for g in generations - {""}), generations
+    for params in (old, new):
+        assert c.reset("consumer")
+        before = scrape(c, "consumer")
+        assert completion_logprobs(c.consumer_url, c.model, p, kv_transfer_params=params) == c.with_logprobs[tuple(p)]
+        _loaded_at_once(c, before, len(p) // BLOCK * BLOCK)
 
 
 def test_producer_killed_between_prefill_and_decode(pd_llama):

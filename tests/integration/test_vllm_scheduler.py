@@ -200,7 +200,10 @@ def test_reset_connector_reaches_the_disk_tier_and_stores_again(rig, tmp_path):
     disk = r.engine.storage.tiers[0]
     on_disk = len(disk)
     assert on_disk == 3
+    assert r.engine.generation == b""
     assert r.scheduler.reset_prefix_cache(reset_connector=True)
+    # vLLM's scheduler-side connector chose the new generation, and the worker moved to it
+    assert len(r.engine.generation) == 16 and r.engine.generation == r.connector._scheduler.generation
     before = r.add(tokens)
     r.run()
     assert _first_compute(r, before) == 0  # nothing from kvconnect: not the pool, not the disk

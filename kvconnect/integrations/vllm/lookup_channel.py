@@ -7,17 +7,17 @@ timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong 
 
     server = LookupServer(address, handler)     # worker: handler.lookup/stats/clear
     client = LookupClient(addresses, timeout_s) # scheduler
-    client.lookup(tokens, namespace=b"") -> int # min over workers, 0 on any failure
-    client.stats() -> list[dict | None]; client.clear() -> bool
+    client.lookup(tokens, namespace=b"", generation=None) -> int # min over workers, 0 on any failure
+    client.stats() -> list[dict | None]; client.clear(generation=None) -> bool
     server.close(); client.close()
 
 Wire format: msgpack maps with a fixed schema, no extension types, sizes capped; no
 object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "tokens": bin,
-"ns": bin}`` (tokens little-endian int64; ``ns``, the request's namespace, only when not empty),
-``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin}`` (``gen``: the new key
-generation, 16 random bytes the scheduler draws once for every worker, so ranks whose KV is
-replicated keep reading each other's chunks after a reset); replies
-``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
+"ns": bin, "gen": bin}`` (tokens little-endian int64; ``ns``, the request's namespace, only when
+not empty; ``gen``, the key generation to look under, empty or 16 bytes, absent: the worker's
+own), ``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin}`` (``gen``: the
+16-byte generation every worker moves to, chosen by the scheduler; absent: a random one per
+worker); replies ``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
 
 Addresses: ``ipc://`` paths (the default; the socket file is made owner-only) or
 ``tcp://`` on a loopback host. ``dp_rank_base(base, dp_rank, workers)`` derives a data-parallel
@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from kvconnect.errors import ConfigError
-from kvconnect.keys import MAX_NAMESPACE_BYTES
+from kvconnect.keys import MAX_NAMESPACE_BYTES, generation_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _POLL_MS = 100
 
 
 class LookupHandler(Protocol):
-    def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int: ...
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None) -> int: ...
     def stats(self) -> dict[str, int]: ...
     def clear(self, generation: Optional[bytes] = None) -> None: ...
 
@@ -101,6 +101,13 @@ def _unpack(raw: bytes) -> dict:
     if not isinstance(msg, dict) or not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
         raise ValueError("a message must be a map with an integer id")
     return msg
+
+
+def _generation(msg: dict) -> Optional[bytes]:
+    """A request's ``gen`` (None when absent); ValueError unless empty or 16 bytes."""
+    if "gen" not in msg:
+        return None
+    return generation_bytes(msg["gen"])  # TokenError is a ValueError
 
 
 class LookupServer:
@@ -155,15 +162,12 @@ class LookupServer:
                     raise ValueError("tokens must be little-endian int64 bytes")
                 if not isinstance(namespace, bytes) or len(namespace) > MAX_NAMESPACE_BYTES:
                     raise ValueError(f"ns must be at most {MAX_NAMESPACE_BYTES} bytes")
-                hit = self._handler.lookup(np.frombuffer(data, dtype="<i8"), namespace)
+                hit = self._handler.lookup(np.frombuffer(data, dtype="<i8"), namespace, _generation(msg))
                 return {"id": rid, "ok": True, "hit": int(hit)}
             if op == "stats":
                 return {"id": rid, "ok": True, "stats": {str(k): int(v) for k, v in self._handler.stats().items()}}
             if op == "clear":
-                generation = msg.get("gen")
-                if generation is not None and (not isinstance(generation, bytes) or not 1 <= len(generation) <= 64):
-                    raise ValueError("gen must be 1 to 64 bytes")
-                self._handler.clear(generation)
+                self._handler.clear(_generation(msg))
                 return {"id": rid, "ok": True}
             raise ValueError(f"unknown op {op!r}")
         except Exception as exc:
@@ -251,13 +255,17 @@ class LookupClient:
                                len(waiting), len(self._socks), msg.get("op"), self.timeout_s)
             return replies
 
-    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True) -> int:
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True,
+               generation: Optional[bytes] = None) -> int:
         """Tokens every worker can restore from token 0 (0 if any worker fails or is silent).
 
-        ``count=False``: a probe (P/D waits, pd.py) left out of the lookup figures."""
+        ``count=False``: a probe (P/D waits, pd.py) left out of the lookup figures.
+        ``generation``: the key generation to look under (None: each worker's own)."""
         msg = {"op": "lookup", "tokens": np.ascontiguousarray(tokens, dtype="<i8").tobytes()}
         if namespace:
             msg["ns"] = bytes(namespace)
+        if generation is not None:
+            msg["gen"] = generation_bytes(generation)
         if count:
             self.num_lookups += 1  # figures for kvconnect.metrics (the scheduler calls from one thread)
             self.requested_tokens += len(tokens)
@@ -274,9 +282,10 @@ class LookupClient:
     def stats(self) -> list[Optional[dict]]:
         return [r.get("stats") if r else None for r in self._ask({"op": "stats"})]
 
-    def clear(self) -> bool:
-        """Every worker moves to one new key generation (``KVCacheEngine.reset``)."""
-        return all(r is not None for r in self._ask({"op": "clear", "gen": os.urandom(16)}))
+    def clear(self, generation: Optional[bytes] = None) -> bool:
+        """Every worker resets its engine to ``generation`` (None: a random one each); True when all did."""
+        msg = {"op": "clear"} if generation is None else {"op": "clear", "gen": generation_bytes(generation)}
+        return all(r is not None for r in self._ask(msg))
 
     def close(self) -> None:
         for sock in self._socks:

@@ -8,6 +8,7 @@ raw per-group ids (the null block is 0): the worker translates them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -43,6 +44,8 @@ class LoadJob:
 
     present_tokens: tokens vLLM already holds (its own prefix cache); never overwritten.
     end_tokens: tokens vLLM counts as computed once the load is done (<= len(tokens)).
+    generation: the key generation to load under (the scheduler's own, or a P/D producer's);
+    None: the worker engine's current one.
     """
 
     req_id: str
@@ -51,17 +54,21 @@ class LoadJob:
     present_tokens: int
     end_tokens: int
     namespace: bytes = b""
+    generation: Optional[bytes] = None
 
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Store the chunks of ``tokens`` beyond ``stored_tokens`` (chunk-aligned) from ``block_ids``."""
+    """Store the chunks of ``tokens`` beyond ``stored_tokens`` (chunk-aligned) from ``block_ids``,
+    under ``generation`` (the scheduler's when the request was admitted; None: the worker
+    engine's current one)."""
 
     req_id: str
     tokens: np.ndarray
     block_ids: BlockIds
     stored_tokens: int
     namespace: bytes = b""
+    generation: Optional[bytes] = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,12 @@ what the tier holds (vLLM recomputes the rest). Params that are malformed or nam
 prompt, model, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
 are counted (``counters``) and logged at most once per ``WARN_INTERVAL_S``. Without params the
 decode side does a plain lookup.
+
+Resets (vLLM's reset_connector, scheduler.py): each side's reset moves only its own key
+generation. The producer's params name the generation its prefill was stored under, and the
+decode side probes and loads under that one, not its own: a consumer reset changes nothing for
+params it receives afterwards; after a producer reset new params name the new generation, and
+params of a prefill admitted before it still name the old one (its chunks were stored there).
 """
 
 from __future__ import annotations
@@ -142,7 +148,9 @@ class PDScheduler:
             return None, False  # ask later, without touching the tier
         waiting.probed = now
         needed = waiting.stored.tokens  # <= the prompt (transfer_params.mismatch)
-        if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False) < needed and not expired:
+        generation = waiting.stored.generation  # the producer's, whatever this server's own (keys.py)
+        if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False,
+                                      generation=generation) < needed and not expired:
             waiting.interval_s = max(min(2 * waiting.interval_s, max(self.poll_interval_s, MAX_POLL_INTERVAL_S)),
                                      PROBE_GROWTH * (now - waiting.since))
             return None, False
@@ -155,7 +163,7 @@ class PDScheduler:
                        req.req_id, self.wait_timeout_s)
         else:
             self.counters["remote_prefill_ready"] += 1
-        return self.scheduler.num_new_matched_tokens(req, num_computed, remote_prefill_tokens=needed)
+        return self.scheduler.num_new_matched_tokens(req, num_computed, remote_prefill_tokens=needed, generation=generation)
 
     def _remote_prefill(self, req: RequestView, params: Any) -> Optional[StoredPrefill]:
         """The producer's stored prefill this request may wait for, or None (plain lookup)."""
@@ -188,7 +196,8 @@ class PDScheduler:
         self.counters["remote_decode_prefills"] += 1
         return StoredPrefill(tokens=planned, chunk_tokens=self.identity.chunk_tokens, tp_size=self.identity.tp_size,
                              prompt_digest=prompt_digest(req.prompt_tokens, req.namespace), model=self.identity.model,
-                             engine_id=self.identity.engine_id).to_params()
+                             engine_id=self.identity.engine_id,
+                             generation=self.scheduler.saved_generation(req.req_id)).to_params()
 
     @property
     def num_waiting(self) -> int:

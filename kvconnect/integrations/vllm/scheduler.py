@@ -23,6 +23,14 @@ prompt: a chunk that generated tokens complete is saved in the decode step that 
 its last token, under the key chain of prompt + outputs, so a next turn that sends the
 conversation back hits it. Token ids are read (``tokens_of``) only when a chunk completes.
 
+Key generations (keys.py): the scheduler chooses them. It starts with none (the empty
+generation, as every engine does); ``reset_cache`` (vLLM's reset_connector) moves it to a new
+random one and tells every worker to move to the same one. A request's saves name the
+generation of the scheduler when it was admitted (a request admitted before a reset is stored
+under the old generation, never served after it); its load names the generation it was looked
+up under: the scheduler's own, or, for a P/D decode, the producer's (pd.py), which the
+transfer params carry so that a pair keeps finding each other's chunks across resets.
+
 Roles (roles.py): a ``kv_producer`` never looks up; a ``kv_consumer`` stores no prompt chunk
 (with ``save_decode_cache`` only those generated tokens complete). P/D (pd.py) marks a
 prefill for a remote decode with ``store_whole_prompt`` and asks with ``remote_prefill``.
@@ -37,6 +45,8 @@ from typing import Callable, Collection, Mapping, Optional, Protocol
 
 import numpy as np
 
+from kvconnect.keys import new_generation
+
 from .metadata import SAVE_SLACK_STEPS, BlockIds, LoadJob, RequestView, SaveJob, StepPlan
 from .logs import Periodic
 from .roles import BOTH, RolePolicy
@@ -45,8 +55,9 @@ logger = logging.getLogger(__name__)
 
 
 class HitSource(Protocol):
-    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True) -> int: ...
-    def clear(self) -> bool: ...
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True,
+               generation: Optional[bytes] = None) -> int: ...
+    def clear(self, generation: Optional[bytes] = None) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -56,6 +67,7 @@ class _Tracked:
     stored_tokens: int  # prefix already stored or held by vLLM: chunk-aligned, or the prompt with its partial tail
     namespace: bytes = b""
     store_tail: bool = False  # P/D: also store the prompt's partial last chunk (a prefill for a remote decode), to tail_end
+    generation: bytes = b""  # the scheduler's key generation when the request was admitted: its saves' generation
 
 
 class KVConnectScheduler:
@@ -78,7 +90,8 @@ class KVConnectScheduler:
         self.chunk_tokens = chunk_tokens
         self.save_unfull_chunk = save_unfull_chunk
         self.save_decode_cache = save_decode_cache
-        self._queries: dict[str, tuple[int, int]] = {}  # req_id -> (present tokens, restorable boundary)
+        self.generation = b""  # the key generation of this engine's lookups and saves (module doc)
+        self._queries: dict[str, tuple[int, int, bytes]] = {}  # req_id -> (present tokens, restorable boundary, generation)
         self._loads: list[LoadJob] = []
         self._tracked: dict[str, _Tracked] = {}
         self._step = 0  # plans built so far (the latest plan's number)
@@ -87,12 +100,16 @@ class KVConnectScheduler:
         self._whole_prompt: set[str] = set()  # P/D prefills for a remote decode (store_whole_prompt)
 
     # -- new requests ------------------------------------------------------------------
-    def num_new_matched_tokens(self, req: RequestView, num_computed: int, *, remote_prefill_tokens: int = 0) -> tuple[int, bool]:
+    def num_new_matched_tokens(self, req: RequestView, num_computed: int, *, remote_prefill_tokens: int = 0,
+                               generation: Optional[bytes] = None) -> tuple[int, bool]:
         """``remote_prefill_tokens``: a P/D decode whose first that many prompt tokens a producer
         stored (pd.py): they are looked up as stored (their partial last chunk included), and a
-        hit under ``min_load_tokens`` is loaded too (the point is not to prefill here)."""
+        hit under ``min_load_tokens`` is loaded too (the point is not to prefill here).
+        ``generation``: the key generation they were stored under (the producer's; None: this
+        scheduler's own), which the lookup and the load use."""
         remote_prefill = remote_prefill_tokens > 0
-        self._queries[req.req_id] = (num_computed, 0)
+        generation = self.generation if generation is None else generation
+        self._queries[req.req_id] = (num_computed, 0, generation)
         prompt = req.prompt_tokens
         if not self.role.loads:  # kv_producer: never looks up
             return 0, False
@@ -106,7 +123,7 @@ class KVConnectScheduler:
         asked = prompt[:remote_prefill_tokens] if remote_prefill else prompt
         if self.exact_resume:
             asked = asked[: req.num_tokens - 1]
-        boundary = self.hits.lookup(asked, req.namespace)
+        boundary = self.hits.lookup(asked, req.namespace, generation=generation)
         self.lookup_stats["lookup_us"] += int((time.perf_counter() - start) * 1e6)
         # vLLM must compute at least one token itself to produce logits.
         end = min(boundary, req.num_tokens - 1, len(prompt))
@@ -124,7 +141,7 @@ class KVConnectScheduler:
             return 0, False
         stats["hits"] += 1
         stats["hit_tokens"] += end - num_computed
-        self._queries[req.req_id] = (num_computed, boundary)
+        self._queries[req.req_id] = (num_computed, boundary, generation)
         return end - num_computed, True
 
     def after_alloc(self, req: RequestView, block_ids: BlockIds, num_computed: int, num_external: int) -> None:
@@ -137,7 +154,7 @@ class KVConnectScheduler:
         if not req.cacheable:
             self._queries.pop(req.req_id, None)
             return
-        present, boundary = self._queries.pop(req.req_id, (num_computed, 0))
+        present, boundary, generation = self._queries.pop(req.req_id, (num_computed, 0, self.generation))
         whole_prompt = req.req_id in self._whole_prompt
         self._whole_prompt.discard(req.req_id)
         done = present
@@ -147,7 +164,8 @@ class KVConnectScheduler:
                 logger.error("kvconnect: vLLM asked to load %d tokens of %s, %d were offered", end, req.req_id, boundary)
             elif end < boundary - 1:  # vLLM trimmed the hit: load only whole chunks below it
                 boundary = end // self.chunk_tokens * self.chunk_tokens
-            self._loads.append(LoadJob(req.req_id, req.prompt_tokens[:boundary], block_ids, present, end, req.namespace))
+            self._loads.append(LoadJob(req.req_id, req.prompt_tokens[:boundary], block_ids, present, end, req.namespace,
+                                       generation))
             done = end
         stored = done // self.chunk_tokens * self.chunk_tokens
         if whole_prompt:  # every chunk must reach the shared tier, those vLLM held locally too (roles.py)
@@ -155,7 +173,8 @@ class KVConnectScheduler:
         elif not self.role.stores_prompt:  # kv_consumer: the producer stored the prompt
             stored = max(stored, len(req.prompt_tokens) // self.chunk_tokens * self.chunk_tokens)
         if self.role.stores:
-            self._tracked[req.req_id] = _Tracked(req.prompt_tokens, stored, req.namespace, store_tail=whole_prompt)
+            self._tracked[req.req_id] = _Tracked(req.prompt_tokens, stored, req.namespace, store_tail=whole_prompt,
+                                                 generation=self.generation)
 
     def store_whole_prompt(self, req_id: str) -> None:
         """P/D: the request is a prefill for a remote decode; store all of its prompt, the partial
@@ -167,6 +186,11 @@ class KVConnectScheduler:
         """Where a P/D prefill's stored prompt ends: the last block edge, or the last chunk end above it."""
         return max(prompt_tokens // self.tail_align_tokens * self.tail_align_tokens,
                    prompt_tokens // self.chunk_tokens * self.chunk_tokens)
+
+    def saved_generation(self, req_id: str) -> bytes:
+        """The key generation a tracked request's chunks are stored under (the current one if untracked)."""
+        tracked = self._tracked.get(req_id)
+        return tracked.generation if tracked is not None else self.generation
 
     def planned_tokens(self, req_id: str) -> int:
         """Prompt tokens whose saves are planned for a running request (0 if none / untracked)."""
@@ -224,7 +248,7 @@ class KVConnectScheduler:
             return None
         # a stored partial prompt tail is a chunk of its own: the full chunk over it is new
         stored = tracked.stored_tokens // self.chunk_tokens * self.chunk_tokens
-        job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace)
+        job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace, tracked.generation)
         tail = end == len(tracked.prompt) or (tracked.store_tail and end == self.tail_end(len(tracked.prompt)))
         tracked.stored_tokens = end if tail else end // self.chunk_tokens * self.chunk_tokens
         return job
@@ -266,4 +290,10 @@ class KVConnectScheduler:
         return False
 
     def reset_cache(self) -> bool:
-        return self.hits.clear()
+        """vLLM's reset_connector: move to a new key generation, here and in every worker.
+
+        The new generation holds from now on whether or not every worker answered (lookups,
+        loads and saves name it; a worker that missed the clear only keeps its private pool's
+        old chunks, which no key of the new generation reaches); False tells vLLM one did not."""
+        self.generation = new_generation()
+        return self.hits.clear(self.generation)

@@ -10,15 +10,23 @@ whatever the prefill server's connector returns from ``request_finished``; kvcon
     {"do_remote_prefill": true, "do_remote_decode": false,
      "remote_engine_id": "<producer engine id>",
      "kvconnect": {"v": 1, "tokens": 300, "chunk_tokens": 64, "tp_size": 1,
-                   "prompt_digest": "<hex>", "model": "<model@revision>"}}
+                   "prompt_digest": "<hex>", "model": "<model@revision>",
+                   "generation": "<32 hex digits, or empty>"}}
 
 ``do_remote_prefill`` is the field vLLM's own scheduler and output processor recognise (they
 count such a request as a P/D decode and report the producer's ``remote_prefill_cached_tokens``);
 ``kvconnect`` names what the producer stored: the first ``tokens`` prompt tokens (the whole
 prompt, its partial last chunk included) in ``chunk_tokens``-token chunks, under a TP size,
 for the prompt whose token ids and namespace (LoRA adapter, cache_salt) hash to
-``prompt_digest``. Nothing in it is trusted: a field of the wrong type makes the params
-unusable (``TransferParamsError``), and the decode side then does a plain lookup.
+``prompt_digest``, under the key ``generation`` the producer's scheduler had when it admitted
+the prefill (keys.py; empty until the producer's first reset, a new random one after each):
+the decode side looks up and loads under it, whatever its own generation, so a pair keeps
+finding the producer's chunks across a reset of either side. Params without ``generation``
+(from a producer before this field) name the empty generation. Nothing in the params is
+trusted: a field of the wrong type makes them unusable (``TransferParamsError``), and the decode
+side then does a plain lookup; a well-formed generation no producer used is a miss (the chunks
+are looked for under keys nobody stored), bounded by the decode side's wait like any params
+naming chunks that never land.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ import blake3
 import numpy as np
 
 from kvconnect.errors import KVConnectError
+from kvconnect.keys import GENERATION_BYTES
 
 KEY = "kvconnect"
 VERSION = 1
 DIGEST_HEX_CHARS = 32  # 128 bits
+GENERATION_HEX_CHARS = 2 * GENERATION_BYTES
 _MAX_TEXT = 512
 
 
@@ -51,6 +61,7 @@ class StoredPrefill:
     prompt_digest: str
     model: str = ""
     engine_id: str = ""
+    generation: bytes = b""  # the producer's key generation (keys.py): empty or GENERATION_BYTES bytes
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` the producer returns from ``request_finished``."""
@@ -59,7 +70,7 @@ class StoredPrefill:
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id or None,
             KEY: {"v": VERSION, "tokens": self.tokens, "chunk_tokens": self.chunk_tokens, "tp_size": self.tp_size,
-                  "prompt_digest": self.prompt_digest, "model": self.model},
+                  "prompt_digest": self.prompt_digest, "model": self.model, "generation": self.generation.hex()},
         }
 
 
@@ -100,7 +111,17 @@ def remote_prefill(params: Any) -> Optional[StoredPrefill]:
     engine_id = params.get("remote_engine_id") or ""
     if not isinstance(model, str) or len(model) > _MAX_TEXT or not isinstance(engine_id, str) or len(engine_id) > _MAX_TEXT:
         raise TransferParamsError(f"kv_transfer_params[{KEY!r}]: model and remote_engine_id must be short strings")
-    return StoredPrefill(tokens, chunk_tokens, tp_size, digest, model, engine_id)
+    return StoredPrefill(tokens, chunk_tokens, tp_size, digest, model, engine_id, _generation(entry))
+
+
+def _generation(entry: Mapping) -> bytes:
+    """The producer's key generation: "" (or absent: a producer before the field) or 32 lowercase hex digits."""
+    value = entry.get("generation", "")
+    if not isinstance(value, str) or len(value) not in (0, GENERATION_HEX_CHARS) or any(c not in "0123456789abcdef" for c in value):
+        shown = repr(value) if isinstance(value, str) and len(value) <= 64 else type(value).__name__
+        raise TransferParamsError(f"kv_transfer_params[{KEY!r}]['generation'] must be empty or {GENERATION_HEX_CHARS} "
+                                  f"lowercase hex digits, got {shown}")
+    return bytes.fromhex(value)
 
 
 def _int(entry: Mapping, name: str, *, minimum: int) -> int:

@@ -111,9 +111,9 @@ class KVConnectWorker:
         logger.debug("kvconnect: groups: %s", translation.layout.describe())
 
     # -- lookup channel handler (called from the server thread) --------------------------
-    def lookup(self, tokens: np.ndarray, namespace: bytes = b"") -> int:
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None) -> int:
         self._count("lookups")
-        return self.engine.lookup(tokens, namespace=namespace) if self.engine is not None else 0
+        return self.engine.lookup(tokens, namespace=namespace, generation=generation) if self.engine is not None else 0
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -126,10 +126,12 @@ class KVConnectWorker:
 
     def clear(self, generation: Optional[bytes] = None) -> None:
         """vLLM's reset_connector: never serve a chunk stored before now, from any tier
-        (``KVCacheEngine.reset``), moving to ``generation`` (the one the scheduler sent every
-        rank). Runs on the save thread after every save submitted so far, so a save of KV
-        computed before the reset lands under the old generation and is never served after it.
-        Called from the lookup channel's thread."""
+        (``KVCacheEngine.reset``), moving to ``generation``, which the scheduler chose (every
+        rank moves to the same one; None: a random one). Runs on the save thread after every
+        save submitted so far. Saves and loads name their generation themselves (the
+        scheduler's when it planned them, metadata.py), so a save of KV computed before the
+        reset lands under the old generation and is never served after it. Called from the
+        lookup channel's thread."""
         if self.engine is not None:
             self._executor.submit(self.engine.reset, generation).result()
 
@@ -215,7 +217,7 @@ class KVConnectWorker:
             # running requests, so the rows of those tokens must never be written
             mask = np.ones(len(job.tokens), dtype=bool)
             mask[: job.present_tokens] = False
-        loaded = self.engine.retrieve(job.tokens, tables, mask=mask, namespace=job.namespace)
+        loaded = self.engine.retrieve(job.tokens, tables, mask=mask, namespace=job.namespace, generation=job.generation)
         self._count("loaded_tokens", loaded)
         return job.present_tokens + loaded
 
@@ -256,7 +258,7 @@ class KVConnectWorker:
             if job.stored_tokens:
                 mask = np.ones(len(job.tokens), dtype=bool)
                 mask[: job.stored_tokens] = False
-            self.engine.store(job.tokens, tables, mask=mask, namespace=job.namespace)
+            self.engine.store(job.tokens, tables, mask=mask, namespace=job.namespace, generation=job.generation)
             self._count("saves")
         except Exception:
             logger.warning("kvconnect: save of %s failed; it will be a miss", job.req_id, exc_info=True)
