@@ -45,10 +45,10 @@ from .spec import DCPSpec, GroupKind, GroupSpec, RowRegions
 from .integrations.vllm.engine_tables import DSV4_C128_STATE_FREE
 
 ENGINES = ("vllm", "vllm-ascend", "sglang")
-# Engines whose kvconnect adapter stores recurrent-state snapshots at restore points. SGLang
-# 0.5.23 and vLLM-Ascend 0.23 refuse such models (docs/recurrent.md); vLLM joins when its
-# connector stores them (issue 28, items 1-2).
-SNAPSHOT_ENGINES: frozenset = frozenset()
+# Engines whose kvconnect adapter stores recurrent-state snapshots at restore points: vLLM
+# (mamba_cache_mode "align", from the blocks vLLM offers; docs/recurrent.md). SGLang 0.5.23 and
+# vLLM-Ascend 0.23 / 0.13 refuse such models, naming the release.
+SNAPSHOT_ENGINES: frozenset = frozenset({"vllm"})
 KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
              "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "fp8": torch.uint8,
              "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}

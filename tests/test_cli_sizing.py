@@ -82,11 +82,14 @@ def test_inspect_human_and_state_models(capsys):
     assert main(["inspect", "--preset", "llama", "--tokens", "32k"]) == 0
     out = capsys.readouterr().out
     assert "32,000 tokens" in out and "CPU pool" in out and "restore at P=" in out
-    assert main(["inspect", "--preset", "qwen3-next", "--json"]) == 0
+    assert main(["inspect", "--preset", "qwen3-next", "--json", "--engine", "sglang"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["supported"] is False and r["stored_bytes"] == 0 and r["restore_bytes"] == 0 and r["state_layers"] == 36
     assert any("state after exactly P" in n for n in r["notes"])
     assert r["snapshot"]["bytes"] == 36 * r["state_bytes_per_layer"] and r["snapshot"]["stored"] is False
+    assert main(["inspect", "--preset", "qwen3-next", "--json"]) == 0  # vLLM stores snapshots (issue 28)
+    r = json.loads(capsys.readouterr().out)
+    assert r["supported"] is True and r["snapshot"]["stored"] is True and r["stored_bytes"] > 0
 
 
 def test_inspect_from_hf_config(tmp_path, capsys):
@@ -117,7 +120,7 @@ def test_inspect_from_hf_config(tmp_path, capsys):
     (["inspect", "--preset", "llama", "--dcp", "2"], "decode context parallel"),
     (["inspect", "--preset", "deepseek-v4-flash", "--engine", "sglang"], "vLLM"),
     (["inspect", "--config", "/nonexistent/config.json"], "cannot read"),
-    (["bench", "--preset", "qwen3-next", "--layers", "4"], "recurrent state"),
+    (["bench", "--preset", "qwen3-next", "--layers", "4", "--engine", "sglang"], "recurrent state"),
     (["bench", "--preset", "llama", "--layers", "1", "--tokens", "16"], "at least one chunk"),
     (["bench", "--preset", "llama", "--device", "tpu"], "--device"),
 ])

@@ -69,7 +69,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
     num_tokens = parse_tokens(args.tokens)
     model = model_of(args, layers=args.layers)
     if model.state_layers and not model.snapshots_served:
-        raise ConfigError(f"{model.name}: kvconnect does not store recurrent state yet (see `kvconnect inspect`); nothing to benchmark")
+        raise ConfigError(f"{model.name}: kvconnect's {args.engine} adapter does not store recurrent state "
+                          "(see `kvconnect inspect`, docs/recurrent.md); nothing to benchmark")
     if num_tokens < args.chunk_size:
         raise ConfigError(f"--tokens ({num_tokens}) must hold at least one chunk of {args.chunk_size}")
     num_tokens -= num_tokens % args.chunk_size

@@ -134,6 +134,8 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
     """
     name = type(spec).__name__
     if recurrent.is_state_spec(spec):
+        if release.recurrent_refusal:
+            raise UnsupportedLayoutError(f"{name}: {release.recurrent_refusal}")
         return recurrent.state_group_spec(spec)
     if getattr(spec, "sfa_dcp_replicated_indexer_size", 1) > 1:
         raise UnsupportedLayoutError(
