@@ -8,6 +8,7 @@ Phases:
       -> {"outputs": [[ids...]], "cached": [cached_tokens_details, ...]}
   {"op": "settle", "seconds": S}   wait for write-through backups to reach L3
   {"op": "flush"}                  engine.flush_cache(): device and host caches dropped
+                                   -> {"flushed": bool, "seconds": s}
   {"op": "clear"}                  SGLang's clear_hicache_storage (HTTP: POST /clear_hicache_storage_backend):
                                    the storage backend's clear()
 """
@@ -64,8 +65,10 @@ def run(spec: dict) -> dict:
                 time.sleep(phase.get("seconds", 3))
                 results.append({})
             elif op == "flush":
+                start = time.monotonic()
                 ok = engine.flush_cache()
-                results.append({"flushed": bool(getattr(ok, "success", ok) if ok is not None else True)})
+                results.append({"flushed": bool(getattr(ok, "success", ok) if ok is not None else True),
+                                "seconds": round(time.monotonic() - start, 3)})
             elif op == "clear":
                 out = engine.loop.run_until_complete(engine.tokenizer_manager.clear_hicache_storage())
                 results.append({"cleared": bool(getattr(out, "success", False))})
