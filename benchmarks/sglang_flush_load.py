@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def main() -> None:
     if args.cold_jit:
         env["TORCH_EXTENSIONS_DIR"] = str(work / "torch_extensions")
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still stops the burners (finally)
     burners = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(args.burners)]
     try:
         proc = subprocess.run([sys.executable, str(REPO / "tests" / "sglang" / "sglang_run.py"), str(work / "spec.json")],
