@@ -3,7 +3,7 @@
     python sglang_run.py spec.json      # spec: see run() below; used by test_sglang_e2e.py
 
 Needs the test harness on PYTHONPATH (tests/sglang/harness) with KVCONNECT_SGLANG_CPU_HARNESS=1.
-Phases:
+Every phase's result also has "began": the wall-clock time (time.time()) it started. Phases:
   {"op": "generate", "prompts": [[ids...], ...], "max_new_tokens": N}
       -> {"outputs": [[ids...]], "cached": [cached_tokens_details, ...]}
   {"op": "settle", "seconds": S}   wait for write-through backups to reach L3
@@ -52,6 +52,7 @@ def run(spec: dict) -> dict:
     try:
         for phase in spec["phases"]:
             op = phase["op"]
+            began = time.time()
             if op == "generate":
                 outs = engine.generate(
                     input_ids=phase["prompts"],
@@ -74,6 +75,7 @@ def run(spec: dict) -> dict:
                 results.append({"cleared": bool(getattr(out, "success", False))})
             else:
                 raise ValueError(f"unknown phase {op!r}")
+            results[-1]["began"] = began  # wall clock, for tests that order engine events
     finally:
         engine.shutdown()
     return {"phases": results}
