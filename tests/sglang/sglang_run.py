@@ -3,11 +3,12 @@
     python sglang_run.py spec.json      # spec: see run() below; used by test_sglang_e2e.py
 
 Needs the test harness on PYTHONPATH (tests/sglang/harness) with KVCONNECT_SGLANG_CPU_HARNESS=1.
-Phases:
+Every phase's result also has "began": the wall-clock time (time.time()) it started. Phases:
   {"op": "generate", "prompts": [[ids...], ...], "max_new_tokens": N}
       -> {"outputs": [[ids...]], "cached": [cached_tokens_details, ...]}
   {"op": "settle", "seconds": S}   wait for write-through backups to reach L3
   {"op": "flush"}                  engine.flush_cache(): device and host caches dropped
+                                   -> {"flushed": bool, "seconds": s}
   {"op": "clear"}                  SGLang's clear_hicache_storage (HTTP: POST /clear_hicache_storage_backend):
                                    the storage backend's clear()
 """
@@ -51,6 +52,7 @@ def run(spec: dict) -> dict:
     try:
         for phase in spec["phases"]:
             op = phase["op"]
+            began = time.time()
             if op == "generate":
                 outs = engine.generate(
                     input_ids=phase["prompts"],
@@ -64,13 +66,16 @@ def run(spec: dict) -> dict:
                 time.sleep(phase.get("seconds", 3))
                 results.append({})
             elif op == "flush":
+                start = time.monotonic()
                 ok = engine.flush_cache()
-                results.append({"flushed": bool(getattr(ok, "success", ok) if ok is not None else True)})
+                results.append({"flushed": bool(getattr(ok, "success", ok) if ok is not None else True),
+                                "seconds": round(time.monotonic() - start, 3)})
             elif op == "clear":
                 out = engine.loop.run_until_complete(engine.tokenizer_manager.clear_hicache_storage())
                 results.append({"cleared": bool(getattr(out, "success", False))})
             else:
                 raise ValueError(f"unknown phase {op!r}")
+            results[-1]["began"] = began  # wall clock, for tests that order engine events
     finally:
         engine.shutdown()
     return {"phases": results}

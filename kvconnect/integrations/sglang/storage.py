@@ -51,6 +51,7 @@ from kvconnect.spec import GroupSpec
 
 from .flat_pages import FlatPages
 from .host_pools import PoolPlanes, pool_planes
+from .page_hash import build_sglang_page_hash
 from kvconnect import metrics
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,9 @@ class KVConnectStorage(HiCacheStorage):
         self._flat: Optional[FlatPages] = None
         self._lock = threading.Lock()
         self._failed = False
+        # SGLang builds this before its storage threads start only if we ask: otherwise its
+        # prefetch thread JIT-builds it and a flush_cache meanwhile can fail (page_hash.py)
+        build_sglang_page_hash()
 
     # -- registration ------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
