@@ -22,6 +22,11 @@ tokens the engine already has; those chunks are neither stored nor loaded, and `
 returns the tokens loaded beyond them. For ``store`` the run is a chunk multiple; for
 ``retrieve`` it may end inside a chunk (an engine's block-aligned prefix hit): rows of the
 masked tokens are never written.
+
+KVCacheEngine's concepts beyond this API live beside it: the store path (store plans, the
+gather, headers committed; window parts at restore points) in store_path.py, the restore
+point lookup and retrieve with its fallback to an earlier restore point in restore.py (both
+mixins of KVCacheEngine), its counters (EngineStats, re-exported here) in engine_stats.py.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -37,56 +41,31 @@ import torch
 
 from . import metrics, transfer
 from .events import ChunkEventLog
-from .chunk_format import ChunkHeader
 from .config import Config
+from .engine_stats import EngineStats
 from .errors import CorruptChunkError, LayoutError, TokenError
 from .keys import ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
 from .layout import KVLayout
-from .parts import PartLayout, restore_points, window_chunks, window_key
+from .parts import PartLayout
 from .plan import (
     BlockTables,
     Chunk,
     StoredPart,
     check_chunk_size,
-    max_chunk_payload_bytes,
-    plan_store,
     restorable_boundary,
     retrieve_part_segments,
-    retrieve_segments,
-    store_segments,
 )
+from .restore import RestorePoints
 from .rows import chunk_bounds
 from .server import close_pool, make_pool
 from .storage import ChunkPool, StorageManager
+from .store_path import StorePath
 from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineStats:
-    stored_chunks: int = 0
-    stored_bytes: int = 0
-    skipped_chunks: int = 0  # already stored, or no room in the pool
-    retrieved_chunks: int = 0
-    retrieved_bytes: int = 0
-    retrieved_tokens: int = 0
-    lookups: int = 0
-    lookup_requested_tokens: int = 0
-    lookup_hit_tokens: int = 0
-    corrupt_chunks: int = 0
-    # restore points (parts.py; hybrid layouts only)
-    window_parts_stored: int = 0  # restore points whose window part a store wrote (some pieces or all)
-    window_pieces_stored: int = 0
-    window_bytes_stored: int = 0
-    window_pieces_evicted: int = 0  # from the private CPU pool
-    restore_point_hits: int = 0  # retrieves that resumed at a restore point
-    window_pieces_retrieved: int = 0
-    prefix_chunks_demoted: int = 0  # found present but reached by no restore point (parts.py)
-    replica_stores_left: int = 0  # stores a replica left to the writer (shared pool; KVCacheEngine(shared_writer=False))
-
-
-class KVCacheEngine:
+class KVCacheEngine(StorePath, RestorePoints):
     def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None,
                  window_parts: bool = True, shared_writer: bool = True) -> None:
         """``window_parts=False`` stores every group's rows in one object per chunk (engines
@@ -271,111 +250,6 @@ class KVCacheEngine:
             raise LayoutError(f"{what} stores whole chunks under caller keys; this engine splits its window groups "
                               "into restore-point parts: make it with KVCacheEngine(..., window_parts=False)")
 
-    def _store_chunks(self, chunks: list[Chunk], tables: BlockTables, start_s: float, prompt=None) -> int:
-        """``prompt``: (tokens, every chunk of them) when known, for the chunk events."""
-        plans = [p for p in plan_store(self.layout, chunks, tables) if p.group_mask]
-        existing = self.storage.masks([p.chunk.key for p in plans])
-        done_tokens = sum(p.chunk.end - p.chunk.start for p, m in zip(plans, existing) if m is not None and (m | p.group_mask) == m)
-        writes = self._write_objects([(p, p.chunk.key) for p in plans], existing)
-        if self.events is not None and writes:
-            self.events.stored("cpu", [_identity(p.chunk, prompt) for p, _ in writes])
-        with self._stats_lock:
-            self.stats.stored_chunks += len(writes)
-            self.stats.stored_bytes += sum(p.payload_bytes for p, _ in writes)
-            self.stats.skipped_chunks += len(plans) - len(writes)
-        self.ops.stored(len(writes), sum(p.payload_bytes for p, _ in writes), time.perf_counter() - start_s)
-        return done_tokens + sum(p.chunk.end - p.chunk.start for p, _ in writes)
-
-    def _write_objects(self, objects: list, existing: list) -> list:
-        """Gather and commit ``(plan, key)`` objects into the pool, in order, skipping those stored
-        with a superset of their groups; returns those written (a prefix of what was to write
-        when the pool had too few free slots)."""
-        # rewrite a stored object only when the new one holds strictly more groups: a re-store
-        # with fewer groups (window blocks already freed) must not shrink a good entry
-        todo = [(p, k) for (p, k), m in zip(objects, existing) if m is None or (m != p.group_mask and (m & p.group_mask) == m)]
-        # pin the objects of this prompt already in the pool while making room: eviction must
-        # not drop the prompt's own prefix to store its suffix (a pin, not a use)
-        held = self.pool.acquire([k for (_, k), m in zip(objects, existing) if m is not None], touch=False) if todo else []
-        try:
-            slots = self.storage.reserve(len(todo))
-        finally:
-            self.pool.release(held)
-        writes = todo[: len(slots)]
-        if len(slots) > len(writes):
-            self.storage.abort(slots[len(writes):])
-        if writes:
-            builder = store_segments(self.layout, [p for p, _ in writes], [self.pool.slot_offset(s) for s in slots])
-            try:
-                self.gather_to_pool(builder.build())
-            except BaseException:
-                self.storage.abort(slots)
-                raise
-            for (plan, key), slot in zip(writes, slots):
-                header = ChunkHeader(
-                    fingerprint=self.layout.fingerprint, key=key, token_start=plan.chunk.start,
-                    token_end=plan.chunk.end, group_mask=plan.group_mask, plane_rows=plan.plane_rows,
-                    payload_bytes=plan.payload_bytes,
-                )
-                self.storage.commit(key, header, slot)
-        return writes
-
-    def _store_parts(self, every: list[Chunk], chunks: list[Chunk], tables: BlockTables, start_s: float, prompt) -> int:
-        """Store the prefix parts of ``chunks`` and the window parts of this store's restore points."""
-        parts = self.parts
-        first = chunks[0].index if chunks else len(every)
-        prefix_plans = plan_store(self.layout, chunks, tables, groups=parts.prefix_mask) if parts.prefix_mask else []
-        prefix_existing = self.storage.masks([p.chunk.key for p in prefix_plans])
-        present = [False] * len(every)
-        for p, m in zip(prefix_plans, prefix_existing):
-            present[p.chunk.index] = m is not None and (m & parts.prefix_mask) == parts.prefix_mask
-        points = restore_points(every, first, present, self.config.restore_interval_tokens)
-        window_of: dict[int, list[int]] = {}  # chunk index -> the restore points needing its window rows
-        for k in points:
-            for j in window_chunks(self.layout, parts.window_mask, every, k):
-                window_of.setdefault(j, []).append(k)
-        window_plans = []
-        for j in sorted(window_of):
-            for piece, sel in enumerate(self._piece_planes):
-                (plan,) = plan_store(self.layout, [every[j]], tables, groups=parts.window_mask, planes=sel)
-                if plan.group_mask:
-                    window_plans.append((plan, window_key(every[j].key, piece)))
-        window_existing = self.storage.masks([k for _, k in window_plans])
-        # one order, by chunk: a pool short of slots keeps the earliest restore points whole
-        prefix_objects = [((p, p.chunk.key), m) for p, m in zip(prefix_plans, prefix_existing) if p.group_mask]
-        window_set = {k for _, k in window_plans}
-        ordered = sorted(prefix_objects + list(zip(window_plans, window_existing)), key=lambda o: (o[0][0].chunk.index, o[0][1] in window_set))
-        writes = self._write_objects([o for o, _ in ordered], [m for _, m in ordered])
-        reinstate = getattr(self.pool, "reinstate", None)
-        if reinstate is not None and points:  # what this store's restore points reach is worth keeping again
-            last = points[-1]
-            reinstate([k for (p, k), m in ordered if m is not None and p.chunk.index <= last])
-        prefix_writes = [p for p, k in writes if k not in window_set]
-        window_writes = [(p, k) for p, k in writes if k in window_set]
-        if self.events is not None and prefix_writes:
-            self.events.stored("cpu", [_identity(p.chunk, prompt) for p in prefix_writes])
-        written_chunks = {p.chunk.index for p, _ in window_writes}
-        with self._stats_lock:
-            self.stats.stored_chunks += len(prefix_writes)
-            self.stats.stored_bytes += sum(p.payload_bytes for p, _ in writes)
-            self.stats.skipped_chunks += len(prefix_objects) - len(prefix_writes)
-            self.stats.window_pieces_stored += len(window_writes)
-            self.stats.window_bytes_stored += sum(p.payload_bytes for p, _ in window_writes)
-            self.stats.window_parts_stored += sum(1 for k in points if any(j in written_chunks for j in
-                                                                               window_chunks(self.layout, parts.window_mask, every, k)))
-        self.ops.stored(len(writes), sum(p.payload_bytes for p, _ in writes), time.perf_counter() - start_s)
-        # a chunk counts as stored when any of its objects is (as when a chunk was one object)
-        stored = {p.chunk.index for p, _ in writes} | {k for k in range(len(every)) if present[k]}
-        stored |= {p.chunk.index for (p, _), m in zip(window_plans, window_existing) if m is not None}
-        stored |= {p.chunk.index for p, m in zip(prefix_plans, prefix_existing) if m is not None and (m | p.group_mask) == m}
-        return sum(c.end - c.start for c in chunks if c.index in stored)
-
-    def _count_evicted(self, entry) -> None:
-        """Pool eviction listener: count window pieces (a prefix part's groups are never all window groups)."""
-        mask = entry.header.group_mask
-        if mask and not mask & self.parts.prefix_mask:
-            with self._stats_lock:
-                self.stats.window_pieces_evicted += 1
-
     # -- lookup ----------------------------------------------------------------------
     def lookup(self, tokens: Tokens, *, namespace: Namespace = None, generation: Optional[bytes] = None) -> int:
         """Tokens restorable from token 0: the largest chunk end at which every group can resume
@@ -389,20 +263,7 @@ class KVCacheEngine:
         chunks = self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace, generation=generation)
         if not self.parts.split:
             return self.lookup_chunks(chunks)
-        prefix = self._prefix_masks(chunks)
-        run = self._prefix_run(prefix)
-        begun: list = []
-        window = self._window_masks(chunks, run, begun)
-        hit = restorable_boundary(self.layout, chunks, self._effective(prefix, window))
-        if hit:
-            k = next(c.index for c in chunks if c.end == hit)
-            used = [c.key for c in chunks if c.end <= hit] if self.parts.prefix_mask else []
-            used += [window_key(chunks[j].key, p) for j in window_chunks(self.layout, self.parts.window_mask, chunks, k)
-                     for p in range(len(self.parts.pieces))]
-            self.pool.release(self.pool.acquire(used))  # acquire touches
-        self._demote_unreachable(chunks, hit, run, window, begun)
-        self._count_lookup(chunks, hit)
-        return hit
+        return self._lookup_parts(chunks)
 
     def lookup_chunks(self, chunks: list[Chunk]) -> int:
         """``lookup`` over chunks whose keys the caller computed: the restorable chunk end."""
@@ -418,59 +279,6 @@ class KVCacheEngine:
             self.stats.lookups += 1
             self.stats.lookup_requested_tokens += chunks[-1].end if chunks else 0
             self.stats.lookup_hit_tokens += hit
-
-    # -- the two parts (parts.py) ----------------------------------------------------
-    def _prefix_masks(self, chunks: list[Chunk]) -> list[Optional[int]]:
-        """Prefix groups stored per chunk (None: absent); all-zero masks when no group is a prefix group."""
-        if not self.parts.prefix_mask:
-            return [0] * len(chunks)
-        return [m & self.parts.prefix_mask if m is not None else None for m in self.storage.masks([c.key for c in chunks])]
-
-    def _prefix_run(self, prefix: list[Optional[int]]) -> int:
-        """How many leading chunks hold every prefix group."""
-        want = self.parts.prefix_mask
-        for i, m in enumerate(prefix):
-            if m is None or (m & want) != want:
-                return i
-        return len(prefix)
-
-    def _window_masks(self, chunks: list[Chunk], run: int, begun: Optional[list] = None) -> list[int]:
-        """Window groups stored for each of the first ``run`` chunks (0 past them): the groups every
-        piece holds, 0 unless every piece is present. Asks for piece 0 first: most chunks have none."""
-        out = [0] * len(chunks)
-        npieces = len(self.parts.pieces)
-        first = self.storage.masks([window_key(c.key, 0) for c in chunks[:run]])
-        have = [i for i, m in enumerate(first) if m is not None]
-        if begun is not None:  # chunks whose piece 0 is present (a window part was begun)
-            begun.extend(m is not None for m in first)
-        for i in have:
-            out[i] = first[i] & self.parts.window_mask
-        if npieces > 1 and have:
-            rest = self.storage.masks([window_key(chunks[i].key, p) for i in have for p in range(1, npieces)])
-            for n, i in enumerate(have):
-                for m in rest[n * (npieces - 1) : (n + 1) * (npieces - 1)]:
-                    out[i] = out[i] & m if m is not None else 0
-        return out
-
-    def _effective(self, prefix: list[Optional[int]], window: list[int]) -> list[Optional[int]]:
-        return [None if p is None and not w else (p or 0) | w for p, w in zip(prefix, window)]
-
-    def _demote_unreachable(self, chunks: list[Chunk], hit: int, run: int, window: list[int], begun: list) -> None:
-        """Tell the pool what this lookup found worth less: prefix parts of this prompt past its
-        last usable restore point (no restore point of this prompt reaches them; a branch that
-        still does touches them back), and the pieces of incomplete window parts."""
-        demote = getattr(self.pool, "demote", None)
-        if demote is None:
-            return
-        keys = [c.key for c in chunks[:run] if c.end > hit] if self.parts.prefix_mask else []
-        moved = demote(keys) if keys else 0
-        npieces = len(self.parts.pieces)
-        partial = [c for c, w, b in zip(chunks[:run], window, begun) if not w and b]
-        if partial and npieces > 1:
-            demote([window_key(c.key, p) for c in partial for p in range(npieces)])
-        if moved:
-            with self._stats_lock:
-                self.stats.prefix_chunks_demoted += moved
 
     # -- retrieve --------------------------------------------------------------------
     def retrieve(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None,
@@ -510,66 +318,6 @@ class KVCacheEngine:
         finally:
             self.storage.release(entries)
 
-    def _retrieve_parts(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
-        """Pin the prefix parts, find the largest restore point whose window pieces can be pinned too, load."""
-        parts, npieces = self.parts, len(self.parts.pieces)
-        wanted = [c for c in chunks if c.end > skip]
-        below = len(chunks) - len(wanted)
-        if parts.prefix_mask:
-            entries = [None] * below + list(self.storage.acquire([c.key for c in wanted]))
-        else:
-            entries = [None] * len(chunks)
-        pieces: dict[int, list] = {}  # chunk index -> its pinned window pieces
-        try:
-            prefix = [(e.header.group_mask & parts.prefix_mask if e is not None else None) for e in entries]
-            if not parts.prefix_mask:
-                prefix = [0] * len(chunks)
-            run = self._prefix_run([parts.prefix_mask if c.end <= skip else m for c, m in zip(chunks, prefix)])
-            window = self._window_masks(chunks, run)
-            for _ in range(len(chunks) + 1):  # each round pins one candidate's pieces or rules a chunk out
-                boundary = restorable_boundary(self.layout, chunks, self._effective(prefix, window), present_below=skip)
-                if boundary <= skip:
-                    return 0
-                k = next(c.index for c in chunks if c.end == boundary)
-                need = [j for j in window_chunks(self.layout, parts.window_mask, chunks, k) if chunks[j].end > skip and j not in pieces]
-                got = self.storage.acquire([window_key(chunks[j].key, p) for j in need for p in range(npieces)])
-                lost = False
-                for n, j in enumerate(need):
-                    mine = got[n * npieces : (n + 1) * npieces]
-                    mask = parts.window_mask
-                    for e in mine:
-                        mask = mask & e.header.group_mask if e is not None else 0
-                    if mask != window[j]:
-                        lost = True
-                        window[j] = mask
-                    if all(e is not None for e in mine) and mask:
-                        pieces[j] = mine
-                    else:
-                        self.storage.release(mine)
-                if not lost:
-                    break
-            else:
-                return 0
-            load = [c for c in chunks if c.end > skip and c.end <= boundary]
-            needed = set(window_chunks(self.layout, parts.window_mask, chunks, k))
-            stored = []
-            for c in load:
-                mine = []
-                if (e := entries[c.index]) is not None:
-                    mine.append(StoredPart(e.header, self.pool.slot_offset(e.slot), self._prefix_planes, e.key))
-                if c.index in needed:
-                    mine += [StoredPart(e.header, self.pool.slot_offset(e.slot), self._piece_planes[p], e.key)
-                             for p, e in enumerate(pieces[c.index])]
-                stored.append(mine)
-            got = self._load(load, stored, boundary, tables, skip, start_s, pieces=sum(len(pieces[j]) for j in needed if j in pieces))
-            if got:
-                with self._stats_lock:
-                    self.stats.restore_point_hits += 1
-            return got
-        finally:
-            self.storage.release(entries)
-            for mine in pieces.values():
-                self.storage.release(mine)
 
     def _load(self, load: list[Chunk], parts: list, boundary: int, tables: BlockTables, skip: int, start_s: float, *,
               pieces: int) -> int:
@@ -630,15 +378,6 @@ def _named(layout: KVLayout, model_name: str) -> KVLayout:
     if not layout.model_name:
         return layout.with_identity(model_name=model_name)
     return layout.with_identity(identity={"config_model_name": model_name})
-
-
-def _identity(chunk: Chunk, prompt) -> tuple[bytes, Optional[bytes], np.ndarray]:
-    """(key, parent key, token ids) of a stored chunk for its event; no tokens when unknown."""
-    if prompt is None:
-        return bytes(chunk.key), None, np.zeros(0, np.int64)
-    tokens, every = prompt
-    parent = bytes(every[chunk.index - 1].key) if chunk.index > 0 else None
-    return bytes(chunk.key), parent, tokens[chunk.start : chunk.end]
 
 
 def _want_pinned(device: torch.device) -> bool:
