@@ -1,35 +1,20 @@
 """Translate vLLM's (and vLLM-Ascend's) KV-cache description into kvconnect's.
 
-The only module that reads vLLM objects. It reads them by attribute and class name and
-imports vLLM lazily (parallel ranks only), so it is unit-tested with look-alike objects on
-machines without vLLM.
+With the modules split from it (below), the only module that reads vLLM objects. They read
+them by attribute and class name and import vLLM lazily (parallel ranks only), so they are
+unit-tested with look-alike objects on machines without vLLM.
 
     t = translate_kv_caches(kv_cache_config, kv_caches, backend_names=..., ...)
     t.layout                 KVLayout over every plane of every transferable group
     t.block_tables(ids)      vLLM per-group block ids -> kvconnect per-group int64 arrays
 
 Groups. Each vLLM group becomes one kvconnect group (two when it mixes opaque pages and
-token rows); a kvconnect group reads the block ids of the vLLM group it came from.
+token rows); a kvconnect group reads the block ids of the vLLM group it came from. Which
+GroupSpec a vLLM spec becomes is the table in ``specs`` (``group_spec_of``).
 
-| vLLM spec (class name)                                  | kvconnect GroupSpec |
-|---------------------------------------------------------|---------------------|
-| FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
-| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a bench-proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU) |
-| Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
-| UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
-| MambaSpec (Gated DeltaNet, Mamba), ``mamba_cache_mode`` "align" | STATE group of the spec's block size: one state page per block, its snapshot at a restore point P is row P / B - 1 (``recurrent``); other modes refused |
-| anything else (chunked local, cross attention, ...)     | ``UnsupportedLayoutError``: the connector stays off |
-
-Tensors (one value per layer).
-
-| registered value                                         | planes |
-|----------------------------------------------------------|--------|
-| tuple/list (vLLM-Ascend: MLA nope + rope, indexer K + scale) | one ``[NB, rows, ...]`` plane per distinct element |
-| 4-D ``[B, H, N, C]`` view of a page-packing backend (vLLM CPU: K transposed in a page) | one opaque page per block |
-| a layer whose module reports a tiled layout (``tiled_layers``: ROCm V3.2 indexer) | one opaque page per block |
-| 4-D ``[B, H, N, C]`` whose ``(H, C)`` is contiguous per token (vLLM >= 0.32, MLA ``[B, 1, N, 576]``) | one plane ``[B, N, H*C]`` |
-| 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
-| 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
+Tensors (one value per layer). Which planes a registered value becomes is the table in
+``tensors`` (``_planes_of``); a layer whose module reports a tiled layout (``tiled_layers``)
+is one opaque page per block.
 
 Split blocks. A cache whose blocks keep each row's fields in separate regions (vLLM's
 DeepSeek V4 ``fp8_ds_mla``: ``[rows x 576][rows x 8]``; DeepSeek indexer K: ``[rows x 128][rows x 4]``)
@@ -51,23 +36,24 @@ Any other layout, a mix of replicated and sharded groups included, keeps the ran
 
 The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
 the window): it becomes -1. Layers of one group that share a tensor are stored once.
+
+The pieces, one concept each, are re-exported here (``translate.<name>`` as before):
+``specs`` (spec -> GroupSpec), ``tensors`` (registered value -> planes, its checks, the layer
+modules' hints), ``ranks`` (``ParallelRanks``, ``parallel_ranks``, ``data_parallel_rank``) and
+``request_reads`` (requests and scheduler output).
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any, Mapping, Optional, Sequence
 
 import blake3
-import msgpack
 import numpy as np
 import torch
 
 from kvconnect.errors import BlockTableError, LayoutError, UnsupportedLayoutError
-from kvconnect.keys import MAX_NAMESPACE_BYTES
 from kvconnect.layout import KVLayout
 from kvconnect.layout_detect import split_planes
 from kvconnect.spec import DCPSpec, GroupSpec, RowRegions
@@ -75,164 +61,28 @@ from kvconnect.spec import DCPSpec, GroupSpec, RowRegions
 from . import engine_tables, recurrent
 from .engine_tables import EngineRelease
 from .metadata import BlockIds, RequestView, freeze_block_ids
-from kvconnect.views import distinct_view_indices
+from .ranks import ParallelRanks, data_parallel_rank, default_channel_address, parallel_ranks
+from .request_reads import (all_token_ids, block_ids_of, current_block_ids, num_computed_tokens, preempted_ids,
+                            request_namespace, request_view, scheduled_tokens)
+from .specs import TP_REPLICATED_SPECS, _layer_spec, group_spec_of
+from .tensors import (PAGE_PACKED_BACKENDS, _check_blocks, _device_type, _planes_of, _row_regions, _signature,
+                      attention_backend_names, tiled_layers)
+
+__all__ = [
+    "NULL_BLOCK_ID", "Translation", "translate_kv_caches", "states_refusal", "extra_config", "model_identity",
+    # re-exported from the modules split out of this one
+    "UnsupportedLayoutError", "BlockIds", "RequestView", "freeze_block_ids",
+    "TP_REPLICATED_SPECS", "group_spec_of",
+    "PAGE_PACKED_BACKENDS", "attention_backend_names", "tiled_layers",
+    "ParallelRanks", "parallel_ranks", "data_parallel_rank", "default_channel_address",
+    "request_view", "request_namespace", "all_token_ids", "num_computed_tokens", "block_ids_of",
+    "scheduled_tokens", "preempted_ids", "current_block_ids",
+]
 
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = 0
 """vLLM's null block: a real block that no request owns and no valid position reads."""
-
-PAGE_PACKED_BACKENDS = frozenset({"CPU_ATTN"})
-"""Attention backends whose per-token K/V is not a contiguous row inside a page."""
-
-_FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec", "AscendSFAIndexerCacheSpec"})
-_WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec", "AscendSlidingWindowMLASpec"})
-TP_REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec", "AscendMLAAttentionSpec",
-                                 "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec"})
-"""Specs whose cache is the same on every TP rank: MLA latents, DeepSeek V4's compressed and SWA
-latents and compressor states, the V3.2 / V4 indexer K (one head from replicated weights)."""
-
-
-# ---------------------------------------------------------------------------------------
-# specs
-
-
-def _compress_ratio(spec: Any) -> int:
-    ratio = getattr(spec, "compress_ratio", None)  # vLLM-Ascend; vLLM 0.23 MLAAttentionSpec
-    if ratio is None:
-        per_state = getattr(spec, "tokens_per_state", 1)  # vLLM: tokens per stored state
-        if isinstance(per_state, Fraction) and per_state.denominator != 1:
-            raise UnsupportedLayoutError(f"{type(spec).__name__}: {per_state} tokens per state (several states per token)")
-        ratio = int(per_state)
-    return max(1, int(ratio))
-
-
-def _block_tokens(spec: Any, ratio: int, release: EngineRelease) -> int:
-    """Tokens one engine block of a spec covers, by what the release's ``block_size`` counts."""
-    block_size = int(spec.block_size)
-    if ratio == 1:
-        return block_size
-    if release.compressed_block_unit == "rows":
-        return block_size * ratio  # vLLM-Ascend 0.23: block_size rows, each `ratio` tokens
-    rows = getattr(spec, "storage_block_size", None)
-    if rows is not None and int(rows) * ratio != block_size:
-        raise UnsupportedLayoutError(
-            f"{type(spec).__name__}: block_size {block_size} tokens with storage_block_size {rows} rows "
-            f"at compress ratio {ratio} ({release.name} counts block_size in tokens)")
-    return block_size
-
-
-def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel_split: int = 1,
-                  device_type: Optional[str] = None) -> GroupSpec:
-    """The kvconnect GroupSpec of one vLLM per-layer spec (see the table in the module doc).
-
-    kernel_split: the registered tensor holds each vLLM block as this many kernel blocks;
-    the GroupSpec then describes one kernel block.
-    device_type: the registered tensor's device type; the release's window-free rules
-    (``EngineRelease.window_free``) apply only on the device types they were measured on
-    (None: no rule).
-    """
-    name = type(spec).__name__
-    if recurrent.is_state_spec(spec):
-        if release.recurrent_refusal:
-            raise UnsupportedLayoutError(f"{name}: {release.recurrent_refusal}")
-        return recurrent.state_group_spec(spec)
-    if getattr(spec, "sfa_dcp_replicated_indexer_size", 1) > 1:
-        raise UnsupportedLayoutError(
-            f"{name}: the indexer cache is replicated over {spec.sfa_dcp_replicated_indexer_size} decode-context "
-            f"ranks (num_blocks x {spec.sfa_dcp_replicated_indexer_size} blocks); which rank's tokens a block holds "
-            f"is not described by the spec")
-    ratio = _compress_ratio(spec)
-    tokens = _block_tokens(spec, ratio, release) // max(1, kernel_split)
-    if name in _WINDOW_SPECS:
-        window = int(spec.sliding_window)
-        # vLLM frees blocks whose tokens are all before P - W + 1 (get_num_skipped_tokens),
-        # so W - 1 trailing tokens is what it needs and what it keeps.
-        return GroupSpec(block_size=tokens, compress_ratio=ratio,
-                         sliding_window=window, restore_window=max(1, window - 1),
-                         window_free_every=release.window_free_every(spec, device_type))
-    if name in _FULL_SPECS or name in release.compressed_full_specs:
-        # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
-        # keeps blocks for every token, so it is restored as a full group.
-        return GroupSpec(block_size=tokens, compress_ratio=ratio)
-    raise UnsupportedLayoutError(
-        f"vLLM cache spec {name} is not supported (chunked local, cross attention and "
-        f"unknown specs cannot be restored exactly); kvconnect stays off for this model"
-    )
-
-
-def _device_type(value: Any) -> Optional[str]:
-    tensor = value[0] if isinstance(value, (tuple, list)) and value else value
-    return tensor.device.type if isinstance(tensor, torch.Tensor) else None
-
-
-def _layer_spec(group_spec: Any, layer_name: str) -> Any:
-    if type(group_spec).__name__ == "UniformTypeKVCacheSpecs":
-        return group_spec.kv_cache_specs[layer_name]
-    return group_spec
-
-
-def _num_heads(spec: Any) -> int:
-    slots = getattr(spec, "num_head_slots", None)
-    return int(slots if slots is not None else getattr(spec, "num_kv_heads", 1))
-
-
-# ---------------------------------------------------------------------------------------
-# tensors
-
-
-def _rows_contiguous(t: torch.Tensor) -> bool:
-    """Whether dims 2.. of a ``[blocks, rows, ...]`` view form one contiguous row."""
-    expected = 1
-    for dim in range(t.dim() - 1, 1, -1):
-        if t.shape[dim] != 1 and t.stride(dim) != expected:
-            return False
-        expected *= t.shape[dim]
-    return True
-
-
-def _distinct_views(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """A layer's tensors without the views that only re-read bytes earlier tensors cover
-    (``kvconnect.views``: vLLM-Ascend A5 registers the C4 indexer as K, scale and a third view
-    over both). A partial overlap is refused: the connector stays off for the model."""
-    try:
-        kept = distinct_view_indices("", tensors)
-    except LayoutError as exc:
-        raise UnsupportedLayoutError(str(exc).replace("layer '': ", "")) from exc
-    return tuple(tensors[i] for i in kept)
-
-
-def _planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], logical_views: bool):
-    """(value for KVLayout, layout hint or None, is_page) of one layer."""
-    if recurrent.is_state_spec(spec):  # one state page per block (conv state, then recurrent state)
-        recurrent.check_state_tensor(spec, value)
-        return value, "page", True
-    if isinstance(value, (tuple, list)):
-        return _distinct_views(value), None, False
-    if not isinstance(value, torch.Tensor):
-        raise LayoutError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
-    if value.dim() != 4:
-        return value, None, False
-    rows, heads = group.rows_per_block, _num_heads(spec)
-    bhnc = value.shape[1] == heads and value.shape[2] == rows
-    bnhc = value.shape[1] == rows and value.shape[2] == heads
-    if bhnc and (logical_views or not bnhc):
-        if backend in PAGE_PACKED_BACKENDS:
-            return value, "page", True
-        per_token = value.permute(0, 2, 1, 3)
-        if _rows_contiguous(per_token):
-            return per_token, "blocks_first", False
-        return value, "hnd", False
-    if bnhc:
-        return value, "blocks_first", False
-    raise UnsupportedLayoutError(
-        f"a 4-D cache of shape {tuple(value.shape)} matches neither [B, H={heads}, N={rows}, C] nor [B, N, H, C]"
-    )
-
-
-def _signature(value: Any) -> tuple:
-    tensors = value if isinstance(value, (tuple, list)) else (value,)
-    return tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
 
 
 # ---------------------------------------------------------------------------------------
@@ -430,81 +280,8 @@ def states_refusal(kv_cache_config: Any, kv_caches: Mapping[str, Any], kv_states
     return f"{reason}; kv_states of {len(kv_states)} layers; {blocks}"
 
 
-def _row_regions(spec: Any, views: Sequence[torch.Tensor], release: EngineRelease) -> Optional[RowRegions]:
-    """The regions of a layer whose one row plane the release writes split (None: whole rows)."""
-    if len(views) != 1 or views[0].dim() < 3:
-        return None
-    view = views[0]
-    row_bytes = int(np.prod(view.shape[2:])) * view.element_size()
-    dtype = str(view.dtype).removeprefix("torch.")
-    if release.unaudited(spec, dtype, row_bytes):
-        raise UnsupportedLayoutError(
-            f"{type(spec).__name__} ({getattr(spec, 'cache_dtype_str', None)}, {row_bytes}-byte rows): a packed DeepSeek "
-            f"V4 cache whose in-block layout {release.name}'s table does not describe; kvconnect stays off rather than "
-            f"guess where each row's fields are")
-    return release.row_regions(spec, dtype, row_bytes)
-
-
-def _check_blocks(value: Any, expected: int, split: int) -> None:
-    """Registered tensors must hold every block vLLM may hand out (x the kernel split)."""
-    if expected <= 0:
-        return
-    for t in value if isinstance(value, tuple) else (value,):
-        blocks = t.shape[1] if t.dim() == 5 and t.shape[0] == 2 else t.shape[0]
-        if t.dim() == 5 and t.shape[0] != 2:
-            continue  # FlashInfer [NB, 2, ...]: dim 0 is the block
-        if blocks < expected:
-            hint = f" ({split} kernel blocks per vLLM block)" if split > 1 else ""
-            raise UnsupportedLayoutError(
-                f"a {tuple(t.shape)} cache holds {blocks} blocks, fewer than the {expected} vLLM may use{hint}")
-
-
 # ---------------------------------------------------------------------------------------
-# the rest of what the connector reads from vLLM
-
-
-@dataclass(frozen=True)
-class ParallelRanks:
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    dcp: DCPSpec = DCPSpec()
-
-    @property
-    def num_workers(self) -> int:
-        return self.tp_size * self.pp_size
-
-    @property
-    def worker_index(self) -> int:
-        return self.pp_rank * self.tp_size + self.tp_rank
-
-    def writes_shared(self, tp_replicated: bool) -> bool:
-        """Whether this rank writes the shared places (lower tiers, the node server's pool).
-
-        Every rank does for rank-keyed KV. KV replicated over TP is written by one rank per
-        copy: with decode context parallelism each DCP rank's tokens are a copy of their own,
-        held by the TP ranks with that DCP rank (vLLM's DCP groups are consecutive TP ranks:
-        ``dcp_rank = tp_rank % dcp_size``), so the writers are the ranks whose TP rank equals
-        their DCP rank (tp_rank < dcp_size; as SGLang's ``is_storage_writer``).
-        """
-        return not tp_replicated or self.tp_rank == self.dcp.rank
-
-
-def parallel_ranks(vllm_config: Any, *, in_worker: bool) -> ParallelRanks:
-    """Sizes from the config; this process's ranks too when ``in_worker`` (distributed is up)."""
-    par = vllm_config.parallel_config
-    tp_size, pp_size = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
-    dcp_size = int(getattr(par, "decode_context_parallel_size", 1) or 1)
-    interleave = int(getattr(par, "cp_kv_cache_interleave_size", 1) or 1)
-    if not in_worker:
-        return ParallelRanks(tp_size=tp_size, pp_size=pp_size, dcp=DCPSpec(size=dcp_size, interleave_tokens=interleave))
-    from vllm.distributed import parallel_state as ps
-
-    tp_rank = ps.get_tensor_model_parallel_rank() if tp_size > 1 else 0
-    pp_rank = ps.get_pp_group().rank_in_group if pp_size > 1 else 0
-    dcp_rank = ps.get_dcp_group().rank_in_group if dcp_size > 1 else 0
-    return ParallelRanks(tp_rank, tp_size, pp_rank, pp_size, DCPSpec(rank=dcp_rank, size=dcp_size, interleave_tokens=interleave))
+# what else the connector reads from vLLM's config (ranks: ``ranks``; requests: ``request_reads``)
 
 
 def extra_config(vllm_config: Any) -> dict:
@@ -516,119 +293,3 @@ def model_identity(vllm_config: Any) -> str:
     model = vllm_config.model_config
     return f"{model.model}@{getattr(model, 'revision', None) or ''}"
 
-
-def data_parallel_rank(vllm_config: Any) -> int:
-    """This engine's data-parallel rank (0 without data parallelism)."""
-    return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-
-
-def default_channel_address(vllm_config: Any) -> str:
-    """An ipc:// prefix that the scheduler and the workers of one engine derive alike."""
-    seed = f"{vllm_config.kv_transfer_config.engine_id}|dp{getattr(vllm_config.parallel_config, 'data_parallel_rank', 0)}"
-    return f"ipc://{tempfile.gettempdir()}/kvconnect-{blake3.blake3(seed.encode()).hexdigest(length=8)}"
-
-
-def attention_backend_names(vllm_config: Any, layer_names: Sequence[str]) -> dict[str, str]:
-    """Attention backend name of each layer, where vLLM exposes it (else absent)."""
-    names: dict[str, str] = {}
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
-    for layer in layer_names:
-        module = context.get(layer)
-        try:  # a hint only: a layer that cannot name its backend is treated as row-addressable
-            backend = getattr(module, "attn_backend", None)
-            if backend is None and hasattr(module, "get_attn_backend"):
-                backend = module.get_attn_backend()
-            if backend is not None and hasattr(backend, "get_name"):
-                names[layer] = str(backend.get_name())
-        except Exception:
-            continue
-    return names
-
-
-def tiled_layers(vllm_config: Any, layer_names: Sequence[str]) -> list[str]:
-    """Layers whose cache module says its rows are tiled across the block (vLLM's ROCm DeepSeek
-    V3.2 indexer: ``uses_shuffled_layout``, values in [blk/16, head/16, 16, 16] tiles)."""
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
-    out = []
-    for layer in layer_names:
-        try:  # a property of the layer module; any failure to read it means "not tiled"
-            if getattr(context.get(layer), "uses_shuffled_layout", False) is True:
-                out.append(layer)
-        except Exception:
-            continue
-    return out
-
-
-def request_view(request: Any) -> RequestView:
-    """A request's prompt and namespace; not cacheable when more than these decides its KV.
-
-    A LoRA adapter (by name and path, as vLLM's own prefix cache keys it) and vLLM's
-    per-request ``cache_salt`` change the KV of the same token ids: they form the request's
-    namespace, so its chunks are found only by requests with the same adapter and salt.
-    Multimodal inputs (placeholder tokens stand for different images) and prompt embeddings
-    are not covered by chunk keys: such requests are neither looked up nor saved.
-    """
-    prompt = getattr(request, "prompt_token_ids", None)
-    tokens = np.asarray(prompt if prompt is not None else [], dtype=np.int64)
-    namespace = request_namespace(request)
-    cacheable = (
-        prompt is not None
-        and not getattr(request, "mm_features", None)
-        and getattr(request, "prompt_embeds", None) is None
-        and namespace is not None
-        and len(namespace) <= MAX_NAMESPACE_BYTES
-    )
-    return RequestView(req_id=request.request_id, prompt_tokens=tokens, num_tokens=int(request.num_tokens),
-                       cacheable=bool(cacheable), namespace=namespace or b"")
-
-
-def request_namespace(request: Any) -> Optional[bytes]:
-    """The namespace bytes of a request: empty without LoRA and salt (the keys of plain requests);
-    None for an adapter without a name (it cannot be told apart from others: not cached)."""
-    parts = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        name = getattr(lora, "lora_name", None)
-        if not name:
-            return None
-        parts.append(["lora", str(name), str(getattr(lora, "lora_path", "") or "")])
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append(["cache_salt", str(salt)])
-    return msgpack.packb(parts) if parts else b""
-
-
-def all_token_ids(request: Any) -> np.ndarray:
-    """A request's prompt and generated token ids so far (vLLM's ``all_token_ids``)."""
-    return np.asarray(request.all_token_ids, dtype=np.int64)
-
-
-def num_computed_tokens(request: Any) -> int:
-    return int(request.num_computed_tokens)
-
-
-def block_ids_of(blocks: Any) -> BlockIds:
-    """vLLM's KVCacheBlocks as per-group block ids."""
-    return freeze_block_ids(blocks.get_block_ids())
-
-
-def scheduled_tokens(scheduler_output: Any) -> dict[str, int]:
-    return dict(scheduler_output.num_scheduled_tokens)
-
-
-def preempted_ids(scheduler_output: Any) -> set[str]:
-    """Requests whose blocks the scheduler freed for this step (``SchedulerOutput.preempted_req_ids``,
-    vLLM 0.23 and 0.32; None when there are none)."""
-    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-
-
-def current_block_ids(scheduler_output: Any, kv_cache_manager: Any, req_id: str) -> Optional[BlockIds]:
-    """A scheduled request's block ids as the scheduler holds them now (freed blocks as 0)."""
-    state = getattr(scheduler_output, "kv_connector_block_state", None)
-    if state is not None:
-        ids = state.get_block_ids(req_id)
-        if ids is not None:
-            return freeze_block_ids(ids)
-    if kv_cache_manager is not None:
-        return freeze_block_ids(kv_cache_manager.get_block_ids(req_id))
-    return None

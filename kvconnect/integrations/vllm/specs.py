@@ -1,0 +1,110 @@
+"""What one vLLM (or vLLM-Ascend) cache spec becomes in kvconnect: its ``GroupSpec``.
+
+Reads specs by class name and attribute, never importing vLLM. ``translate`` applies this to
+every layer of every transferable vLLM group.
+
+| vLLM spec (class name)                                  | kvconnect GroupSpec |
+|---------------------------------------------------------|---------------------|
+| FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
+| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a bench-proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU) |
+| Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
+| UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
+| MambaSpec (Gated DeltaNet, Mamba), ``mamba_cache_mode`` "align" | STATE group of the spec's block size: one state page per block, its snapshot at a restore point P is row P / B - 1 (``recurrent``); other modes refused |
+| anything else (chunked local, cross attention, ...)     | ``UnsupportedLayoutError``: the connector stays off |
+
+What a spec's ``block_size`` counts depends on the engine release (``engine_tables``):
+vLLM-Ascend 0.23 counts compressed blocks in rows, vLLM in tokens.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Optional
+
+from kvconnect.errors import UnsupportedLayoutError
+from kvconnect.spec import GroupSpec
+
+from . import engine_tables, recurrent
+from .engine_tables import EngineRelease
+
+_FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec", "AscendSFAIndexerCacheSpec"})
+_WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec", "AscendSlidingWindowMLASpec"})
+TP_REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec", "AscendMLAAttentionSpec",
+                                 "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec"})
+"""Specs whose cache is the same on every TP rank: MLA latents, DeepSeek V4's compressed and SWA
+latents and compressor states, the V3.2 / V4 indexer K (one head from replicated weights)."""
+
+
+def _compress_ratio(spec: Any) -> int:
+    ratio = getattr(spec, "compress_ratio", None)  # vLLM-Ascend; vLLM 0.23 MLAAttentionSpec
+    if ratio is None:
+        per_state = getattr(spec, "tokens_per_state", 1)  # vLLM: tokens per stored state
+        if isinstance(per_state, Fraction) and per_state.denominator != 1:
+            raise UnsupportedLayoutError(f"{type(spec).__name__}: {per_state} tokens per state (several states per token)")
+        ratio = int(per_state)
+    return max(1, int(ratio))
+
+
+def _block_tokens(spec: Any, ratio: int, release: EngineRelease) -> int:
+    """Tokens one engine block of a spec covers, by what the release's ``block_size`` counts."""
+    block_size = int(spec.block_size)
+    if ratio == 1:
+        return block_size
+    if release.compressed_block_unit == "rows":
+        return block_size * ratio  # vLLM-Ascend 0.23: block_size rows, each `ratio` tokens
+    rows = getattr(spec, "storage_block_size", None)
+    if rows is not None and int(rows) * ratio != block_size:
+        raise UnsupportedLayoutError(
+            f"{type(spec).__name__}: block_size {block_size} tokens with storage_block_size {rows} rows "
+            f"at compress ratio {ratio} ({release.name} counts block_size in tokens)")
+    return block_size
+
+
+def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel_split: int = 1,
+                  device_type: Optional[str] = None) -> GroupSpec:
+    """The kvconnect GroupSpec of one vLLM per-layer spec (see the table in the module doc).
+
+    kernel_split: the registered tensor holds each vLLM block as this many kernel blocks;
+    the GroupSpec then describes one kernel block.
+    device_type: the registered tensor's device type; the release's window-free rules
+    (``EngineRelease.window_free``) apply only on the device types they were measured on
+    (None: no rule).
+    """
+    name = type(spec).__name__
+    if recurrent.is_state_spec(spec):
+        if release.recurrent_refusal:
+            raise UnsupportedLayoutError(f"{name}: {release.recurrent_refusal}")
+        return recurrent.state_group_spec(spec)
+    if getattr(spec, "sfa_dcp_replicated_indexer_size", 1) > 1:
+        raise UnsupportedLayoutError(
+            f"{name}: the indexer cache is replicated over {spec.sfa_dcp_replicated_indexer_size} decode-context "
+            f"ranks (num_blocks x {spec.sfa_dcp_replicated_indexer_size} blocks); which rank's tokens a block holds "
+            f"is not described by the spec")
+    ratio = _compress_ratio(spec)
+    tokens = _block_tokens(spec, ratio, release) // max(1, kernel_split)
+    if name in _WINDOW_SPECS:
+        window = int(spec.sliding_window)
+        # vLLM frees blocks whose tokens are all before P - W + 1 (get_num_skipped_tokens),
+        # so W - 1 trailing tokens is what it needs and what it keeps.
+        return GroupSpec(block_size=tokens, compress_ratio=ratio,
+                         sliding_window=window, restore_window=max(1, window - 1),
+                         window_free_every=release.window_free_every(spec, device_type))
+    if name in _FULL_SPECS or name in release.compressed_full_specs:
+        # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
+        # keeps blocks for every token, so it is restored as a full group.
+        return GroupSpec(block_size=tokens, compress_ratio=ratio)
+    raise UnsupportedLayoutError(
+        f"vLLM cache spec {name} is not supported (chunked local, cross attention and "
+        f"unknown specs cannot be restored exactly); kvconnect stays off for this model"
+    )
+
+
+def _layer_spec(group_spec: Any, layer_name: str) -> Any:
+    if type(group_spec).__name__ == "UniformTypeKVCacheSpecs":
+        return group_spec.kv_cache_specs[layer_name]
+    return group_spec
+
+
+def _num_heads(spec: Any) -> int:
+    slots = getattr(spec, "num_head_slots", None)
+    return int(slots if slots is not None else getattr(spec, "num_kv_heads", 1))
