@@ -13,7 +13,7 @@ phase], "resets": [bool], "loads": [[{"hit", "loaded", "randomized"}] per reques
 "config": {...}, "seconds": {...}}``.
 
 With kvconnect, ``--local-disk DIR`` adds the disk tier (flushed before the process ends, so a
-later process reads it) and ``--randomize-state true`` overwrites, right after each restore, the
+later process reads it), ``--server-url URL`` makes the node cache server's shared pool the pool and ``--randomize-state true`` overwrites, right after each restore, the
 state blocks kvconnect just wrote (the rows of the restore point, every state group) with random
 bytes: the negative control of the hit tests (a wrong snapshot must change the outputs).
 """
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--chunk-size", type=int, default=128, help="kvconnect's chunk size")
     parser.add_argument("--local-disk", default=None, help="kvconnect's disk tier directory")
+    parser.add_argument("--server-url", default=None, help="kvconnect's node cache server (its shared pool)")
     parser.add_argument("--save-decode-cache", type=_bool, default=False, help="kvconnect: store generated tokens' chunks")
     parser.add_argument("--randomize-state", type=_bool, default=False,
                         help="kvconnect: randomise the restored state blocks after each load (negative control)")
@@ -129,6 +130,8 @@ def main() -> None:
                  "lookup_timeout_s": 10.0, "save_decode_cache": args.save_decode_cache}
         if args.local_disk:
             extra.update(local_disk=args.local_disk, max_local_disk_size=0.25)
+        if args.server_url:
+            extra.update(server_url=args.server_url)
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVConnectConnector", kv_role="kv_both",
             kv_connector_module_path="kvconnect.integrations.vllm", kv_load_failure_policy="recompute",

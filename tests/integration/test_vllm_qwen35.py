@@ -14,7 +14,9 @@ Engine runs, one process each, every request alone (greedy, logprobs on):
 - ``off``: kvconnect with vLLM's prefix caching off (``mamba_cache_mode`` "none"): refused by
   name, outputs equal ``plain``; it also computes ``d`` (``c``'s conversation sent back) cold,
   the reference for ``d``;
-- ``load``: a FRESH process on the same disk tier, vLLM's cache emptied between requests:
+- ``store`` also writes through a node cache server (``kvconnect server``, its shared pool);
+  ``load_server``: a FRESH process on that server alone (no disk) resumes ``a`` at 768;
+- ``load``: a FRESH process on the disk tier alone, vLLM's cache emptied between requests:
   ``a`` resumes at 768, ``b`` (branches from ``a`` after 800 tokens) at 768, ``d`` at 384 (the
   decode's 768 was never proven, so never stored) -- outputs and logprobs bit-identical;
 - ``rand``: the same resume of ``a`` with the restored state blocks overwritten by random
@@ -30,6 +32,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +89,20 @@ def _run(model_dir: str, workdir: Path, name: str, phases: list, *args: str) -> 
     return result
 
 
+def _start_server(url: str, workdir: Path) -> subprocess.Popen:
+    """A real ``kvconnect server`` (the node cache server) on an ipc socket in ``workdir``."""
+    log = open(workdir / "kvc-server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvconnect.cli", "server", "--url", url, "--size-gb", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(url[len("ipc://"):]):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"kvconnect server did not start:\n{(workdir / 'kvc-server.log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    return proc
+
+
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("qwen35_runs")
@@ -95,13 +112,25 @@ def runs(model_dir, tmp_path_factory) -> dict:
     every = [list(p.values())]
     kvc = ("--connector", "kvconnect", "--chunk-size", str(CHUNK_TOKENS))
     shared = (*kvc, "--prefix-caching", "true", "--local-disk", str(disk))
-    out = {
-        "plain": _run(model_dir, workdir, "plain", every),
-        "vllm_cache": _run(model_dir, workdir, "vllm_cache", every, "--prefix-caching", "true",
-                           "--connector", "recorder", "--record-path", str(record)),
-        "store": _run(model_dir, workdir, "store", [[p["a"], p["c"]]], *shared, "--save-decode-cache", "true",
-                      "--lookup-url", f"ipc://{workdir}/kvc-store"),
-    }
+    server_url = f"ipc://{workdir}/kvc-server.sock"
+    server = _start_server(server_url, workdir)
+    try:
+        out = {
+            "plain": _run(model_dir, workdir, "plain", every),
+            "vllm_cache": _run(model_dir, workdir, "vllm_cache", every, "--prefix-caching", "true",
+                               "--connector", "recorder", "--record-path", str(record)),
+            "store": _run(model_dir, workdir, "store", [[p["a"], p["c"]]], *shared, "--save-decode-cache", "true",
+                          "--server-url", server_url, "--lookup-url", f"ipc://{workdir}/kvc-store"),
+        }
+        out["load_server"] = _run(model_dir, workdir, "load_server", [[p["a"]]], *kvc, "--prefix-caching", "true",
+                                  "--server-url", server_url, "--lookup-url", f"ipc://{workdir}/kvc-load-server")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
     d = _follow_up(p["c"], out["plain"]["outputs"][NAMES.index("c")])
     out["off"] = _run(model_dir, workdir, "off", [[*p.values(), d]], *kvc, "--lookup-url", f"ipc://{workdir}/kvc-off")
     out["load"] = _run(model_dir, workdir, "load", [[p["a"]], [p["b"]], [d]], *shared, "--reset-between-phases", "true",
@@ -192,6 +221,14 @@ def test_a_fresh_engine_resumes_from_stored_states_bit_exactly(runs):
     assert _same(load, 1, plain, NAMES.index("b"))
     assert _same(load, 2, off, len(NAMES))  # d's reference: computed cold by the off run
     assert load["stats"][-1][0]["load_failures"] == 0
+
+
+def test_a_fresh_engine_resumes_from_the_node_server_bit_exactly(runs):
+    served = runs["load_server"]
+    assert served["fingerprint"] == runs["store"]["fingerprint"]
+    assert served["loads"] == [[{"hit": 768, "loaded": 768, "randomized": 0}]]  # from the server's shared pool
+    assert _same(served, 0, runs["plain"], NAMES.index("a"))
+    assert served["stats"][-1][0]["load_failures"] == 0
 
 
 def test_a_randomised_restored_state_changes_the_outputs(runs):
