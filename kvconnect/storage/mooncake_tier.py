@@ -15,13 +15,10 @@ registered scratch buffer (which also checks their identity). A write batch is o
 ``batch_upsert_from`` of the payloads and then their headers.
 
 Verification. ``read_into`` reads header and payload in one call and checks them as
-``chunk_format.decode`` does (magic, version, fingerprint, key, sizes, checksum over both):
-a value written by something else, a damaged one, or a header of one write over the
-payload of another is a miss, counted as ``corrupt``, and removed. Only bytes that were
-read and failed these checks are ever removed; a return code never removes anything
-(``mooncake_codes`` decides what each code means), with one exception: the two objects
-are evicted independently, so a read that finds one part of a chunk absent removes the
-other part (counted in ``parts_missing``), and lookups stop offering the chunk.
+``chunk_format.decode`` does; bytes that fail are a miss, counted as ``corrupt``, and
+removed, and a chunk found with one part evicted has the other removed (``parts_missing``).
+The read path is ``mooncake_reads`` (a mixin of ``MooncakeTier``), which says more; the
+registered scratch buffers are ``mooncake_buffers``.
 
 Semantics. Writes are upserts (Mooncake's ``put`` keeps an old value); removes are forced
 (an unforced remove fails for 10 s after any read: a lease, which is Mooncake's business,
@@ -49,47 +46,25 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .. import chunk_format
-from ..chunk_format import ChunkHeader
-from ..errors import CorruptChunkError
 from ..spec import ChunkKey, Fingerprint
+from .mooncake_buffers import BATCH_KEYS, HEADER_SLOT_BYTES, _Registered, view_address
 from .mooncake_codes import Meaning, Tally, meaning
 from .mooncake_config import MooncakeSpec
 from .mooncake_link import MooncakeLink
+from .mooncake_reads import MooncakeReads
 from .mooncake_workers import Workers
-from .tier import LowerTier, StoreItem, peek_mask, read_header
+from .tier import LowerTier, StoreItem, peek_mask
 
 logger = logging.getLogger(__name__)
 
-HEADER_SLOT_BYTES = 16 << 10  # room for one header: 88 + 8 x planes (up to ~2000 planes)
-BATCH_KEYS = 64  # keys per Mooncake call (bounds the header scratch)
 LOOKUP_THREADS = 4  # concurrent lookups (engines look up from more than one thread)
 KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
 FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures", "lease_conflicts", "no_space",
                  "values_not_fitting", "unknown_codes", "parts_missing", "half_written", "cut_short")
+class MooncakeTier(MooncakeReads, LowerTier):
+    """Chunks in Mooncake Store; the read path (``read_into``, ``read_many_into``, ``get``) is
+    the ``mooncake_reads.MooncakeReads`` mixin, the rest is here."""
 
-
-def view_address(view) -> int:
-    """Address of a contiguous byte buffer (memoryview, numpy array, bytearray)."""
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data
-
-
-class _Registered:
-    """A registered numpy buffer cut into header slots."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.array = np.zeros(num_slots * HEADER_SLOT_BYTES, dtype=np.uint8)
-        self.base = self.array.ctypes.data
-
-    def ptr(self, i: int) -> int:
-        return self.base + i * HEADER_SLOT_BYTES
-
-    def view(self, i: int, nbytes: int) -> memoryview:
-        start = i * HEADER_SLOT_BYTES
-        return memoryview(self.array[start : start + nbytes])
-
-
-class MooncakeTier(LowerTier):
     name = "mooncake"
     reads_into = True
 
@@ -276,169 +251,6 @@ class MooncakeTier(LowerTier):
             self._known.move_to_end(key)
             while len(self._known) > KNOWN_MASKS:
                 self._known.popitem(last=False)
-
-    # -- reads -------------------------------------------------------------------------
-    def read_into(self, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
-        return self.read_many_into([key], [out])[0]
-
-    def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[Optional[ChunkHeader]]:
-        """``read_into`` for many keys: one ``batch_get_into`` per BATCH_KEYS chunks, each payload
-        straight into its ``out`` (pool slots); a verified header per key, None for a miss.
-        Stops between batches after ``timeout_s`` or once the breaker opened (the rest miss)."""
-        self._count(gets=len(keys))
-        result: list[Optional[ChunkHeader]] = [None] * len(keys)
-        store = self._link.enter()
-        if store is None:
-            self._count(skipped_unhealthy=1)
-            return result
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            direct = []
-            for i, (key, out) in enumerate(zip(keys, outs)):
-                address = view_address(out)
-                if self._registered(store, address, len(out)):
-                    direct.append((i, address))
-                elif self._go_on(deadline):
-                    result[i] = self._read_copy(store, key, out)
-            with self._read_lock:
-                for start in range(0, len(direct), BATCH_KEYS):
-                    if start and not self._go_on(deadline):
-                        break
-                    batch = direct[start : start + BATCH_KEYS]
-                    headers = self._read_verified(store, [keys[i] for i, _ in batch], [outs[i] for i, _ in batch],
-                                                  [a for _, a in batch])
-                    for (i, _), header in zip(batch, headers):
-                        result[i] = header
-        finally:
-            self._link.exit()
-        return result
-
-    def _read_verified(self, store, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
-                       addresses: Sequence[int]) -> list[Optional[ChunkHeader]]:
-        """Headers and payloads of up to BATCH_KEYS chunks in one call, each checked like decode."""
-        scratch = self._read_scratch
-        names = [self.object_keys(k) for k in keys]
-        n = len(keys)
-        codes = store.batch_get_into([h for h, _ in names] + [p for _, p in names],
-                                     [scratch.ptr(j) for j in range(n)] + list(addresses),
-                                     [HEADER_SLOT_BYTES] * n + [len(out) for out in outs])
-        meanings = self._judge(codes)
-        out_headers: list[Optional[ChunkHeader]] = []
-        bad, partial = [], []
-        for j, key in enumerate(keys):
-            header_len, payload_len = codes[j], codes[n + j]
-            verdict = _chunk_verdict(meanings[j], meanings[n + j])
-            if verdict != "read":
-                if verdict == "partial":
-                    partial.append(key)
-                elif verdict == "failed":
-                    self._count(errors=1)
-                self._remember(key, None)
-                out_headers.append(None)
-                continue
-            try:
-                header = read_header(scratch.view(j, header_len), fingerprint=self.fingerprint, key=key,
-                                     payload_bytes=payload_len)
-                if chunk_format.compute_checksum(header, outs[j][:payload_len]) != header.checksum:
-                    raise CorruptChunkError("checksum mismatch")
-            except CorruptChunkError as exc:
-                logger.warning("kvconnect: Mooncake value under %s is not this chunk (%s); removing it", names[j][1], exc)
-                self._count(errors=1, corrupt=1)
-                bad.append(key)
-                out_headers.append(None)
-                continue
-            self._count(get_hits=1, bytes_read=header_len + payload_len)
-            self._remember(key, header.group_mask)
-            out_headers.append(header)
-        self._drop_partial(store, partial)
-        if bad:
-            self._remove(store, bad)
-        return out_headers
-
-    def _drop_partial(self, store, keys: Sequence[ChunkKey]) -> None:
-        """Remove chunks found with one part evicted: the other part alone is never a hit, and
-        lookups must not offer it again."""
-        if keys:
-            self._bump("parts_missing", len(keys))
-            self._count(errors=len(keys))
-            self._remove(store, keys)
-
-    def _read_copy(self, store, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
-        """read_into for a buffer outside every attached pool: through a registered copy."""
-        (data,) = self._get_many(store, [key], time.monotonic() + self.timeout_s)
-        if data is None:
-            return None
-        header = chunk_format.decode_header(data)
-        if header.payload_bytes > len(out):
-            self._count(errors=1, corrupt=1)
-            return None
-        out[: header.payload_bytes] = memoryview(data)[header.header_bytes :]
-        self._count(get_hits=1, bytes_read=len(data))
-        return header
-
-    def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
-        self._count(gets=len(keys))
-        store = self._link.enter()
-        if store is None:
-            self._count(skipped_unhealthy=1)
-            return [None] * len(keys)
-        try:
-            out = self._get_many(store, keys, time.monotonic() + self.timeout_s)
-        finally:
-            self._link.exit()
-        self._count(get_hits=sum(d is not None for d in out), bytes_read=sum(len(d) for d in out if d is not None))
-        return out
-
-    def _get_many(self, store, keys: Sequence[ChunkKey], deadline: float) -> list[Optional[bytes]]:
-        """Encoded, verified chunks read into fresh buffers (export and copies; not the hot path)."""
-        out: list[Optional[bytes]] = [None] * len(keys)
-        with self._read_lock:
-            for i, key in enumerate(keys):
-                if i and not self._go_on(deadline):
-                    break
-                out[i] = self._get_one(store, key)
-        return out
-
-    def _get_one(self, store, key: ChunkKey) -> Optional[bytes]:
-        header_name, payload_name = self.object_keys(key)
-        (code,) = store.batch_get_into([header_name], [self._read_scratch.ptr(0)], [HEADER_SLOT_BYTES])
-        (what,) = self._judge([code])
-        if what is not Meaning.OK:
-            self._count(errors=int(what is not Meaning.ABSENT))
-            return None
-        try:
-            header = chunk_format.decode_header(bytes(self._read_scratch.view(0, code)))
-        except CorruptChunkError:
-            header = None
-        if header is None or header.payload_bytes > (1 << 34):
-            self._count(errors=1, corrupt=1)
-            self._remove(store, [key])
-            return None
-        buffer = np.empty(header.header_bytes + header.payload_bytes, dtype=np.uint8)
-        buffer[: header.header_bytes] = self._read_scratch.array[: header.header_bytes]
-        payload = buffer[header.header_bytes :]
-        if payload.nbytes and store.register_buffer(payload.ctypes.data, payload.nbytes) != 0:
-            self._count(errors=1)
-            return None
-        try:
-            (got,) = store.batch_get_into([payload_name], [payload.ctypes.data], [payload.nbytes])
-        finally:
-            if payload.nbytes:
-                store.unregister_buffer(payload.ctypes.data)
-        (what,) = self._judge([got])
-        verdict = _chunk_verdict(Meaning.OK, what)
-        if verdict == "partial":
-            self._drop_partial(store, [key])
-            return None
-        if verdict == "failed":
-            self._count(errors=1)
-            return None
-        if got != header.payload_bytes or not self._verify(buffer, key):
-            self._count(errors=1, corrupt=1)
-            self._remove(store, [key])
-            return None
-        return buffer.tobytes()
-
     # -- writes ----------------------------------------------------------------------
     def put(self, items: Sequence[StoreItem]) -> list[bool]:
         results = [False] * len(items)
@@ -554,18 +366,3 @@ class MooncakeTier(LowerTier):
         self._lookups.stop()
         self._link.close(timeout_s)
         self._pools.clear()
-
-
-def _chunk_verdict(header: Meaning, payload: Meaning) -> str:
-    """What the two codes of one chunk's read mean together: "read" (verify the bytes),
-    "partial" (one part evicted: remove the rest), "absent", "failed" (a transport, lease or
-    other failure: a miss, nothing removed)."""
-    if header is Meaning.OK and payload is Meaning.OK:
-        return "read"
-    if Meaning.ABSENT in (header, payload):
-        other = payload if header is Meaning.ABSENT else header
-        if other is Meaning.OK:
-            return "partial"
-        if other is Meaning.ABSENT:
-            return "absent"
-    return "failed"
