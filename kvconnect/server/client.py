@@ -366,16 +366,17 @@ class SharedPoolClient(SlotViews):
         new_id = secrets.token_bytes(protocol.ID_BYTES)
         args = [os.getpid(), None if self.fingerprint is None else bytes(self.fingerprint), self.slot_bytes]
         try:
+            owner_uid = self._server_uid()
             status, result = self._beat.request("hello", args, new_id, None)
             info, lease_s = protocol.check_hello_reply(status, result)
             segment = self._segment
             if segment is None or segment.info != info:
-                segment = Segment.attach(info, shm_dir=self._shm_dir)
+                segment = Segment.attach(info, shm_dir=self._shm_dir, owner_uid=owner_uid)
         except (StorageError, ProtocolError) as exc:
             self._beat.reset()  # drop whatever is queued towards a dead peer
             self.counters["failed_hellos"] += 1
             self._unreachable.failed(
-                "kvconnect: no answer from the cache server %s (%s): is `kvconnect server` running there, and is "
+                "kvconnect: cannot use the cache server %s (%s): is `kvconnect server` running there, and is "
                 "KVCONNECT_SERVER_TOKEN the server's token? (the server drops frames with a wrong or missing token, "
                 "which looks like no answer). Serving misses; retrying", self.url, exc)
             return False
@@ -407,6 +408,28 @@ class SharedPoolClient(SlotViews):
         self._unreachable.cleared()
         logger.info("kvconnect: connected to cache server %s (%d pages of %d bytes)", self.url, info.num_pages, info.page_bytes)
         return True
+
+    def _server_uid(self) -> Optional[int]:
+        """The uid owning an ``ipc://`` server's socket, whose segment alone this client maps.
+
+        Without a token nothing proves who answers, so the socket must belong to this user or
+        root: a socket another user created first at the path (``/tmp`` is everyone's) would
+        otherwise hand this engine that user's segment, with checksums that user computed.
+        With a token the replies prove the server holds it. None for tcp:// (a token is
+        required there) and when the path does not exist yet (then the hello cannot succeed).
+        """
+        path = protocol.ipc_path(self.url)
+        if path is None:
+            return None
+        try:
+            owner = os.stat(path).st_uid
+        except OSError:
+            return None
+        if self._token is None and owner not in (os.geteuid(), 0):
+            self.counters["untrusted_servers"] += 1
+            raise StorageError(f"the socket {path} belongs to uid {owner}, not to this user (uid {os.geteuid()}) or root: "
+                               "set KVCONNECT_SERVER_TOKEN (the server's token) to use a server of another user")
+        return owner
 
     def _keep(self) -> None:
         """Heartbeat while connected; reconnect with backoff while not."""

@@ -35,7 +35,7 @@ import zmq
 from ..errors import ConfigError
 from ..storage.eviction import DEFAULT_POLICY
 from . import protocol
-from .admission import Gate, PeerPolicy
+from .admission import Gate, PeerPolicy, parse_peer_address
 from .index import CacheIndex, ClientState, RequestError
 from .protocol import BAD_REQUEST, INTERNAL, OK, STALE_INSTANCE, UNKNOWN_CLIENT, AuthError, Limits, ProtocolError
 from .shm import DATA_OFFSET, SHM_DIR, Segment
@@ -159,12 +159,13 @@ class CacheServer:
         self.index.counters["refused_peers"] += 1
         if self.index.counters["refused_peers"] in (1, 10, 100, 1000, 10000):
             try:
-                peer = frame.get("Peer-Address")
+                creds = parse_peer_address(frame.get("Peer-Address"))
             except Exception:
-                peer = "unknown"
-            logger.warning("kvconnect server: %d frames from peers not admitted dropped (latest %s: uid %s is neither "
-                           "this server's nor allowed by --allow-uid/--allow-group)", self.index.counters["refused_peers"],
-                           peer, peer.split(":")[-3] if peer.count(":") >= 3 else "?")
+                creds = None
+            why = ("libzmq gave no peer credentials (SO_PEERCRED)" if creds is None else
+                   f"uid {creds[0]} (gid {creds[1]}) is neither this server's nor allowed by --allow-uid / --allow-group")
+            logger.warning("kvconnect server: %d frames from peers not admitted dropped (latest: %s)",
+                           self.index.counters["refused_peers"], why)
 
     def handle(self, frames: list, principal: str = "self") -> None:
         """Answer one ROUTER message ``[identity, frame]`` from an admitted ``principal``; never raises."""

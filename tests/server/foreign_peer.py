@@ -2,6 +2,7 @@
 
     python foreign_peer.py URL --uid 65534 [--token T] forge KEY_HEX...   # the issue-31 attack
     python foreign_peer.py URL --uid 65534 hold N                         # N sessions at once
+    python foreign_peer.py URL --uid 65534 serve                          # a server squatting URL
 
 Imports happen before privileges drop (the new uid may not read the interpreter's caches);
 the connection is made after, so the server's SO_PEERCRED sees the new uid. Prints one JSON
@@ -32,13 +33,16 @@ def main() -> None:
     ap.add_argument("url")
     ap.add_argument("--uid", type=int, default=None)
     ap.add_argument("--token", default=None)
-    ap.add_argument("op", choices=["forge", "hold"])
+    ap.add_argument("op", choices=["forge", "hold", "serve"])
     ap.add_argument("args", nargs="*")
     a = ap.parse_args()
     if a.uid is not None:
         os.setgroups([])
         os.setgid(a.uid)
         os.setuid(a.uid)
+    if a.op == "serve":
+        serve(a.url, a.token)
+        return
     ctx = zmq.Context()
     channel = Channel(ctx, a.url, token=protocol.token_bytes(a.token), limits=Limits(), timeout_s=1.0)
     out: dict = {"uid": os.geteuid()}
@@ -94,6 +98,24 @@ def hold(channel: Channel, n: int) -> dict:
         else:
             refusal = status if result is None else str(result)
     return {"sessions": ok, "refusal": refusal}
+
+
+def serve(url: str, token) -> None:
+    """Serve ``url`` (as the new uid) until stdin closes."""
+    import sys
+    import threading
+
+    from kvconnect.server.server import CacheServer
+
+    server = CacheServer(url, 1 << 20, page_bytes=4096, token=token)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    print(json.dumps({"uid": os.geteuid(), "ready": server.url}), flush=True)
+    sys.stdin.read()
+    stop.set()
+    thread.join(timeout=10)
+    server.close()
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ import pytest
 import server_rig
 from kvconnect.chunk_format import ChunkHeader
 from kvconnect.cli import main as cli_main
-from kvconnect.errors import ConfigError
+from kvconnect.errors import ConfigError, StorageError
 from kvconnect.server.admission import PeerPolicy, parse_peer_address
 from kvconnect.server.client import SharedPoolClient
 from kvconnect.server.server import CacheServer
-from kvconnect.server.shm import SHM_DIR
+from kvconnect.server.shm import SHM_DIR, Segment
 from server_rig import PAGE, server_thread, socket_dir
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
@@ -139,6 +139,38 @@ def test_allowed_group_is_admitted_but_its_sessions_are_bounded():
             assert stats["num_clients"] == 9 and stats["refused_sessions"] == 12
         finally:
             engine.close()
+
+
+@needs_root
+def test_engine_refuses_a_server_squatting_the_socket_path_as_another_user():
+    """Another user who binds the path first would hand the engine its own segment, with
+    checksums it computed: without a token the engine trusts only its own user's or root's."""
+    with socket_dir() as d:
+        os.chmod(d, 0o777)
+        url = f"ipc://{d}/kvc.sock"
+        cmd = [sys.executable, PEER, url, "--uid", str(NOBODY), "serve"]
+        squatter = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=server_rig.clean_env(), cwd=server_rig.REPO)
+        try:
+            line = server_rig.read_line(squatter, 60)
+            assert json.loads(line) == {"uid": NOBODY, "ready": url}
+            client = SharedPoolClient(url, PAGE, timeout_s=2.0, fingerprint=FP, warn_unreachable=False)
+            try:
+                assert not client.connected and client.reserve(1) == []
+                assert client.counters["untrusted_servers"] >= 1 and client.counters["connects"] == 0
+            finally:
+                client.close()
+        finally:
+            squatter.stdin.close()
+            assert squatter.wait(timeout=30) == 0
+            squatter.stdout.close()
+
+
+@needs_root
+def test_segment_of_another_user_is_not_mapped():
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock") as server:
+        os.chown(server.segment.path, NOBODY, -1)
+        with pytest.raises(StorageError, match="belongs to uid 65534"):
+            Segment.attach(server.segment.info, owner_uid=os.geteuid())
 
 
 # --- the pool path verifies checksums --------------------------------------------------------
