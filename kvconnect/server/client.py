@@ -65,6 +65,10 @@ _FAILED = object()  # a call that did not complete
 _VERIFIED_ENTRIES = 1 << 16  # entry ids whose checksum this process checked (LRU beyond that)
 
 
+class _UntrustedServer(StorageError):
+    """The socket at the URL belongs to a user this client has no reason to trust."""
+
+
 @dataclass(eq=False)
 class SharedEntry(PoolEntry):
     entry_id: int = -1
@@ -372,11 +376,15 @@ class SharedPoolClient(SlotViews):
             segment = self._segment
             if segment is None or segment.info != info:
                 segment = Segment.attach(info, shm_dir=self._shm_dir, owner_uid=owner_uid)
+        except _UntrustedServer as exc:
+            self.counters["failed_hellos"] += 1
+            self._unreachable.failed("kvconnect: not using the cache server %s: %s. Serving misses; retrying", self.url, exc)
+            return False
         except (StorageError, ProtocolError) as exc:
             self._beat.reset()  # drop whatever is queued towards a dead peer
             self.counters["failed_hellos"] += 1
             self._unreachable.failed(
-                "kvconnect: cannot use the cache server %s (%s): is `kvconnect server` running there, and is "
+                "kvconnect: no answer from the cache server %s (%s): is `kvconnect server` running there, and is "
                 "KVCONNECT_SERVER_TOKEN the server's token? (the server drops frames with a wrong or missing token, "
                 "which looks like no answer). Serving misses; retrying", self.url, exc)
             return False
@@ -427,7 +435,7 @@ class SharedPoolClient(SlotViews):
             return None
         if self._token is None and owner not in (os.geteuid(), 0):
             self.counters["untrusted_servers"] += 1
-            raise StorageError(f"the socket {path} belongs to uid {owner}, not to this user (uid {os.geteuid()}) or root: "
+            raise _UntrustedServer(f"the socket {path} belongs to uid {owner}, not to this user (uid {os.geteuid()}) or root: "
                                "set KVCONNECT_SERVER_TOKEN (the server's token) to use a server of another user")
         return owner
 
