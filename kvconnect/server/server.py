@@ -84,7 +84,10 @@ class CacheServer:
         self._refuse_if_live()
         self.segment = Segment.create(url, self.instance, page_bytes, num_pages, shm_dir=shm_dir)
         try:
-            peers.apply_to(self.segment.path)
+            try:
+                peers.apply_to(self.segment.path)
+            except OSError as exc:  # e.g. --allow-group names a group this user is not in
+                raise ConfigError(f"cannot give {self.segment.path} mode {peers.file_mode:o} (group {peers.allow_gid}): {exc}") from exc
             self._bind()
         except BaseException:
             self.segment.unlink()
