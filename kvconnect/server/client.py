@@ -523,19 +523,23 @@ class SharedPoolClient(SlotViews):
 
     def _checksum_ok(self, entry: SharedEntry) -> bool:
         """Whether ``entry``'s bytes match its header's checksum (checked once per entry)."""
-        seen = (self._instance, entry.entry_id)
-        if seen in self._verified:
-            self._verified.move_to_end(seen)
-            return True
+        with self._lock:  # engine threads acquire concurrently; the hash itself runs unlocked
+            seen = (self._instance, entry.entry_id)
+            if seen in self._verified:
+                self._verified.move_to_end(seen)
+                return True
         if compute_checksum(entry.header, self._payload(entry.slot, entry.header.payload_bytes)) != entry.header.checksum:
-            self.counters["bad_checksums"] += 1
-            if self.counters["bad_checksums"] in (1, 100, 10000):
+            with self._lock:
+                self.counters["bad_checksums"] += 1
+                bad = self.counters["bad_checksums"]
+            if bad in (1, 100, 10000):
                 logger.warning("kvconnect: %d shared-pool entries failed their checksum (forged or garbled); served as "
-                               "misses and removed", self.counters["bad_checksums"])
+                               "misses and removed", bad)
             return False
-        self._verified[seen] = None
-        if len(self._verified) > _VERIFIED_ENTRIES:
-            self._verified.popitem(last=False)
+        with self._lock:
+            self._verified[seen] = None
+            if len(self._verified) > _VERIFIED_ENTRIES:
+                self._verified.popitem(last=False)
         return True
 
     def _forget_pin(self, entry: SharedEntry) -> None:
