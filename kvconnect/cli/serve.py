@@ -28,6 +28,14 @@ def add_parsers(sub, config: Config) -> None:
     serve.add_argument("--page-kb", type=int, default=64, help="allocation page, KiB (multiple of 4)")
     serve.add_argument("--lease-s", type=float, default=10.0, help="a silent client's pins are released after this")
     serve.add_argument("--allow-remote", action="store_true", help="allow a non-loopback tcp:// address (needs a token)")
+    serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
+                       help="ipc://: also answer processes of this uid (repeatable; they must be able to open the socket "
+                            "and the segment: give them --allow-group or an ACL). Default: only the server's own uid")
+    serve.add_argument("--allow-group", default=None, metavar="GROUP",
+                       help="ipc://: also answer members of this group (name or gid); the socket file and the segment "
+                            "become mode 0660 owned by it")
+    serve.add_argument("--max-sessions-per-peer", type=int, default=None,
+                       help="client sessions one peer (a uid, or all holders of the token) may hold at once (default 1024)")
     serve.add_argument("--metrics-port", type=int, default=config.server_metrics_port,
                        help="Prometheus exporter port (default KVCONNECT_SERVER_METRICS_PORT; 0: off), on KVCONNECT_METRICS_HOST")
     serve.add_argument("--mooncake-segment-gb", type=float, default=None,
@@ -53,11 +61,14 @@ def run(args: argparse.Namespace, config: Config) -> int:
 def _serve(args: argparse.Namespace, config: Config) -> int:
     import dataclasses
 
+    from ..server.admission import DEFAULT_MAX_SESSIONS_PER_PEER, PeerPolicy, group_id
     from ..server.server import CacheServer
 
+    peers = PeerPolicy(allow_uids=frozenset(args.allow_uid), allow_gid=None if args.allow_group is None else group_id(args.allow_group),
+                       max_sessions_per_peer=args.max_sessions_per_peer or DEFAULT_MAX_SESSIONS_PER_PEER)
     server = CacheServer(
         args.url, int(args.size_gb * GB), page_bytes=args.page_kb * 1024, token=_token(args, config),
-        allow_remote=args.allow_remote, lease_s=args.lease_s, eviction=config.eviction,
+        allow_remote=args.allow_remote, lease_s=args.lease_s, eviction=config.eviction, peers=peers,
     )
     holder = _mooncake_holder(args, config)
     stop = threading.Event()

@@ -18,6 +18,13 @@ Failure contract (never an exception into the engine, never a wrong byte):
   dies simply stops heartbeating and the server frees its pins after the lease. Hence the
   one assumption: a single gather or scatter never outlasts the lease (default 10 s).
 
+Checksums: ``commit`` fills in the header's XXH3 checksum over header and payload (when the
+caller's header has none: a chunk promoted from a lower tier already carries the one that
+tier verified), and ``acquire`` verifies it before handing an entry out, once per entry
+(entries are immutable while they live). An entry whose bytes fail it (a forged or garbled
+commit) is a miss, counted as ``bad_checksums``, unpinned and removed from the server, so it
+cannot keep shadowing the key.
+
 ``on_evict`` listeners are called for entries of this client's layout that the server
 evicted to make room for this client's ``reserve``, and only when the evicted run lies
 inside a run handed to this client (its bytes are intact until the caller writes).
@@ -29,18 +36,19 @@ failure leaves it pageable (logged).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import zmq
 
-from ..chunk_format import ChunkHeader
+from ..chunk_format import ChunkHeader, compute_checksum
 from ..errors import StorageError
 from ..repeat_warning import RepeatingWarning
 from ..spec import ChunkKey, Fingerprint
@@ -54,6 +62,11 @@ from .shm import DATA_OFFSET, SHM_DIR, Segment, register_host_memory, unregister
 logger = logging.getLogger(__name__)
 
 _FAILED = object()  # a call that did not complete
+_VERIFIED_ENTRIES = 1 << 16  # entry ids whose checksum this process checked (LRU beyond that)
+
+
+class _UntrustedServer(StorageError):
+    """The socket at the URL belongs to a user this client has no reason to trust."""
 
 
 @dataclass(eq=False)
@@ -109,6 +122,7 @@ class SharedPoolClient(SlotViews):
         self._heartbeat_s = 1.0
         self._reserved: set[int] = set()
         self._pins: Counter = Counter()  # entry_id -> pins the engine holds (this incarnation)
+        self._verified: "OrderedDict[tuple[bytes, int], None]" = OrderedDict()  # (server instance, entry id)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.prefaulted = threading.Event()  # set once the mapping's pages are all faulted in
@@ -144,13 +158,20 @@ class SharedPoolClient(SlotViews):
                 self._bad_reply(result)
                 break
             bad_ids: list[int] = []
+            forged: list[bytes] = []
             for key, item in zip(batch, result[0]):
                 entry = self._entry_of(key, item, incarnation)
+                if entry is not None and not self._checksum_ok(entry):
+                    self._forget_pin(entry)
+                    forged.append(bytes(key))
+                    entry = None
                 if entry is None and item is not None and type(item) is list and item and type(item[0]) is int:
                     bad_ids.append(item[0])  # pinned on the server but unusable here: unpin
                 out.append(entry)
             if bad_ids:
                 self._send_release(bad_ids, incarnation)
+            for key in forged:  # else masks() keeps saying "stored" and the engine never rewrites it
+                self._call("remove", [key], incarnation)
         return out + [None] * (len(keys) - len(out))
 
     def release(self, entries: Sequence[Optional[PoolEntry]]) -> None:
@@ -211,6 +232,8 @@ class SharedPoolClient(SlotViews):
             incarnation = self._incarnation
             owned = slot in self._reserved
             self._reserved.discard(slot)
+        if owned and not header.checksum:  # the slot is ours until committed: its bytes are final
+            header = dataclasses.replace(header, checksum=compute_checksum(header, self._payload(slot, header.payload_bytes)))
         entry = SharedEntry(key=key, header=header, slot=slot, live=False, incarnation=incarnation)
         if not owned:
             self.counters["dropped_commits"] += 1
@@ -347,11 +370,16 @@ class SharedPoolClient(SlotViews):
         new_id = secrets.token_bytes(protocol.ID_BYTES)
         args = [os.getpid(), None if self.fingerprint is None else bytes(self.fingerprint), self.slot_bytes]
         try:
+            owner_uid = self._server_uid()
             status, result = self._beat.request("hello", args, new_id, None)
             info, lease_s = protocol.check_hello_reply(status, result)
             segment = self._segment
             if segment is None or segment.info != info:
-                segment = Segment.attach(info, shm_dir=self._shm_dir)
+                segment = Segment.attach(info, shm_dir=self._shm_dir, owner_uid=owner_uid)
+        except _UntrustedServer as exc:
+            self.counters["failed_hellos"] += 1
+            self._unreachable.failed("kvconnect: not using the cache server %s: %s. Serving misses; retrying", self.url, exc)
+            return False
         except (StorageError, ProtocolError) as exc:
             self._beat.reset()  # drop whatever is queued towards a dead peer
             self.counters["failed_hellos"] += 1
@@ -388,6 +416,28 @@ class SharedPoolClient(SlotViews):
         self._unreachable.cleared()
         logger.info("kvconnect: connected to cache server %s (%d pages of %d bytes)", self.url, info.num_pages, info.page_bytes)
         return True
+
+    def _server_uid(self) -> Optional[int]:
+        """The uid owning an ``ipc://`` server's socket, whose segment alone this client maps.
+
+        Without a token nothing proves who answers, so the socket must belong to this user or
+        root: a socket another user created first at the path (``/tmp`` is everyone's) would
+        otherwise hand this engine that user's segment, with checksums that user computed.
+        With a token the replies prove the server holds it. None for tcp:// (a token is
+        required there) and when the path does not exist yet (then the hello cannot succeed).
+        """
+        path = protocol.ipc_path(self.url)
+        if path is None:
+            return None
+        try:
+            owner = os.stat(path).st_uid
+        except OSError:
+            return None
+        if self._token is None and owner not in (os.geteuid(), 0):
+            self.counters["untrusted_servers"] += 1
+            raise _UntrustedServer(f"the socket {path} belongs to uid {owner}, not to this user (uid {os.geteuid()}) or root: "
+                               "set KVCONNECT_SERVER_TOKEN (the server's token) to use a server of another user")
+        return owner
 
     def _keep(self) -> None:
         """Heartbeat while connected; reconnect with backoff while not."""
@@ -466,6 +516,39 @@ class SharedPoolClient(SlotViews):
                 continue
             out.append(SharedEntry(key=ChunkKey(header.key), header=header, slot=item[0], live=False, incarnation=incarnation))
         return out
+
+    def _payload(self, slot: int, payload_bytes: int):
+        start = self.slot_offset(slot)
+        return self.buffer[start : start + payload_bytes].numpy()
+
+    def _checksum_ok(self, entry: SharedEntry) -> bool:
+        """Whether ``entry``'s bytes match its header's checksum (checked once per entry)."""
+        with self._lock:  # engine threads acquire concurrently; the hash itself runs unlocked
+            seen = (self._instance, entry.entry_id)
+            if seen in self._verified:
+                self._verified.move_to_end(seen)
+                return True
+        if compute_checksum(entry.header, self._payload(entry.slot, entry.header.payload_bytes)) != entry.header.checksum:
+            with self._lock:
+                self.counters["bad_checksums"] += 1
+                bad = self.counters["bad_checksums"]
+            if bad in (1, 100, 10000):
+                logger.warning("kvconnect: %d shared-pool entries failed their checksum (forged or garbled); served as "
+                               "misses and removed", bad)
+            return False
+        with self._lock:
+            self._verified[seen] = None
+            if len(self._verified) > _VERIFIED_ENTRIES:
+                self._verified.popitem(last=False)
+        return True
+
+    def _forget_pin(self, entry: SharedEntry) -> None:
+        """Undo ``_entry_of``'s local pin count (the server's pin is released by the caller)."""
+        with self._lock:
+            if entry.incarnation == self._incarnation and self._pins[entry.entry_id] > 0:
+                self._pins[entry.entry_id] -= 1
+                if not self._pins[entry.entry_id]:
+                    del self._pins[entry.entry_id]
 
     def _send_release(self, ids: list[int], incarnation: int) -> None:
         for batch in _batches(ids, self.limits.max_keys):  # a newer session skips them: bye released them

@@ -25,10 +25,12 @@ from ..storage.eviction import DEFAULT_POLICY, make_policy
 from .allocator import PageAllocator
 
 MAX_CLIENTS = 4096  # sessions at once: a flood of hellos cannot grow the server without bound
+MAX_CLIENTS_PER_PRINCIPAL = 1024  # one peer (uid, or the token's holders) cannot take every session
 
 STATS_FIELDS = (
     "num_pages", "page_bytes", "used_pages", "num_entries", "pinned_entries", "reserved_runs", "num_clients",
     "evictions", "reserve_shortfalls", "commits", "expired_clients", "refused_requests", "namespace_entries",
+    "refused_peers", "refused_sessions",
 )
 
 
@@ -56,15 +58,19 @@ class ClientState:
     slot_bytes: int
     run_pages: int
     last_seen_s: float
+    principal: str  # who said hello (admission.Gate): only that peer may use this session
     pins: Counter = field(default_factory=Counter)  # entry_id -> pins held
     reserved: set = field(default_factory=set)  # first pages of runs handed out, not yet committed
 
 
 class CacheIndex:
     def __init__(self, num_pages: int, page_bytes: int, *, lease_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_clients: int = MAX_CLIENTS, eviction: str = DEFAULT_POLICY) -> None:
+                 max_clients: int = MAX_CLIENTS, max_clients_per_principal: int = MAX_CLIENTS_PER_PRINCIPAL,
+                 eviction: str = DEFAULT_POLICY) -> None:
         self.page_bytes = page_bytes
         self.max_clients = max_clients
+        self.max_clients_per_principal = max_clients_per_principal
+        self.principal_sessions: Counter = Counter()
         self.lease_s = lease_s
         self.clock = clock
         self.allocator = PageAllocator(num_pages)
@@ -78,9 +84,16 @@ class CacheIndex:
         self._next_id = 1
 
     # -- clients ---------------------------------------------------------------------
-    def hello(self, client_id: bytes, pid: int, fingerprint: Optional[bytes], slot_bytes: int) -> ClientState:
-        """Register a client (or refresh one that says hello again with the same layout)."""
+    def hello(self, client_id: bytes, pid: int, fingerprint: Optional[bytes], slot_bytes: int, *,
+              principal: str = "self") -> ClientState:
+        """Register a client (or refresh one that says hello again with the same layout).
+
+        ``principal``: the peer saying hello (admission.Gate); its sessions are bounded by
+        ``max_clients_per_principal``, and only it may use this client id afterwards.
+        """
         old = self.clients.get(client_id)
+        if old is not None and old.principal != principal:
+            raise RequestError("this client id belongs to another peer")
         if old is not None and (old.slot_bytes, old.fingerprint) != (slot_bytes, fingerprint):
             self.drop_client(old)
             old = None
@@ -89,15 +102,24 @@ class CacheIndex:
             return old
         if len(self.clients) >= self.max_clients:
             raise RequestError(f"{self.max_clients} client sessions are open; try again after some expire")
+        if self.principal_sessions[principal] >= self.max_clients_per_principal:
+            self.counters["refused_sessions"] += 1
+            raise RequestError(f"this peer ({principal}) holds {self.max_clients_per_principal} sessions, its limit; "
+                               "try again after some expire")
         run_pages = -(-slot_bytes // self.page_bytes)
-        state = ClientState(client_id, pid, fingerprint, slot_bytes, run_pages, self.clock())
+        state = ClientState(client_id, pid, fingerprint, slot_bytes, run_pages, self.clock(), principal)
         self.clients[client_id] = state
+        self.principal_sessions[principal] += 1
         self._resize_policy()
         return state
 
-    def touch(self, client_id: bytes) -> Optional[ClientState]:
+    def touch(self, client_id: bytes, principal: str = "self") -> Optional[ClientState]:
+        """The session of ``client_id``, its lease renewed; None when unknown; RequestError when
+        another peer than the one that said hello uses it."""
         state = self.clients.get(client_id)
         if state is not None:
+            if state.principal != principal:
+                raise RequestError("this client id belongs to another peer")
             state.last_seen_s = self.clock()
         return state
 
@@ -112,7 +134,10 @@ class CacheIndex:
             self.allocator.free(first_page, state.run_pages)
         state.pins.clear()
         state.reserved.clear()
-        self.clients.pop(state.client_id, None)
+        if self.clients.pop(state.client_id, None) is not None:
+            self.principal_sessions[state.principal] -= 1
+            if not self.principal_sessions[state.principal]:
+                del self.principal_sessions[state.principal]
 
     def expire(self) -> list[bytes]:
         """Drop clients silent for longer than the lease; returns their ids."""

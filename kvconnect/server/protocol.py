@@ -362,8 +362,10 @@ def is_loopback(url: str) -> bool:
 
 
 def check_url(url: str, *, token: Optional[bytes], allow_remote: bool) -> str:
-    """Raise ConfigError unless ``url`` may be used: ipc:// or loopback tcp:// always; any
-    other tcp:// address only with a token AND ``allow_remote`` (the server's explicit flag)."""
+    """Raise ConfigError unless ``url`` may be used: ipc:// always (the kernel names each peer,
+    see ``admission``); tcp:// only with a token, loopback or not (any local user can connect
+    to a loopback port, and nothing tells the server who did), and a non-loopback address
+    only with ``allow_remote`` too (the server's explicit flag)."""
     parts = urlsplit(url)
     if parts.scheme not in ("ipc", "tcp"):
         raise ConfigError(f"cache server URL must be ipc:// or tcp://, got {url!r}")
@@ -376,9 +378,10 @@ def check_url(url: str, *, token: Optional[bytes], allow_remote: bool) -> str:
             raise ConfigError(f"bad port in {url!r}: {exc}") from exc
         if port is None:
             raise ConfigError(f"tcp:// URL needs a port, got {url!r}")
+    if parts.scheme == "tcp" and token is None:
+        raise ConfigError(f"{url!r} is a tcp:// address: a token (KVCONNECT_SERVER_TOKEN or --token-file) is required, "
+                          "loopback or not (any user on the host can reach a TCP port); or use ipc://")
     if not is_loopback(url):
-        if token is None:
-            raise ConfigError(f"{url!r} is not a loopback address: a token (KVCONNECT_SERVER_TOKEN) is required")
         if not allow_remote:
             raise ConfigError(f"{url!r} is not a loopback address: pass --allow-remote to bind it")
     return url

@@ -10,8 +10,12 @@ before it can touch state; a refused frame gets a BAD_REQUEST reply (nothing whe
 tag is wrong: no oracle for forgers) and the loop goes on serving everyone else. Clients
 silent for longer than the lease lose their pins and reservations (``CacheIndex.expire``).
 
-Binding: ``ipc://`` (socket file made 0600) or loopback ``tcp://``; any other address is
-refused unless a token is set and ``allow_remote`` is passed (see ``protocol.check_url``).
+Who is answered (``admission``): on ``ipc://`` the peers the kernel names (``SO_PEERCRED``)
+as the server's own uid or one the ``PeerPolicy`` allows, checked on every frame; the socket
+file and the segment get the policy's mode (0600, or 0660 for an allowed group). ``tcp://``
+needs a token, loopback or not, and any other address than loopback also ``allow_remote``
+(``protocol.check_url``). Frames of a peer not admitted are dropped unanswered and counted.
+Sessions are bounded per principal (``CacheIndex.max_clients_per_principal``).
 Before binding an ipc path that exists, the server probes it and refuses to steal the
 socket of a live server.
 """
@@ -31,6 +35,7 @@ import zmq
 from ..errors import ConfigError
 from ..storage.eviction import DEFAULT_POLICY
 from . import protocol
+from .admission import Gate, PeerPolicy, parse_peer_address
 from .index import CacheIndex, ClientState, RequestError
 from .protocol import BAD_REQUEST, INTERNAL, OK, STALE_INSTANCE, UNKNOWN_CLIENT, AuthError, Limits, ProtocolError
 from .shm import DATA_OFFSET, SHM_DIR, Segment
@@ -56,9 +61,12 @@ class CacheServer:
         limits: Limits = Limits(),
         shm_dir: str = SHM_DIR,
         eviction: str = DEFAULT_POLICY,
+        peers: PeerPolicy = PeerPolicy(),
     ) -> None:
+        """``peers``: who may connect to an ``ipc://`` server (default: this process's uid only)."""
         self.token = protocol.token_bytes(token)
         self.url = protocol.check_url(url, token=self.token, allow_remote=allow_remote)
+        self.peers = peers
         if lease_s <= 0:
             raise ConfigError(f"lease must be > 0 s, got {lease_s}")
         num_pages = (size_bytes - DATA_OFFSET) // page_bytes if page_bytes > 0 else 0
@@ -67,13 +75,19 @@ class CacheServer:
         self.limits = limits
         self.lease_s = lease_s
         self.instance = secrets.token_bytes(protocol.ID_BYTES)  # identifies this start, not a secret
-        self.index = CacheIndex(num_pages, page_bytes, lease_s=lease_s, eviction=eviction)
+        self.index = CacheIndex(num_pages, page_bytes, lease_s=lease_s, eviction=eviction,
+                                max_clients_per_principal=peers.max_sessions_per_peer)
         self._ctx = zmq.Context()
         self._socket: Optional[zmq.Socket] = None
         self._ipc_path = protocol.ipc_path(url)
+        self._gate = Gate(peers, ipc=self._ipc_path is not None)
         self._refuse_if_live()
         self.segment = Segment.create(url, self.instance, page_bytes, num_pages, shm_dir=shm_dir)
         try:
+            try:
+                peers.apply_to(self.segment.path)
+            except OSError as exc:  # e.g. --allow-group names a group this user is not in
+                raise ConfigError(f"cannot give {self.segment.path} mode {peers.file_mode:o} (group {peers.allow_gid}): {exc}") from exc
             self._bind()
         except BaseException:
             self.segment.unlink()
@@ -110,7 +124,11 @@ class CacheServer:
             if old_umask is not None:
                 os.umask(old_umask)
         if self._ipc_path:
-            os.chmod(self._ipc_path, 0o600)
+            try:
+                self.peers.apply_to(self._ipc_path)
+            except OSError as exc:
+                sock.close()
+                raise ConfigError(f"cannot give {self._ipc_path} mode {self.peers.file_mode:o}: {exc}") from exc
         self._socket = sock
 
     # -- loop ------------------------------------------------------------------------
@@ -121,11 +139,15 @@ class CacheServer:
         while not (stop is not None and stop.is_set()) and (end is None or time.monotonic() < end):
             if self._socket.poll(_POLL_MS, zmq.POLLIN):
                 for _ in range(_BATCH):
-                    try:
-                        frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                    try:  # not copied: a frame's properties name its peer
+                        frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self.handle(frames)
+                    principal = self._gate.principal(frames[-1])
+                    if principal is None:
+                        self._refuse_peer(frames[-1])
+                        continue
+                    self.handle([f.bytes for f in frames], principal)
                     if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
             now = time.monotonic()
@@ -134,8 +156,22 @@ class CacheServer:
                 for client_id in self.index.expire():
                     logger.warning("kvconnect server: client %s missed its lease; its pins and reservations are released", client_id.hex()[:8])
 
-    def handle(self, frames: list) -> None:
-        """Answer one ROUTER message ``[identity, frame]``; never raises."""
+    def _refuse_peer(self, frame) -> None:
+        """Drop a frame of a peer not admitted, unanswered (no oracle), counted and logged sparingly."""
+        self.index.counters["refused_requests"] += 1
+        self.index.counters["refused_peers"] += 1
+        if self.index.counters["refused_peers"] in (1, 10, 100, 1000, 10000):
+            try:
+                creds = parse_peer_address(frame.get("Peer-Address"))
+            except Exception:
+                creds = None
+            why = ("libzmq gave no peer credentials (SO_PEERCRED)" if creds is None else
+                   f"uid {creds[0]} (gid {creds[1]}) is neither this server's nor allowed by --allow-uid / --allow-group")
+            logger.warning("kvconnect server: %d frames from peers not admitted dropped (latest: %s)",
+                           self.index.counters["refused_peers"], why)
+
+    def handle(self, frames: list, principal: str = "self") -> None:
+        """Answer one ROUTER message ``[identity, frame]`` from an admitted ``principal``; never raises."""
         if len(frames) != 2:
             self.index.counters["refused_requests"] += 1
             if frames:
@@ -159,7 +195,7 @@ class CacheServer:
             self._reply(identity, 0, BAD_REQUEST, "undecodable frame")
             return
         try:
-            status, result = self._dispatch(request)
+            status, result = self._dispatch(request, principal)
         except RequestError as exc:
             self.index.counters["refused_requests"] += 1
             status, result = BAD_REQUEST, str(exc)[:200]
@@ -168,14 +204,14 @@ class CacheServer:
             status, result = INTERNAL, f"internal error: {type(exc).__name__}"
         self._reply(identity, request.request_id, status, result)
 
-    def _dispatch(self, req: protocol.Request) -> tuple[int, object]:
+    def _dispatch(self, req: protocol.Request, principal: str) -> tuple[int, object]:
         index = self.index
         if req.op == "hello":
             pid, fingerprint, slot_bytes = req.args
-            index.hello(req.client_id, pid, fingerprint, slot_bytes)
+            index.hello(req.client_id, pid, fingerprint, slot_bytes, principal=principal)
             seg = self.segment.info
             return OK, [self.instance, seg.name, seg.page_bytes, seg.num_pages, self.lease_s, self.limits.max_frame_bytes]
-        state = index.touch(req.client_id)
+        state = index.touch(req.client_id, principal)
         if req.op == "bye":
             if state is not None:
                 index.drop_client(state)

@@ -31,6 +31,7 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -110,8 +111,9 @@ class Segment:
 
     # -- client side -------------------------------------------------------------------
     @classmethod
-    def attach(cls, info: SegmentInfo, *, shm_dir: str = SHM_DIR) -> "Segment":
-        """Map the segment a hello reply announced; StorageError if it is not that segment."""
+    def attach(cls, info: SegmentInfo, *, shm_dir: str = SHM_DIR, owner_uid: Optional[int] = None) -> "Segment":
+        """Map the segment a hello reply announced; StorageError if it is not that segment, or
+        (``owner_uid`` given) if another user than the server's owns the file."""
         if not _NAME.match(info.name):
             raise StorageError(f"server announced an invalid segment name {info.name!r}")
         path = os.path.join(shm_dir, info.name)
@@ -120,7 +122,10 @@ class Segment:
         except OSError as exc:
             raise StorageError(f"cannot open shared segment {path}: {exc.strerror}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if owner_uid is not None and st.st_uid != owner_uid:
+                raise StorageError(f"shared segment {path} belongs to uid {st.st_uid}, not to the server's uid {owner_uid}")
+            size = st.st_size
             if size != info.total_bytes:  # a short file would SIGBUS on first touch
                 raise StorageError(f"shared segment {path} is {size} bytes, server announced {info.total_bytes}")
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
+from kvconnect.server.admission import PeerPolicy
 from kvconnect.server.protocol import Limits
 from kvconnect.server.server import CacheServer
 
@@ -38,10 +39,10 @@ def socket_dir() -> Iterator[str]:
 
 @contextlib.contextmanager
 def server_thread(url: str, *, size_bytes: int = 2 << 20, lease_s: float = 1.0, token: Optional[str] = None,
-                  limits: Limits = Limits(), eviction: str = "s3fifo") -> Iterator[CacheServer]:
+                  limits: Limits = Limits(), eviction: str = "s3fifo", peers: PeerPolicy = PeerPolicy()) -> Iterator[CacheServer]:
     """A CacheServer serving from a thread of this process until the block exits."""
     server = CacheServer(url, size_bytes, page_bytes=PAGE, lease_s=lease_s, token=token, limits=limits,
-                         eviction=eviction)
+                         eviction=eviction, peers=peers)
     stop = threading.Event()
     thread = threading.Thread(target=server.serve, args=(stop,), kwargs={"max_seconds": 300}, daemon=True)
     thread.start()

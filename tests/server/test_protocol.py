@@ -63,9 +63,12 @@ def raw_request(obj) -> bytes:
 
 @pytest.mark.parametrize("url,token,allow,ok", [
     ("ipc:///tmp/x.sock", None, False, True),
-    ("tcp://127.0.0.1:5555", None, False, True),
-    ("tcp://[::1]:5555", None, False, True),
-    ("tcp://localhost:5555", None, False, True),
+    ("tcp://127.0.0.1:5555", None, False, False),  # any local user can reach a loopback port: a token is required
+    ("tcp://[::1]:5555", None, False, False),
+    ("tcp://localhost:5555", None, False, False),
+    ("tcp://127.0.0.1:5555", b"t", False, True),
+    ("tcp://[::1]:5555", b"t", False, True),
+    ("tcp://localhost:5555", b"t", False, True),
     ("tcp://0.0.0.0:5555", None, False, False),
     ("tcp://*:5555", b"t", False, False),
     ("tcp://10.1.2.3:5555", b"t", False, False),

@@ -293,6 +293,25 @@ def test_client_sessions_are_bounded_and_expire():
     assert stats(index)["num_clients"] == 1
 
 
+def test_sessions_belong_to_their_principal_and_are_bounded_per_principal():
+    clock = FakeClock()
+    index = CacheIndex(8, PAGE, lease_s=1.0, clock=clock, max_clients=5, max_clients_per_principal=2)
+    mine = index.hello(b"m" * 16, 1, FP_A, PAGE, principal="uid:0")
+    index.hello(b"a" * 16, 2, FP_A, PAGE, principal="uid:65534")
+    index.hello(b"b" * 16, 3, FP_A, PAGE, principal="uid:65534")
+    with pytest.raises(RequestError, match="limit"):
+        index.hello(b"c" * 16, 4, FP_A, PAGE, principal="uid:65534")
+    index.hello(b"d" * 16, 5, FP_A, PAGE, principal="uid:0")  # another peer still gets in
+    with pytest.raises(RequestError, match="another peer"):
+        index.touch(mine.client_id, "uid:65534")  # a session is usable only by the peer that opened it
+    with pytest.raises(RequestError, match="another peer"):
+        index.hello(mine.client_id, 1, FP_A, PAGE, principal="uid:65534")
+    assert index.touch(mine.client_id, "uid:0") is mine
+    index.drop_client(index.clients[b"a" * 16])
+    index.hello(b"c" * 16, 4, FP_A, PAGE, principal="uid:65534")  # a dropped session frees its peer's share
+    assert stats(index)["num_clients"] == 4 and stats(index)["refused_sessions"] == 1
+
+
 def test_the_default_policy_is_s3fifo_and_keeps_part_of_a_cycle_lru_loses():
     """The issue's small-pool case on the shared pool: 10 prefixes of 10 chunks cycled through
     a pool of 60 one-page entries. Each request looks its prefix up (acquire + release: a use)

@@ -1,0 +1,203 @@
+"""Issue 31 item 1: the node cache server answers only peers it can authenticate, bounds
+each peer's sessions, and a forged pool entry is a miss, never wrong bytes.
+
+Run against a real server (a thread of this process), real sockets, and a real second user:
+``foreign_peer.py`` drops to uid 65534 (nobody) before it connects, so the server's
+``SO_PEERCRED`` sees another uid. The attack each test replays is the issue's: acquire the
+victim's headers, remove its chunks, reserve the freed pages and commit the headers on
+pages holding another prompt's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+
+import server_rig
+from kvconnect.chunk_format import ChunkHeader
+from kvconnect.cli import main as cli_main
+from kvconnect.errors import ConfigError, StorageError
+from kvconnect.server.admission import PeerPolicy, parse_peer_address
+from kvconnect.server.client import SharedPoolClient
+from kvconnect.server.server import CacheServer
+from kvconnect.server.shm import SHM_DIR, Segment
+from server_rig import PAGE, server_thread, socket_dir
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a peer as uid 65534 (nobody): setuid")
+
+NOBODY = 65534
+FP = b"F" * 16
+VICTIMS = [bytes([0xA0 + i]) * 16 for i in range(2)]
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "foreign_peer.py")
+
+
+def run_peer(url: str, *args: str, uid: int | None = NOBODY, token: str | None = None) -> dict:
+    cmd = [sys.executable, PEER, url, *(["--uid", str(uid)] if uid is not None else []), *(["--token", token] if token else []), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=server_rig.clean_env(), cwd=server_rig.REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def store_victims(client: SharedPoolClient) -> None:
+    """Two prompts' chunks: VICTIMS[i] holds bytes i + 1."""
+    for i, k in enumerate(VICTIMS):
+        (slot,) = client.reserve(1)
+        client.slot_view(slot)[:PAGE] = i + 1
+        header = ChunkHeader(fingerprint=FP, key=k, token_start=0, token_end=64, group_mask=1, plane_rows=((0, 4),), payload_bytes=PAGE)
+        assert client.commit(k, header, slot).live
+
+
+def read_victims(client: SharedPoolClient) -> list:
+    """The first and last byte of each victim as served, None for a miss."""
+    entries = client.acquire(VICTIMS)
+    try:
+        return [None if e is None else (int(client.entry_view(e)[0]), int(client.entry_view(e)[-1])) for e in entries]
+    finally:
+        client.release(entries)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def open_dir(path: str) -> None:
+    os.chmod(path, 0o755)  # the directory is not what this test is about: only the socket's own mode is
+
+
+# --- tcp: a token, loopback or not -------------------------------------------------------------
+
+
+def test_tcp_listener_refuses_to_start_without_a_token(capsys):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match="token"):
+        CacheServer(url, 1 << 20)
+    with pytest.raises(ConfigError, match="token"):
+        SharedPoolClient(url, PAGE)
+    assert cli_main(["server", "--url", url, "--size-gb", "0.01"]) == 2
+    assert "token" in capsys.readouterr().err
+
+
+@needs_root
+def test_tcp_peer_without_the_token_gets_no_answer():
+    with server_thread(f"tcp://127.0.0.1:{free_port()}", token="s3cret") as server:
+        victim = SharedPoolClient(server.url, PAGE, token="s3cret", timeout_s=5.0, fingerprint=FP)
+        try:
+            store_victims(victim)
+            got = run_peer(server.url, "forge", *[k.hex() for k in VICTIMS])
+            assert got == {"uid": NOBODY, "hello": "no reply"}
+            assert read_victims(victim) == [(1, 1), (2, 2)]
+            assert victim.server_stats()["refused_requests"] >= 1
+        finally:
+            victim.close()
+
+
+# --- ipc: the kernel names the peer ------------------------------------------------------------
+
+
+@needs_root
+def test_ipc_peer_of_another_uid_is_refused_even_through_a_loose_socket_mode():
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock") as server:
+        path = f"{d}/kvc.sock"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(server.segment.path).st_mode) == 0o600
+        victim = SharedPoolClient(server.url, PAGE, timeout_s=5.0, fingerprint=FP)
+        try:
+            store_victims(victim)
+            open_dir(d)
+            os.chmod(path, 0o666)  # a mode loosened by hand: SO_PEERCRED still names the peer
+            got = run_peer(server.url, "forge", *[k.hex() for k in VICTIMS])
+            assert got == {"uid": NOBODY, "hello": "no reply"}
+            assert read_victims(victim) == [(1, 1), (2, 2)]
+            assert victim.server_stats()["refused_peers"] >= 1
+        finally:
+            victim.close()
+
+
+@needs_root
+def test_allowed_group_is_admitted_but_its_sessions_are_bounded():
+    peers = PeerPolicy(allow_gid=NOBODY, max_sessions_per_peer=8)
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock", peers=peers) as server:
+        open_dir(d)
+        for path in (f"{d}/kvc.sock", server.segment.path):
+            st = os.stat(path)
+            assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, NOBODY)
+        got = run_peer(server.url, "hold", "20")
+        assert got["sessions"] == 8 and "limit" in got["refusal"]
+        engine = SharedPoolClient(server.url, PAGE, timeout_s=5.0, fingerprint=FP)  # the server's own uid still gets in
+        try:
+            assert engine.connected
+            stats = engine.server_stats()
+            assert stats["num_clients"] == 9 and stats["refused_sessions"] == 12
+        finally:
+            engine.close()
+
+
+@needs_root
+def test_engine_refuses_a_server_squatting_the_socket_path_as_another_user():
+    """Another user who binds the path first would hand the engine its own segment, with
+    checksums it computed: without a token the engine trusts only its own user's or root's."""
+    with socket_dir() as d:
+        os.chmod(d, 0o777)
+        url = f"ipc://{d}/kvc.sock"
+        cmd = [sys.executable, PEER, url, "--uid", str(NOBODY), "serve"]
+        squatter = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=server_rig.clean_env(), cwd=server_rig.REPO)
+        try:
+            line = server_rig.read_line(squatter, 60)
+            assert json.loads(line) == {"uid": NOBODY, "ready": url}
+            client = SharedPoolClient(url, PAGE, timeout_s=2.0, fingerprint=FP, warn_unreachable=False)
+            try:
+                assert not client.connected and client.reserve(1) == []
+                assert client.counters["untrusted_servers"] >= 1 and client.counters["connects"] == 0
+            finally:
+                client.close()
+        finally:
+            squatter.stdin.close()
+            assert squatter.wait(timeout=30) == 0
+            squatter.stdout.close()
+
+
+@needs_root
+def test_segment_of_another_user_is_not_mapped():
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock") as server:
+        os.chown(server.segment.path, NOBODY, -1)
+        with pytest.raises(StorageError, match="belongs to uid 65534"):
+            Segment.attach(server.segment.info, owner_uid=os.geteuid())
+
+
+# --- the pool path verifies checksums --------------------------------------------------------
+
+
+def test_forged_entry_is_a_counted_miss_never_wrong_bytes():
+    """An admitted peer (here this uid) that cannot write the bytes re-publishes headers on
+    pages holding another prompt's bytes: the reader's checksum turns that into misses."""
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock") as server:
+        victim = SharedPoolClient(server.url, PAGE, timeout_s=5.0, fingerprint=FP)
+        try:
+            store_victims(victim)
+            assert read_victims(victim) == [(1, 1), (2, 2)]
+            got = run_peer(server.url, "forge", *[k.hex() for k in VICTIMS], uid=None)
+            assert got["committed"] == 2 and got["removed"] == [[True], [True]]
+            assert read_victims(victim) == [None, None]
+            assert victim.counters["bad_checksums"] == 2
+            assert victim.masks(VICTIMS) == [None, None]  # removed: the engine stores them again
+            store_victims(victim)
+            assert read_victims(victim) == [(1, 1), (2, 2)]
+        finally:
+            victim.close()
+
+
+def test_peer_address_parsing():
+    assert parse_peer_address("localhost:1000:1001:42") == (1000, 1001)
+    assert parse_peer_address("") is None and parse_peer_address(None) is None
+    assert parse_peer_address("localhost") is None and parse_peer_address("a:b:c:d") is None
+    with pytest.raises(ConfigError):
+        PeerPolicy(max_sessions_per_peer=0)
