@@ -136,3 +136,14 @@ def test_tiers_benchmark_refuses_an_unknown_tier_before_benchmarking():
                          capture_output=True, text=True, env=_env(), timeout=120)
     assert out.returncode == 2 and "unknown tier(s) 'server'" in out.stderr and "server_bench.py" in out.stderr
     assert "tiers benchmark:" not in out.stdout  # nothing was run first
+
+
+def test_trace_replay_refuses_a_pool_past_free_memory_before_allocating(tmp_path):
+    trace = tmp_path / "tiny.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]}) + "\n")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trace_replay.py"), "--trace", str(trace),
+                          "--pool-gb", "1,1e8", "--configs", "today,0"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, out.stderr
+    assert "--pool-gb 1e+08" in out.stderr and "of host memory" in out.stderr and "smaller --pool-gb" in out.stderr
+    assert "pool 1 GB" not in out.stdout  # nothing was replayed first
