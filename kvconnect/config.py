@@ -190,7 +190,7 @@ class Config:
             if environment and isinstance(raw, str):
                 raw = _unquote(raw)
             where = f"{key} ({source})"
-            if name in fields:
+            if name in fields and not _lmcache_meaning(key, name):
                 updates[name] = _parse(name, raw, fields[name], where)
             elif name in lmcache_names.ALIASES:
                 target = lmcache_names.ALIASES[name]
@@ -256,6 +256,12 @@ def _name_of(key: str, fields: Mapping[str, Any]) -> str:
     known = (lambda n: n in fields or n in lmcache_names.ALIASES or n == "extra_config"
              or lmcache_names.instead(n) is not None)
     return lower if not known(stripped) and known(lower) else stripped
+
+
+def _lmcache_meaning(key: str, name: str) -> bool:
+    """True for an ``LMCACHE_`` name LMCache gives another meaning than kvconnect's setting of the
+    same name (``LMCACHE_SERVER_URL``: LMCache's own server, not kvconnect's node server)."""
+    return key.lower().startswith("lmcache_") and name not in lmcache_names.SAME and lmcache_names.instead(name) is not None
 
 
 def _unquote(text: str) -> str:

@@ -121,7 +121,8 @@ INSTEAD: dict[str, str] = {
     "resp_password": "no resp:// backend: credentials go in the URL, redis://USER:PASSWORD@HOST:PORT",
     "mq_timeout": "no LMCache multiprocess server: remote calls are bounded by KVCONNECT_REMOTE_TIMEOUT_S",
     "controller_config_file": _SHARE,
-    "server_url": "LMCache's lm:// server is not supported; kvconnect's node server is KVCONNECT_SERVER_URL (a different protocol)",
+    "server_url": ("LMCache's server (lm://, or the ipc:// / tcp:// socket of its multiprocess server) is not "
+                   "kvconnect's: kvconnect's node server is KVCONNECT_SERVER_URL (a different protocol; docs/server.md)"),
     "runtime_plugin_role": _PLUGINS, "runtime_plugin_config": _PLUGINS, "runtime_plugin_worker_id": _PLUGINS,
     "runtime_plugin_worker_count": _PLUGINS, "plugin_role": _PLUGINS, "plugin_config": _PLUGINS,
     "plugin_worker_id": _PLUGINS, "plugin_worker_count": _PLUGINS,
