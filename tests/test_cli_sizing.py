@@ -72,7 +72,10 @@ def test_inspect_json_matches_sizing(capsys):
     r = json.loads(capsys.readouterr().out)
     s = sizing.of(presets.preset("deepseek-v4-flash").layout(0), 256)
     assert r["bytes_per_chunk"] == s.bytes_per_chunk == sum(g["bytes_per_chunk"] for g in r["groups"])
-    assert r["stored_bytes"] == s.stored_bytes(1_000_000) and r["pool_bytes"] == s.pool_bytes(1_000_000)
+    assert r["whole_chunk_stored_bytes"] == s.stored_bytes(1_000_000) and r["whole_chunk_pool_bytes"] == s.pool_bytes(1_000_000)
+    # one pool size: the restore points' (the engine's default), the same as the per-token figure
+    assert r["restore_points_sized"] and r["pool_bytes"] == int(r["restore_points"]["pool_bytes_per_token"] * 1_000_000)
+    assert r["pool_bytes"] < r["whole_chunk_pool_bytes"] and r["stored_bytes"] < r["whole_chunk_stored_bytes"]
     assert r["restore_at"] == 99_840 and r["restore_bytes"] == s.restore_bytes(99_840) == sum(g["restore_bytes"] for g in r["groups"])
     assert [g["name"] for g in r["groups"]] == list(presets.DSV4_GROUPS)
     assert 16.4e6 < r["bytes_per_chunk"] < 16.6e6  # 16.5 MB per 256-token chunk, as measured in the layout notes
