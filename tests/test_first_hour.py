@@ -68,6 +68,14 @@ def test_info_without_the_token_says_the_token_may_be_wrong(capsys):
         assert "(LRU)" not in out and "KVCONNECT_EVICTION" in out  # the server's policy, not a hard-coded name
 
 
+def test_info_on_a_socket_that_does_not_exist_says_no_server_runs_there(capsys):
+    """A missing socket is not a token problem: info says there is no socket (not 'is the token ...')."""
+    with socket_dir() as d:
+        assert cli_main(["info", "--url", f"ipc://{d}/nothing.sock", "--timeout-s", "0.3", "--token", "x"]) == 1
+        err = capsys.readouterr().err
+        assert "there is no socket at" in err and "kvconnect server --url" in err and "token" not in err
+
+
 def test_an_absent_mooncake_master_is_a_warning():
     """connect_store probes the master; while nobody listens it warns once (then once a minute)."""
     lines: list[str] = []
