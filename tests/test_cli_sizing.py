@@ -199,16 +199,16 @@ def test_bench_refuses_a_run_larger_than_available_memory_before_allocating():
 
     model = presets.preset("qwen3.5-27b")
     need = bench.needed_bytes(model, 4096, 256)
-    room, _ = host_memory.host_room()
-    if room is None or sum(need.values()) <= room * bench.FIT_FRACTION:
-        pytest.skip(f"this host has {room} bytes free: the full preset would fit")
+    room = host_memory.host_room()
+    if room[0] is None or sum(need.values()) <= room[0] * bench.FIT_FRACTION:
+        pytest.skip(f"this host has {room[0]} bytes free: the full preset would fit")
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with pytest.raises(ConfigError) as err:
-        bench.check_fits(model, 4096, need, "cpu")
+        bench.check_fits(model, 4096, 256, "cpu", with_layers=lambda n: presets.preset("qwen3.5-27b", layers=n), host_room=room)
     text = str(err.value)
     assert "qwen3.5-27b" in text and "--layers" in text and "host memory" in text and "GiB" in text
     assert main(["bench", "--preset", "qwen3.5-27b", "--no-progress", "--device", "cpu"]) == 2
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before < need["caches"] // 4  # nothing allocated
     fit = int(text.split("--layers ")[1].split()[0])
     smaller = presets.preset("qwen3.5-27b", layers=fit)
-    bench.check_fits(smaller, 4096, bench.needed_bytes(smaller, 4096, 256), "cpu")  # the advice fits
+    assert bench.check_fits(smaller, 4096, 256, "cpu", host_room=room)  # the advice fits

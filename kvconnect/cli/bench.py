@@ -73,26 +73,37 @@ def needed_bytes(model, num_tokens: int, chunk_tokens: int) -> dict[str, int]:
             "copy": 2 * s.stored_bytes(num_tokens)}
 
 
-def check_fits(model, num_tokens: int, need: dict[str, int], device: str) -> None:
-    """ConfigError naming the bytes and what to pass when this run cannot fit this machine now.
+def check_fits(model, num_tokens: int, chunk_tokens: int, device: str, *, with_layers=None, host_room=None) -> dict[str, int]:
+    """The bytes the run needs (``needed_bytes``); ConfigError naming them and the ``--layers`` that
+    fit when this run cannot fit this machine now. ``with_layers(n)``: the model cut to n layers
+    (the advice is checked, not extrapolated: layer kinds differ in size); ``host_room``: (bytes,
+    what bounds them), default the host's now.
 
     A run past the host's memory does not fail cleanly: the kernel's OOM killer ends it (and may
     take other processes first), so the check comes before the first allocation."""
-    on_host = need["pool"] + (0 if device == "cuda" else need["caches"] + need["copy"])
-    room, why = host_memory.host_room()
-    checks = [(on_host, room, f"host memory ({why})")]
-    if device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        checks.append((need["caches"] + need["copy"], free, "free device memory"))
+    room, why = host_room or host_memory.host_room()
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+
+    def short(need: dict[str, int]):  # (asked, have, what) of the first budget ``need`` exceeds, or None
+        on_host = need["pool"] + (0 if device == "cuda" else need["caches"] + need["copy"])
+        checks = [(on_host, room, f"host memory ({why})")]
+        if free is not None:
+            checks.append((need["caches"] + need["copy"], free, "free device memory"))
+        return next(((a, h, w) for a, h, w in checks if h is not None and a > h * FIT_FRACTION), None)
+
+    need = needed_bytes(model, num_tokens, chunk_tokens)
+    over = short(need)
+    if over is None:
+        return need
+    asked, have, what = over
     layers = _num_layers(model)
-    for asked, have, what in checks:
-        if have is None or asked <= have * FIT_FRACTION:
-            continue
-        fit = int(layers * have * FIT_FRACTION // asked)
-        hint = f"pass --layers {fit} (figures scale with layers) or fewer --tokens" if fit >= 1 else "pass fewer --tokens"
-        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in need.items())
-        raise ConfigError(f"bench of {model.name} ({layers} layers, {num_tokens:,} tokens) needs {human_bytes(asked)} of "
-                          f"{what.split(' (')[0]} ({parts}); this machine has {human_bytes(have)} of {what}: {hint}")
+    fit = min(layers - 1, int(layers * have * FIT_FRACTION // asked))
+    while with_layers is not None and fit >= 1 and short(needed_bytes(with_layers(fit), num_tokens, chunk_tokens)):
+        fit -= 1
+    hint = f"pass --layers {fit} (figures scale with layers) or fewer --tokens" if fit >= 1 else "pass fewer --tokens"
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in need.items())
+    raise ConfigError(f"bench of {model.name} ({layers} layers, {num_tokens:,} tokens) needs {human_bytes(asked)} of "
+                      f"{what.split(' (')[0]} ({parts}); this machine has {human_bytes(have)} of {what}: {hint}")
 
 
 def _num_layers(model) -> int:
@@ -115,8 +126,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if num_tokens < args.chunk_size:
         raise ConfigError(f"--tokens ({num_tokens}) must hold at least one chunk of {args.chunk_size}")
     num_tokens -= num_tokens % args.chunk_size
-    need = needed_bytes(model, num_tokens, args.chunk_size)
-    check_fits(model, num_tokens, need, device)
+    need = check_fits(model, num_tokens, args.chunk_size, device, with_layers=lambda n: model_of(args, layers=n))
     quiet = args.no_progress or args.json
     layout = model.layout(num_tokens, device=device, fill=True)
     s = sizing.of(layout, args.chunk_size)
