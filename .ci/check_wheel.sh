@@ -15,11 +15,11 @@ WORK="$ROOT/build/wheel-check"
 rm -rf "$WORK"
 mkdir -p "$WORK/dist" "$WORK/outside"
 
-python3 -m pip wheel . --no-deps --no-build-isolation -q --disable-pip-version-check -w "$WORK/dist"
+"${PYTHON:-python3}" -m pip wheel . --no-deps --no-build-isolation -q --disable-pip-version-check -w "$WORK/dist"
 WHEEL=$(ls "$WORK"/dist/kvconnect-*.whl)
 echo "wheel: $(basename "$WHEEL")"
 
-python3 - "$WHEEL" <<'EOF'
+"${PYTHON:-python3}" - "$WHEEL" <<'EOF'
 import pathlib, sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 packages = sorted(str(p.parent) for p in pathlib.Path("kvconnect").rglob("__init__.py"))
@@ -33,7 +33,9 @@ EOF
 
 python3 -m venv "$WORK/venv"
 PY="$WORK/venv/bin/python"
-# torch pinned as in setup.sh (the CPU build; an unpinned torch pulls GBs of CUDA wheels)
+# torch's CPU build first, as setup.sh installs it (an unpinned torch pulls GBs of CUDA wheels)
+source "$ROOT/.ci/cpu_torch.sh"
+install_cpu_torch "$PY" "${TORCH_VERSION:-2.13.0}"
 echo "torch==${TORCH_VERSION:-2.13.0}" > "$WORK/constraints.txt"
 "$PY" -m pip install -q --disable-pip-version-check -c "$WORK/constraints.txt" "$WHEEL"
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

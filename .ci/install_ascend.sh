@@ -8,6 +8,7 @@
 # `pip install -e .`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source .ci/cpu_torch.sh
 
 VENV=.venv-ascend
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
@@ -23,7 +24,7 @@ PIP="$PY -m pip"
 
 if ! "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm_ascend') and u.find_spec('vllm') else 1)" 2>/dev/null; then
     $PIP install -q -U pip wheel "setuptools<81" setuptools_scm
-    $PIP install -q "torch==$TORCH_VERSION"
+    install_cpu_torch "$PY" "$TORCH_VERSION"
     # vLLM's CUDA wheel's Python is what vLLM-Ascend runs on; its CUDA deps are
     # never needed on CPU, so no deps (the pure-Python ones follow below).
     $PIP install -q --no-deps "vllm==$VLLM_VERSION" "torch-npu==$TORCH_NPU_VERSION"

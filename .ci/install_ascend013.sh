@@ -20,6 +20,7 @@
 # installed there: run it with PYTHONPATH=$PWD (the in-place build of .ci/setup.sh, same python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source .ci/cpu_torch.sh
 
 TORCH_VERSION=2.13.0
 VLLM_VERSION=0.13.0
@@ -49,7 +50,7 @@ if ! usable; then
     mkdir -p "$CACHE"
     python3 -m venv "$VENV"
     $PIP install -q -U pip wheel "setuptools<81" setuptools_scm
-    $PIP install -q "torch==$TORCH_VERSION"
+    install_cpu_torch "$PY" "$TORCH_VERSION"
     # vLLM's CUDA wheel's Python is what vLLM-Ascend runs on; no CUDA dep is needed on CPU.
     $PIP install -q --no-deps "vllm==$VLLM_VERSION" "torch-npu==$TORCH_NPU_VERSION" \
         "vllm-ascend==$VLLM_ASCEND_VERSION"

@@ -7,6 +7,7 @@
 # refreshed with `pip install -e .`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source .ci/cpu_torch.sh
 
 VENV=${SGLANG_VENV:-.venv-sglang}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
@@ -20,7 +21,7 @@ PY="$VENV/bin/python"
 
 if ! "$PY" -c "import sglang, torch; assert sglang.__version__ == '$SGLANG_VERSION'; assert torch.__version__.startswith('$TORCH_VERSION')" 2>/dev/null; then
     "$PY" -m pip install -q -U pip wheel setuptools
-    "$PY" -m pip install -q "torch==$TORCH_VERSION"
+    install_cpu_torch "$PY" "$TORCH_VERSION"
     "$PY" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
     # sglang's requirements without the CUDA / torch-family / kernel wheels.
     "$PY" - > "$VENV/sglang-reqs.txt" <<'PYEOF'

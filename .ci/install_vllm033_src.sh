@@ -14,10 +14,10 @@ if [ -f "$DEST/vllm/distributed/kv_transfer/kv_connector/v1/base.py" ] && [ "$(c
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-python3 -m pip download -q --disable-pip-version-check --no-deps "vllm==$VERSION" -d "$TMP"
+"${PYTHON:-python3}" -m pip download -q --disable-pip-version-check --no-deps "vllm==$VERSION" -d "$TMP"
 rm -rf "$DEST"
 mkdir -p "$DEST"
-python3 - "$TMP"/vllm-"$VERSION"-*.whl "$DEST" <<'PY'
+"${PYTHON:-python3}" - "$TMP"/vllm-"$VERSION"-*.whl "$DEST" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     names = [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")]

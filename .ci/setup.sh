@@ -6,13 +6,15 @@
 # Ubuntu: "externally-managed-environment") is not installed into: a virtual environment
 # .venv is made from it and used instead, and the last line says which python to run.
 #
-# torch: an importable torch 2.13 is kept. Otherwise torch==2.13.0 is installed from the
-# configured index; on a machine without a GPU, get the CPU build first (plain PyPI's Linux
-# torch pulls ~5 GB of CUDA packages):
-#     pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# torch: an importable torch 2.13 is kept. Otherwise the CPU build, torch==2.13.0+cpu, from pip's
+# configured sources or else the PyTorch CPU index (.ci/cpu_torch.sh): plain PyPI's Linux torch
+# pulls ~5 GB of CUDA packages. For a GPU, install the CUDA torch 2.13 first; it is kept.
 # The compiled kernels never link libtorch, so any torch 2.x build serves.
+#
+# The last line names the python to run kvconnect with; .ci/run reads it from .ci/python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source .ci/cpu_torch.sh
 START=$SECONDS
 say() { echo "setup [$((SECONDS - START))s]: $*"; }
 
@@ -39,12 +41,8 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
 
 say "pip, setuptools, wheel"
 "${PIP[@]}" --upgrade pip setuptools wheel
-if "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13') else 1)" 2>/dev/null; then
-    say "torch $("$PY" -c 'import torch; print(torch.__version__)') already installed"
-else
-    say "torch 2.13.0 (no GPU here? stop and install the CPU build first: see the top of .ci/setup.sh)"
-    "${PIP[@]}" torch==2.13.0
-fi
+say "torch 2.13.0 ($(cpu_torch_spec 2.13.0))"
+install_cpu_torch "$PY" 2.13.0
 say "kvconnect's dependencies and test tools"
 "${PIP[@]}" "pybind11>=2.11" numpy msgpack pyzmq blake3 xxhash pyyaml \
     "pytest>=7" "hypothesis>=6" redis \
@@ -56,9 +54,14 @@ say "triton 3.8.0 (the Triton route's tests run in its interpreter)"
 "${PIP[@]}" triton==3.8.0
 say "kvconnect itself (editable; compiles the CPU kernels, about a minute)"
 "${PIP[@]}" --no-build-isolation -e ".[test,redis]"
-# LMCache's pinned release, downloaded (never installed) for tests/test_lmcache_names.py, which reads its
-# configuration names from the wheel as data; offline, that test checks the vendored copy only.
-say "LMCache's pinned wheel, as data for tests/test_lmcache_names.py (not installed)"
-"$PY" -m pip download -q --disable-pip-version-check --no-deps lmcache==0.4.5 -d "$HOME/.cache/kvconnect-ci" \
-    || echo "setup: could not download lmcache 0.4.5; tests/test_lmcache_names.py checks its vendored list only"
+# LMCache's releases kvconnect answers for (kvconnect/lmcache_names.py), downloaded (never installed) for
+# tests/test_lmcache_names.py, which reads their configuration names from the wheels as data; offline,
+# that test checks the vendored lists only.
+for spec in lmcache==0.4.5 lmcache==0.5.6; do
+    say "$spec's wheel, as data for tests/test_lmcache_names.py (not installed)"
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps "$spec" -d "$HOME/.cache/kvconnect-ci" \
+        || echo "setup: could not download $spec; tests/test_lmcache_names.py checks its vendored list only"
+done
+# the interpreter chosen above, for .ci/run and anyone scripting after setup (git-ignored)
+"$PY" -c "import sys; print(sys.executable)" > .ci/python
 say "done: run kvconnect with $PY (e.g. $PY examples/quickstart.py)"

@@ -42,6 +42,8 @@ from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout  # noqa: E402
 from kvconnect import presets  # noqa: E402
 from kvconnect.parts import PartLayout  # noqa: E402
 from kvconnect.plan import max_chunk_payload_bytes  # noqa: E402
+from kvconnect.errors import ConfigError  # noqa: E402
+from kvconnect.storage import host_memory  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 BLOCK_TOKENS = 512  # one trace hash id
@@ -111,10 +113,17 @@ class Model:
         self.scaled_whole = PartLayout.of(self.layout, CHUNK, split=False)
         assert len(self.scaled_split.pieces) == len(self.parts.pieces)
 
-    def engine(self, config: str, pool_gb: float) -> KVCacheEngine:
+    def scaled_pool(self, config: str, pool_gb: float) -> tuple[int, int]:
+        """(slots, bytes) of the scaled pool standing for ``pool_gb`` of the real model's."""
         split = config != "today"
         real_slot = self.parts.slot_bytes if split else self.whole_bytes
         slots = int(pool_gb * GB // real_slot)
+        scaled = self.scaled_split if split else self.scaled_whole
+        return slots, slots * scaled.slot_bytes
+
+    def engine(self, config: str, pool_gb: float) -> KVCacheEngine:
+        split = config != "today"
+        slots, _ = self.scaled_pool(config, pool_gb)
         scaled = self.scaled_split if split else self.scaled_whole
         cfg = Config(chunk_size=CHUNK, max_local_cpu_size=slots * scaled.slot_bytes / GB + 1e-9, num_threads=1,
                      pool_prefault=False, restore_interval_tokens=int(config) if split else 0, log_interval_s=0)
@@ -170,9 +179,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     trace = load_trace(args.trace, args.limit)
     model = Model(args.preset, max(r["input_length"] for r in trace))
+    sizes = [float(x) for x in args.pool_gb.split(",")]
+    try:  # the largest scaled pool, before any is allocated: past free memory the OOM killer ends the run
+        gb, config = max(((gb, c) for gb in sizes for c in args.configs.split(",")), key=lambda x: model.scaled_pool(*reversed(x))[1])
+        slots, nbytes = model.scaled_pool(config, gb)
+        host_memory.check_fits_host(nbytes, f"--pool-gb {gb:g} ({config}: {slots:,} slots of the scaled layout)",
+                                    advice="pass a smaller --pool-gb")
+    except ConfigError as exc:
+        print(f"trace replay: {exc}", file=sys.stderr)
+        return 2
     ideal = ideal_share(trace)
     rows = []
-    for gb in [float(x) for x in args.pool_gb.split(",")]:
+    for gb in sizes:
         for config in args.configs.split(","):
             row = replay(model, trace, config, gb)
             row["of_ideal"] = row["served"] / ideal if ideal else 0.0

@@ -148,7 +148,10 @@ def main() -> None:
         window = geo.window_tokens or "-"
         print(f"{name:<18}{layout.groups[g].kind.value:<10}{layout.groups[g].block_size:>6}{layout.groups[g].compress_ratio:>5}"
               f"{window!s:>8}{len(members):>8}{num_rows:>12}{bytes_per_chunk:>13,}")
-    print(f"{'one chunk':<67}{engine.max_chunk_bytes:>13,} bytes\n")
+    whole = sum((geo.stored_rows(probe.start, probe.end)[1] - geo.stored_rows(probe.start, probe.end)[0])
+                * sum(layout.planes[i].row_bytes for i in layout.planes_of_group(g)) for g, geo in enumerate(layout.geometries))
+    print(f"{'one chunk (the rows above)':<67}{whole:>13,} bytes")
+    print(f"{'largest object stored (a restore-point part: one CPU pool slot)':<67}{engine.max_chunk_bytes:>13,} bytes\n")
 
     vocab = 32000
     system = rng.integers(0, vocab, prefix_len)

@@ -186,11 +186,11 @@ class Config:
         updates: dict[str, Any] = {}
         aliased: dict[str, Any] = {}
         for key, raw in values.items():
-            name = key.lower().removeprefix("lmcache_").removeprefix("kvconnect_")
+            name = _name_of(key, fields)
             if environment and isinstance(raw, str):
                 raw = _unquote(raw)
             where = f"{key} ({source})"
-            if name in fields:
+            if name in fields and not _lmcache_meaning(key, name):
                 updates[name] = _parse(name, raw, fields[name], where)
             elif name in lmcache_names.ALIASES:
                 target = lmcache_names.ALIASES[name]
@@ -244,8 +244,24 @@ def _warn_unknown(key: str, name: str, source: str) -> None:
     known = [f.name for f in dataclasses.fields(Config)] + list(lmcache_names.ALIASES) + ["extra_config"]
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    warn_once(f"name:{key}", "kvconnect: ignoring %r (%s): neither a kvconnect setting nor an LMCache %s one%s",
-              key, source, lmcache_names.LMCACHE_RELEASE, hint)
+    warn_once(f"name:{key}", "kvconnect: ignoring %r (%s): neither a kvconnect setting nor an LMCache (%s) one%s",
+              key, source, lmcache_names.LMCACHE_RELEASES_TEXT, hint)
+
+
+def _name_of(key: str, fields: Mapping[str, Any]) -> str:
+    """``key`` without its ``LMCACHE_`` / ``KVCONNECT_`` prefix, unless the name itself starts with
+    ``lmcache_`` (LMCache's YAML ``lmcache_instance_id``, ``lmcache_worker_ports``, ...)."""
+    lower = key.lower()
+    stripped = lower.removeprefix("lmcache_").removeprefix("kvconnect_")
+    known = (lambda n: n in fields or n in lmcache_names.ALIASES or n == "extra_config"
+             or lmcache_names.instead(n) is not None)
+    return lower if not known(stripped) and known(lower) else stripped
+
+
+def _lmcache_meaning(key: str, name: str) -> bool:
+    """True for an ``LMCACHE_`` name LMCache gives another meaning than kvconnect's setting of the
+    same name (``LMCACHE_SERVER_URL``: LMCache's own server, not kvconnect's node server)."""
+    return key.lower().startswith("lmcache_") and name not in lmcache_names.SAME and lmcache_names.instead(name) is not None
 
 
 def _unquote(text: str) -> str:
@@ -308,7 +324,7 @@ def _read_extra_config(raw: Any, where: str) -> None:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: must be a mapping of keys (a JSON object), got {type(raw).__name__}")
     for key, value in raw.items():
-        text = lmcache_names.EXTRA_CONFIG.get(key, lmcache_names.EXTRA_CONFIG_OTHER)
+        text = lmcache_names.extra_config(key)
         warn_once(f"extra:{key}", "kvconnect: extra_config %s=%r (%s): %s", key, value, where, text)
 
 

@@ -65,6 +65,17 @@ from .transfer.cuda import route_tuning
 logger = logging.getLogger(__name__)
 
 
+def _warn_stores_nothing(config: Config, slot_bytes: int) -> None:
+    """One warning for an engine whose ``store`` can only return 0: every chunk goes through the
+    CPU pool (the cache itself, or the buffer of the disk and remote tiers) and it has no slot."""
+    if not config.local_cpu and not config.has_lower_tier:
+        why = "local_cpu (LMCACHE_LOCAL_CPU) is false and there is no disk or remote tier: nothing is kept anywhere"
+    else:
+        why = (f"the CPU pool (max_local_cpu_size, LMCACHE_MAX_LOCAL_CPU_SIZE = {config.max_local_cpu_size:g} GB) is "
+               f"smaller than one chunk of this layout ({slot_bytes / (1 << 30):.4g} GB)")
+    logger.warning("kvconnect: this engine stores nothing (store returns 0, every lookup misses): %s", why)
+
+
 class KVCacheEngine(StorePath, RestorePoints):
     def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None,
                  window_parts: bool = True, shared_writer: bool = True) -> None:
@@ -98,6 +109,8 @@ class KVCacheEngine(StorePath, RestorePoints):
         # a private ChunkPool, or the node cache server's shared pool when server_url is set
         pool = make_pool(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
         self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config, writes_shared=shared_writer)
+        if not self.config.server_url and pool.num_slots == 0:
+            _warn_stores_nothing(self.config, self.max_chunk_bytes)
         self.shared_writer = shared_writer
         self.stats = EngineStats()
         self._stats_lock = threading.Lock()

@@ -3,15 +3,17 @@
 Data only: ``kvconnect.config`` (the one module that reads the environment) consults it to
 read a name, map it, or warn once that kvconnect ignores it and what it does instead.
 ``docs/migrating.md`` is the same table for people; ``tests/test_lmcache_names.py`` checks
-that every name of LMCache's pinned release (its config module, read as data) is here and
-in that document, so a new LMCache key is a failing test rather than a silent gap.
+that every name of each LMCache release in ``LMCACHE_RELEASES`` (its config module, read as
+data) is here and in that document, so a new LMCache key is a failing test rather than a
+silent gap.
 
 Kinds of names:
 - ``SAME``: the kvconnect setting of the same name, same meaning and unit.
 - ``ALIASES``: an LMCache name read into a kvconnect setting of another name (the value is
   converted where units differ; ``kvconnect.config`` does the conversion).
 - ``INSTEAD``: names kvconnect ignores, each with what kvconnect does instead (warned once).
-- ``EXTRA_CONFIG``: keys of LMCache's ``extra_config`` mapping (``LMCACHE_EXTRA_CONFIG``).
+- ``EXTRA_CONFIG``: keys of LMCache's ``extra_config`` mapping (``LMCACHE_EXTRA_CONFIG``);
+  ``EXTRA_CONFIG_PREFIXES``: families of them read by prefix.
 - ``ENV_PREFIXES``: families of variables read by prefix.
 """
 
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-LMCACHE_RELEASE = "0.4.5"  # the release LMCache-Ascend's DeepSeek V4 connector (seed 003) runs on
+# 0.4.5: the release LMCache-Ascend's DeepSeek V4 connector (seed 003) runs on; 0.5.6: the newest on
+# PyPI (2026-11), the one users bring configs from. Each has its list in tests/data/.
+LMCACHE_RELEASES = ("0.4.5", "0.5.6")
+LMCACHE_RELEASES_TEXT = " / ".join(LMCACHE_RELEASES)
 
 SAME = (
     "chunk_size", "local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
@@ -49,6 +54,11 @@ _API = ("no internal API server: figures are on vLLM's /metrics or KVCONNECT_MET
 _USAGE = "kvconnect sends no usage data anywhere"
 _LOOKUP = "the engine adapter looks chunks up itself in the scheduler (docs/vllm.md); nothing to configure"
 _REMOTE_CFG = "no remote configuration service: configuration is the environment, LMCACHE_CONFIG_FILE and the engine's extra config"
+_MP = ("no LMCache multiprocess server: the engine adapter runs in the engine's own processes; one node's engines "
+       "share a pool through kvconnect's node server (KVCONNECT_SERVER_URL, docs/server.md)")
+_HIDDEN = "no hidden-state cache (LMCache 0.5's vLLM-Omni pipelines): kvconnect caches the KV cache only"
+_AEROSPIKE = "no Aerospike backend: " + _PLUGINS
+_MUSA = "no Moore Threads (MUSA) route: kvconnect moves bytes on CPU, CUDA (and ROCm through torch), Triton and Ascend (docs/gpu.md)"
 
 INSTEAD: dict[str, str] = {
     # -- lmcache/v1/config.py: _CONFIG_DEFINITIONS
@@ -111,7 +121,8 @@ INSTEAD: dict[str, str] = {
     "resp_password": "no resp:// backend: credentials go in the URL, redis://USER:PASSWORD@HOST:PORT",
     "mq_timeout": "no LMCache multiprocess server: remote calls are bounded by KVCONNECT_REMOTE_TIMEOUT_S",
     "controller_config_file": _SHARE,
-    "server_url": "LMCache's lm:// server is not supported; kvconnect's node server is KVCONNECT_SERVER_URL (a different protocol)",
+    "server_url": ("LMCache's server (lm://, or the ipc:// / tcp:// socket of its multiprocess server) is not "
+                   "kvconnect's: kvconnect's node server is KVCONNECT_SERVER_URL (a different protocol; docs/server.md)"),
     "runtime_plugin_role": _PLUGINS, "runtime_plugin_config": _PLUGINS, "runtime_plugin_worker_id": _PLUGINS,
     "runtime_plugin_worker_count": _PLUGINS, "plugin_role": _PLUGINS, "plugin_config": _PLUGINS,
     "plugin_worker_id": _PLUGINS, "plugin_worker_count": _PLUGINS,
@@ -119,6 +130,22 @@ INSTEAD: dict[str, str] = {
     "offload_rpc_port": "no offload RPC server: the engine adapter moves the bytes in-process",
     "gpu_staging_buffer_bytes": "the CUDA staged route sizes its own device ring (KVCONNECT_CUDA_TRANSFER=staged; docs/gpu.md)",
     "force_skip_save": "no switch to skip saves: under kv_role kv_consumer (vLLM) prompts are not saved",
+    # -- LMCache 0.5.6: new keys of lmcache/v1/config.py
+    "local_cpu_use_hugepages": ("the CPU pool uses ordinary pages, pre-faulted in the background (KVCONNECT_POOL_PREFAULT): "
+                                "transparent huge pages made stores slower (kvconnect/storage/host_memory.py)"),
+    "mp_host": _MP, "mp_port": _MP,
+    "enable_hidden_state_cache": _HIDDEN, "max_hidden_state_cpu_size": _HIDDEN, "hidden_state_layers": _HIDDEN,
+    "hidden_states_retrieve_mode": _HIDDEN,
+    "run_script_api_enabled": _API,
+    # -- LMCache 0.5.6: variables its code reads outside the config module
+    "aerospike_hosts": _AEROSPIKE, "aerospike_namespace": _AEROSPIKE, "aerospike_password": _AEROSPIKE,
+    "aerospike_set": _AEROSPIKE, "aerospike_username": _AEROSPIKE,
+    "coordinator_url": _SHARE, "coordinator_advertise_ip": _SHARE, "coordinator_event_flush_interval": _SHARE,
+    "coordinator_event_reporting": _SHARE, "coordinator_heartbeat_interval": _SHARE,
+    "device_backend": "the device is the engine's: kvconnect reads it from the KV cache tensors the engine registers",
+    "disable_banner": "kvconnect prints no banner (its start is one INFO line)",
+    "mp_transfer_mode": _MP,
+    "musa_handle_transfer": _MUSA, "musa_native_kv_transfer": _MUSA,
     # -- keys LMCache-Ascend adds to LMCache's (lmcache_ascend/__init__.py; its example configs use them)
     "p2p_use_npu": _SHARE, "p2p_npu_buffer_size": _SHARE, "p2p_pull_mode": _SHARE, "p2p_delay_pull": _SHARE,
     "p2p_pull_pending_ttl": _SHARE, "p2p_sync_lookup_cache_ttl": _SHARE, "p2p_sync_lookup_cache_max_entries": _SHARE,
@@ -143,6 +170,9 @@ _FIRST_RANK = ("read, not needed: KV replicated over tensor-parallel ranks (MLA)
                "written once by the first rank and read by all (vLLM, vLLM-Ascend and SGLang)")
 _BACKEND = "an option of an LMCache backend kvconnect does not have"
 _AUDIT = "no audit backend: every chunk carries a checksum that is verified on every read"
+_MOONCAKE_FILE = ("a Mooncake client setting: kvconnect reads the same key (local_hostname, metadata_server, "
+                  "global_segment_size, local_buffer_size, protocol, device_name) from the JSON file at "
+                  "MOONCAKE_CONFIG_PATH, not from extra_config (docs/storage.md)")
 _FS = "kvconnect's disk tier (LMCACHE_LOCAL_DISK) writes whole files and renames them into place (docs/storage.md)"
 EXTRA_CONFIG: dict[str, str] = {
     "save_only_first_rank": _FIRST_RANK, "remote_enable_mla_worker_id_as0": _FIRST_RANK,
@@ -171,8 +201,25 @@ EXTRA_CONFIG: dict[str, str] = {
     "save_chunk_meta": "every chunk carries its own header (layout fingerprint, groups, checksum; kvconnect/chunk_format.py)",
     "shm_name": "the node server's shared memory is named by kvconnect server --url (docs/server.md)",
     "use_exists_sync": "lookups in every tier are batched and bounded by KVCONNECT_REMOTE_TIMEOUT_S",
+    # -- LMCache 0.5.6
+    "disk_io_threads": _GDS, "nixl_presence_cache": _BACKEND, "nixl_presence_cache_only": _BACKEND,
+    "nixl_use_hugepages": _BACKEND,
+    "lmcache.mp.heartbeat_interval": _MP, "lmcache.mp.mp_transfer_mode": _MP, "lmcache.mp.mq_timeout": _MP,
+    # -- LMCache's Mooncake connector (mooncakestore_connector.py) hands these to Mooncake's setup
+    "master_server_address": ("the Mooncake master is LMCACHE_REMOTE_URL=mooncakestore://HOST:PORT; kvconnect reads "
+                              "Mooncake's client settings from the JSON file at MOONCAKE_CONFIG_PATH (docs/storage.md)"),
+    "local_hostname": _MOONCAKE_FILE, "metadata_server": _MOONCAKE_FILE, "global_segment_size": _MOONCAKE_FILE,
+    "local_buffer_size": _MOONCAKE_FILE, "protocol": _MOONCAKE_FILE, "device_name": _MOONCAKE_FILE,
+    "transfer_timeout": "every Mooncake call is bounded by KVCONNECT_REMOTE_TIMEOUT_S (seconds)",
+    "storage_root_dir": "no Mooncake storage root: kvconnect's disk tier is LMCACHE_LOCAL_DISK",
+    "prefer_local_alloc": "Mooncake places objects by its master's policy; the segment holder is set in MOONCAKE_CONFIG_PATH",
 }
-EXTRA_CONFIG_OTHER = "an option of an LMCache backend kvconnect does not have (not in LMCache " + LMCACHE_RELEASE + "'s own code)"
+EXTRA_CONFIG_PREFIXES: dict[str, str] = {
+    # LMCache's Mooncake connector strips the prefix and hands the rest to Mooncake's setup
+    "mooncake_": _MOONCAKE_FILE,
+}
+EXTRA_CONFIG_OTHER = ("not an extra_config key of LMCache " + LMCACHE_RELEASES_TEXT
+                      + " (their code reads no such key) nor a kvconnect setting: kvconnect ignores it")
 
 ENV_PREFIXES: dict[str, str] = {
     "LMCACHE_EC_": "no encoder cache: kvconnect caches the KV of token prefixes only",
@@ -190,6 +237,14 @@ NOT_SETTINGS = ("LMCACHE_CONFIG_FILE", "KVCONNECT_BUILD_CUDA", "KVCONNECT_SGLANG
 def instead(name: str) -> Optional[str]:
     """What kvconnect does instead of LMCache's ``name`` (YAML spelling), or None if unknown."""
     return INSTEAD.get(name)
+
+
+def extra_config(key: str) -> str:
+    """What kvconnect does with LMCache's ``extra_config`` key ``key``."""
+    text = EXTRA_CONFIG.get(key)
+    if text is None:
+        text = next((t for prefix, t in EXTRA_CONFIG_PREFIXES.items() if key.startswith(prefix)), EXTRA_CONFIG_OTHER)
+    return text
 
 
 def instead_of_variable(var: str) -> Optional[str]:

@@ -132,6 +132,19 @@ class ModelKV:
         local = self.dcp.local_tokens_before(num_tokens)
         return [max(2, -(-local // g.block_size) + 1) for g in self.groups]
 
+    def cache_bytes(self, num_tokens: int = 0) -> int:
+        """Bytes ``tensors(num_tokens)`` allocates, computed without allocating them."""
+        nb = self.blocks_for(num_tokens)
+        total = 0
+        for c in self.caches:
+            n, rows = nb[c.group], self.groups[c.group].rows_per_block
+            page = rows * c.row_bytes()
+            if c.kv_pair:
+                total += 2 * n * page
+            else:
+                total += n * (-(-page // c.page_align) * c.page_align if c.page_align else page)
+        return total
+
     def tensors(self, num_tokens: int = 0, *, device: str = "cpu", fill: bool = False) -> dict[str, torch.Tensor]:
         """The engine's tensors, with blocks for ``num_tokens`` tokens (uninitialised unless ``fill``)."""
         nb = self.blocks_for(num_tokens)

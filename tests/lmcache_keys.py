@@ -1,6 +1,6 @@
 """LMCache's configuration names, read as DATA from an LMCache wheel (never imported).
 
-    python3 tests/lmcache_keys.py WHEEL > tests/data/lmcache_names.json   # after a pin bump
+    python3 tests/lmcache_keys.py WHEEL > tests/data/lmcache_names_RELEASE.json   # a new release
 
 Reads, with ``ast`` only:
 - ``lmcache/v1/config.py``: the keys of ``_CONFIG_DEFINITIONS`` (each is a YAML key and an
@@ -9,8 +9,9 @@ Reads, with ``ast`` only:
   config module, e.g. ``LMCACHE_LOG_LEVEL``) and the keys of ``extra_config`` it reads
   (``get_extra_config_value("k")``, ``extra_config.get("k")``, ``extra_config["k"]``).
 
-tests/test_lmcache_names.py compares the vendored list (tests/data/lmcache_names.json) with
-this extraction when the pinned wheel is in the CI cache (.ci/setup.sh downloads it).
+tests/test_lmcache_names.py compares each vendored list (tests/data/lmcache_names_*.json, one per
+release kvconnect answers for) with this extraction when that wheel is in the CI cache
+(.ci/setup.sh downloads them).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _extra_config_keys(tree: ast.AST) -> set[str]:
 
 
 def extract(wheel: Path) -> dict:
-    """The names of the LMCache release in ``wheel``, as tests/data/lmcache_names.json holds them."""
+    """The names of the LMCache release in ``wheel``, as tests/data/lmcache_names_*.json hold them."""
     with zipfile.ZipFile(wheel) as z:
         config = ast.parse(z.read(CONFIG_MODULE).decode())
         variables: set[str] = set()
@@ -78,8 +79,8 @@ def extract(wheel: Path) -> dict:
 
 if __name__ == "__main__":
     data = extract(Path(sys.argv[1]))
-    vendored = Path(__file__).parent / "data" / "lmcache_names.json"
+    vendored = Path(__file__).parent / "data" / f"lmcache_names_{data['release']}.json"
     if vendored.exists():  # the provenance text and the LMCache-Ascend part are not in LMCache's wheel: keep them
         old = json.loads(vendored.read_text())
-        data = {"provenance": old["provenance"], **data, "lmcache_ascend": old["lmcache_ascend"]}
+        data = {"provenance": old["provenance"], **data, **({"lmcache_ascend": old["lmcache_ascend"]} if "lmcache_ascend" in old else {})}
     print(json.dumps(data, indent=1))

@@ -72,7 +72,10 @@ def test_inspect_json_matches_sizing(capsys):
     r = json.loads(capsys.readouterr().out)
     s = sizing.of(presets.preset("deepseek-v4-flash").layout(0), 256)
     assert r["bytes_per_chunk"] == s.bytes_per_chunk == sum(g["bytes_per_chunk"] for g in r["groups"])
-    assert r["stored_bytes"] == s.stored_bytes(1_000_000) and r["pool_bytes"] == s.pool_bytes(1_000_000)
+    assert r["whole_chunk_stored_bytes"] == s.stored_bytes(1_000_000) and r["whole_chunk_pool_bytes"] == s.pool_bytes(1_000_000)
+    # one pool size: the restore points' (the engine's default), the same as the per-token figure
+    assert r["restore_points_sized"] and r["pool_bytes"] == int(r["restore_points"]["pool_bytes_per_token"] * 1_000_000)
+    assert r["pool_bytes"] < r["whole_chunk_pool_bytes"] and r["stored_bytes"] < r["whole_chunk_stored_bytes"]
     assert r["restore_at"] == 99_840 and r["restore_bytes"] == s.restore_bytes(99_840) == sum(g["restore_bytes"] for g in r["groups"])
     assert [g["name"] for g in r["groups"]] == list(presets.DSV4_GROUPS)
     assert 16.4e6 < r["bytes_per_chunk"] < 16.6e6  # 16.5 MB per 256-token chunk, as measured in the layout notes
@@ -154,3 +157,58 @@ def test_bench_runs_and_reports(capsys):
     ops = {o["op"]: o for o in r["ops"]}
     assert ops["store (gather)"]["bytes"] == 512 * 2 * 8 * 128 * 2 and ops["store (gather)"]["chunks"] == 2
     assert all(o["best_s"] > 0 for o in r["ops"])
+
+
+@pytest.mark.parametrize("preset,layers,tokens", [("deepseek-v4-flash", 4, 8192), ("qwen3.5-27b", 4, 1024),
+                                                  ("llama", 1, 512)])
+def test_bench_bytes_are_what_the_pool_received(capsys, preset, layers, tokens):
+    """With restore points a store writes prefix parts and window parts: bench reports those
+    bytes (what the pool holds after one store), and the plain copy moves the same bytes."""
+    assert main(["bench", "--preset", preset, "--layers", str(layers), "--tokens", str(tokens), "--repeats", "1",
+                 "--threads", "1", "--device", "cpu", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    ops = {o["op"]: o for o in r["ops"]}
+    model = presets.preset(preset, layers=layers)
+    layout = model.layout(tokens, fill=True)
+    s = sizing.of(layout, r["chunk_tokens"])
+    engine = KVCacheEngine(layout, Config(chunk_size=r["chunk_tokens"], max_local_cpu_size=(s.pool_bytes(tokens) + s.slot_bytes) / GB,
+                                          num_threads=1))
+    try:
+        tables = [list(range(n - 1)) for n in model.blocks_for(tokens)]
+        assert engine.store(np.arange(tokens, dtype=np.int64), tables) == tokens
+        received = sum(e.header.payload_bytes for e in engine.pool._entries.values())
+        restored_before = engine.stats_snapshot()["retrieved_bytes"]
+        assert engine.retrieve(np.arange(tokens, dtype=np.int64), tables) == tokens
+        loaded = engine.stats_snapshot()["retrieved_bytes"] - restored_before
+    finally:
+        engine.close()
+    assert ops["store (gather)"]["bytes"] == received == ops["plain copy, same bytes"]["bytes"]
+    assert ops["retrieve (scatter)"]["bytes"] == loaded
+    assert r["whole_chunk_bytes"] == s.stored_bytes(tokens)
+    if preset != "llama":  # restore points: parts, less than whole chunks
+        assert received < r["whole_chunk_bytes"]
+
+
+def test_bench_refuses_a_run_larger_than_available_memory_before_allocating():
+    """qwen3.5-27b at 4096 tokens needs ~45 GiB (its 64 layers' recurrent-state blocks): more than
+    a CI host has free. The refusal names the bytes and the --layers that fit."""
+    import resource
+
+    from kvconnect.cli import bench
+    from kvconnect.storage import host_memory
+
+    model = presets.preset("qwen3.5-27b")
+    need = bench.needed_bytes(model, 4096, 256)
+    room = host_memory.host_room()
+    if room[0] is None or sum(need.values()) <= room[0] * bench.FIT_FRACTION:
+        pytest.skip(f"this host has {room[0]} bytes free: the full preset would fit")
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with pytest.raises(ConfigError) as err:
+        bench.check_fits(model, 4096, 256, "cpu", with_layers=lambda n: presets.preset("qwen3.5-27b", layers=n), host_room=room)
+    text = str(err.value)
+    assert "qwen3.5-27b" in text and "--layers" in text and "host memory" in text and "GiB" in text
+    assert main(["bench", "--preset", "qwen3.5-27b", "--no-progress", "--device", "cpu"]) == 2
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before < need["caches"] // 4  # nothing allocated
+    fit = int(text.split("--layers ")[1].split()[0])
+    smaller = presets.preset("qwen3.5-27b", layers=fit)
+    assert bench.check_fits(smaller, 4096, 256, "cpu", host_room=room)  # the advice fits

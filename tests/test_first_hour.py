@@ -68,6 +68,14 @@ def test_info_without_the_token_says_the_token_may_be_wrong(capsys):
         assert "(LRU)" not in out and "KVCONNECT_EVICTION" in out  # the server's policy, not a hard-coded name
 
 
+def test_info_on_a_socket_that_does_not_exist_says_no_server_runs_there(capsys):
+    """A missing socket is not a token problem: info says there is no socket (not 'is the token ...')."""
+    with socket_dir() as d:
+        assert cli_main(["info", "--url", f"ipc://{d}/nothing.sock", "--timeout-s", "0.3", "--token", "x"]) == 1
+        err = capsys.readouterr().err
+        assert "there is no socket at" in err and "kvconnect server --url" in err and "token" not in err
+
+
 def test_an_absent_mooncake_master_is_a_warning():
     """connect_store probes the master; while nobody listens it warns once (then once a minute)."""
     lines: list[str] = []
@@ -136,3 +144,14 @@ def test_tiers_benchmark_refuses_an_unknown_tier_before_benchmarking():
                          capture_output=True, text=True, env=_env(), timeout=120)
     assert out.returncode == 2 and "unknown tier(s) 'server'" in out.stderr and "server_bench.py" in out.stderr
     assert "tiers benchmark:" not in out.stdout  # nothing was run first
+
+
+def test_trace_replay_refuses_a_pool_past_free_memory_before_allocating(tmp_path):
+    trace = tmp_path / "tiny.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]}) + "\n")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trace_replay.py"), "--trace", str(trace),
+                          "--pool-gb", "1,1e8", "--configs", "today,0"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, out.stderr
+    assert "--pool-gb 1e+08" in out.stderr and "of host memory" in out.stderr and "smaller --pool-gb" in out.stderr
+    assert "pool 1 GB" not in out.stdout  # nothing was replayed first

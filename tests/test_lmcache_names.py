@@ -2,10 +2,11 @@
 (kvconnect/lmcache_names.py: read, mapped, or warned about with what kvconnect does instead)
 and in docs/migrating.md.
 
-LMCache's names are DATA read from its pinned release: tests/data/lmcache_names.json, made by
-tests/lmcache_keys.py from the wheel with ``ast`` (kvconnect never imports lmcache). When the
-pinned wheel is in the CI cache (.ci/setup.sh downloads it), the vendored list must equal a
-fresh extraction, so bumping the pin without handling LMCache's new keys fails here.
+LMCache's names are DATA read from each release kvconnect answers for (0.4.5, which
+LMCache-Ascend runs on; 0.5.6, the newest on PyPI): tests/data/lmcache_names_RELEASE.json, made
+by tests/lmcache_keys.py from the wheel with ``ast`` (kvconnect never imports lmcache). When a
+wheel is in the CI cache (.ci/setup.sh downloads them), its vendored list must equal a fresh
+extraction, so adding a release without handling its new keys fails here.
 """
 
 from __future__ import annotations
@@ -22,12 +23,21 @@ from kvconnect import config as config_module
 from kvconnect import lmcache_names
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = json.loads((ROOT / "tests" / "data" / "lmcache_names.json").read_text())
+WHEEL_CACHE = Path.home() / ".cache" / "kvconnect-ci"  # where .ci/setup.sh puts the wheels
 DOC = (ROOT / "docs" / "migrating.md").read_text()
-WHEEL_CACHE = Path.home() / ".cache" / "kvconnect-ci"  # where .ci/setup.sh puts the pinned wheel
+RELEASES = {r: json.loads((ROOT / "tests" / "data" / f"lmcache_names_{r}.json").read_text())
+            for r in lmcache_names.LMCACHE_RELEASES}
 
-CONFIG_KEYS = NAMES["config_keys"] + NAMES["old_names"] + NAMES["lmcache_ascend"]["config_keys"]
-VARIABLES = NAMES["variables"] + NAMES["lmcache_ascend"]["variables"]
+
+def _union(part: str) -> list[str]:
+    names = {n for data in RELEASES.values() for n in data[part]}
+    names |= {n for data in RELEASES.values() for n in data.get("lmcache_ascend", {}).get(part, [])}
+    return sorted(names)
+
+
+CONFIG_KEYS = sorted(set(_union("config_keys")) | set(_union("old_names")))
+VARIABLES = _union("variables")
+EXTRA_CONFIG_KEYS = _union("extra_config_keys")
 
 
 def handled(name: str) -> bool:
@@ -35,24 +45,61 @@ def handled(name: str) -> bool:
             or name in lmcache_names.INSTEAD)
 
 
-def test_the_pins_agree():
-    assert NAMES["release"] == lmcache_names.LMCACHE_RELEASE
-    assert f"lmcache=={lmcache_names.LMCACHE_RELEASE}" in (ROOT / ".ci" / "setup.sh").read_text()
-    assert f"LMCache {lmcache_names.LMCACHE_RELEASE}" in DOC
+@pytest.mark.parametrize("release", lmcache_names.LMCACHE_RELEASES)
+def test_the_pins_agree(release):
+    assert RELEASES[release]["release"] == release
+    assert f"lmcache=={release}" in (ROOT / ".ci" / "setup.sh").read_text()
+    assert f"LMCache {release}" in DOC
 
 
-def test_the_vendored_list_is_the_pinned_release():
-    wheels = sorted(WHEEL_CACHE.glob(f"lmcache-{lmcache_names.LMCACHE_RELEASE}-*.whl"))
+@pytest.mark.parametrize("release", lmcache_names.LMCACHE_RELEASES)
+def test_the_vendored_list_is_the_release(release):
+    wheels = sorted(WHEEL_CACHE.glob(f"lmcache-{release}-*.whl"))
     if not wheels:
-        pytest.skip(f"no lmcache {lmcache_names.LMCACHE_RELEASE} wheel in {WHEEL_CACHE} (.ci/setup.sh downloads it); "
+        pytest.skip(f"no lmcache {release} wheel in {WHEEL_CACHE} (.ci/setup.sh downloads it); "
                     "the vendored list is checked by the other tests")
     from lmcache_keys import extract
 
     fresh = extract(wheels[0])
     for part in ("config_keys", "old_names", "variables", "extra_config_keys"):
-        assert sorted(fresh[part]) == sorted(NAMES[part]), (
-            f"LMCache {fresh['release']}'s {part} changed: regenerate tests/data/lmcache_names.json with "
+        assert sorted(fresh[part]) == sorted(RELEASES[release][part]), (
+            f"LMCache {fresh['release']}'s {part} changed: regenerate tests/data/lmcache_names_{release}.json with "
             "tests/lmcache_keys.py, then give each new name its answer in kvconnect/lmcache_names.py and docs/migrating.md")
+
+
+def test_lmcache_05_names_users_bring_are_answered_not_called_unknown(monkeypatch, caplog):
+    """LMCache 0.5.6's own names (issue 34) get what kvconnect does instead, never 'neither ... one'."""
+    caplog.set_level(logging.WARNING, logger="kvconnect")
+    monkeypatch.setattr(config_module, "_warned", set())
+    env = {"LMCACHE_MP_HOST": "0.0.0.0", "LMCACHE_LOCAL_CPU_USE_HUGEPAGES": "true", "LMCACHE_DISABLE_BANNER": "1",
+           "LMCACHE_ENABLE_HIDDEN_STATE_CACHE": "true", "LMCACHE_COORDINATOR_URL": "http://c:1",
+           "LMCACHE_DEVICE_BACKEND": "cuda"}
+    assert Config.from_env(env) == Config.from_env({})
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == len(env) and not any("neither" in m for m in messages), messages
+    assert all("LMCache setting kvconnect does not use" in m for m in messages)
+
+
+def test_yaml_keys_named_lmcache_something_are_lmcaches_not_unknown(monkeypatch, caplog):
+    """config.py strips an ``lmcache_`` prefix; LMCache's own YAML keys that start with it keep it."""
+    caplog.set_level(logging.WARNING, logger="kvconnect")
+    monkeypatch.setattr(config_module, "_warned", set())
+    keys = ["lmcache_instance_id", "lmcache_worker_ports", "lmcache_worker_ids", "lmcache_worker_heartbeat_time"]
+    assert Config.from_dict({k: "x" for k in keys} | {"lmcache_chunk_size": 128}, source="lmcache.yaml") == Config(chunk_size=128)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == len(keys) and not any("neither" in m for m in messages), messages
+    assert all(lmcache_names.INSTEAD[k] in m for k, m in zip(keys, messages))
+
+
+def test_lmcache_mooncake_extra_config_says_where_kvconnect_reads_it(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="kvconnect")
+    monkeypatch.setattr(config_module, "_warned", set())
+    extra = {"master_server_address": "10.0.0.1:50051", "global_segment_size": 3355443200, "protocol": "tcp",
+             "metadata_server": "P2PHANDSHAKE", "mooncake_device_name": "mlx5_0"}
+    Config.from_dict({"extra_config": extra}, source="lmcache.yaml")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == len(extra) and all("MOONCAKE_CONFIG_PATH" in m for m in messages), messages
+    assert not any("not an extra_config key" in m for m in messages)
 
 
 @pytest.mark.parametrize("name", CONFIG_KEYS)
@@ -71,7 +118,7 @@ def test_every_lmcache_variable_has_an_answer(var):
     assert re.search(rf"`{re.escape(var)}\*?`", DOC), f"docs/migrating.md does not list `{var}`"
 
 
-@pytest.mark.parametrize("key", NAMES["extra_config_keys"])
+@pytest.mark.parametrize("key", EXTRA_CONFIG_KEYS)
 def test_every_extra_config_key_has_an_answer(key):
     assert key in lmcache_names.EXTRA_CONFIG
     assert re.search(rf"`{re.escape(key)}`", DOC), f"docs/migrating.md does not list extra_config `{key}`"
@@ -96,5 +143,5 @@ def test_each_ignored_name_is_warned_once_with_its_answer(monkeypatch, caplog):
 def test_every_name_read_as_is_is_a_config_field():
     fields = {f.name for f in __import__("dataclasses").fields(Config)}
     assert set(lmcache_names.SAME) <= fields and set(lmcache_names.ALIASES.values()) <= fields
-    assert set(lmcache_names.SAME) <= set(NAMES["config_keys"])  # same names as LMCache's, not invented
+    assert set(lmcache_names.SAME) <= set(_union("config_keys"))  # same names as LMCache's, not invented
     assert not set(lmcache_names.INSTEAD) & (set(lmcache_names.SAME) | set(lmcache_names.ALIASES))

@@ -119,7 +119,7 @@ def test_extra_config_is_parsed(caplog):
     caplog.set_level(logging.WARNING, logger="kvconnect")
     Config.from_env({"LMCACHE_EXTRA_CONFIG": '{"save_only_first_rank": true, "s3_region": "x"}'})
     text = warnings_of(caplog)
-    assert "save_only_first_rank=True" in text and "s3_region" in text and "backend kvconnect does not have" in text
+    assert "save_only_first_rank=True" in text and "s3_region" in text and "not an extra_config key of LMCache 0.4.5 / 0.5.6" in text
     Config.from_dict({"extra_config": {"save_only_first_rank": False}})  # the YAML form
     for bad in ('{"save_only_first_rank": tru', '[1, 2]'):
         with pytest.raises(ConfigError, match="LMCACHE_EXTRA_CONFIG"):
@@ -218,3 +218,49 @@ def test_an_lmcache_ascend_pd_config_reads_with_its_meaning(tmp_path, caplog):
                 "pd_cpu_buffer_size", "transfer_channel"):
         assert f"{key} ({path})" in text, key
     assert "ignoring" not in text  # every key is known: none is mistaken for a typo
+
+
+@pytest.mark.parametrize("values,why", [({"local_cpu": False}, "local_cpu (LMCACHE_LOCAL_CPU) is false"),
+                                         ({"max_local_cpu_size": 1e-9}, "smaller than one chunk")])
+def test_an_engine_that_can_store_nothing_says_so_once(caplog, values, why):
+    """Python API, no tier that can hold a chunk: store returns 0, and one warning says why."""
+    import numpy as np
+    import torch
+
+    from kvconnect import GroupSpec, KVCacheEngine, KVLayout
+
+    caplog.set_level(logging.WARNING, logger="kvconnect")
+    kv = {f"layer.{i}": torch.zeros(8, 16, 64, dtype=torch.float16) for i in range(2)}
+    layout = KVLayout.from_tensors(kv, groups=[GroupSpec(block_size=16)])
+    engine = KVCacheEngine(layout, Config.from_dict({"chunk_size": 16, "num_threads": 1, **values}))
+    try:
+        assert engine.store(np.arange(64), [list(range(4))]) == 0
+        assert engine.store(np.arange(64), [list(range(4))]) == 0
+    finally:
+        engine.close()
+    hits = [r.getMessage() for r in caplog.records if "stores nothing" in r.getMessage()]
+    assert len(hits) == 1 and why in hits[0], hits
+
+
+def test_lmcache_server_url_is_never_kvconnects_server(caplog):
+    """LMCache's LMCACHE_SERVER_URL (lm://, its multiprocess server's ipc:// socket) is warned about,
+    never read as KVCONNECT_SERVER_URL (every lookup would miss against the wrong protocol)."""
+    caplog.set_level(logging.WARNING, logger="kvconnect")
+    for url in ("ipc:///tmp/lmcache_mp.sock", "lm://localhost:65432"):
+        config_module._warned.clear()
+        assert Config.from_env({"LMCACHE_SERVER_URL": url}).server_url is None
+        assert "LMCACHE_SERVER_URL" in warnings_of(caplog) and "KVCONNECT_SERVER_URL" in warnings_of(caplog)
+    assert Config.from_env({"KVCONNECT_SERVER_URL": "ipc:///tmp/k.sock"}).server_url == "ipc:///tmp/k.sock"
+
+
+@pytest.mark.parametrize("url,match", [("redis://a:6379,redis://b:6379", "redis-cluster://"),
+                                        ("redis://127.0.0.1:63x9", "Port could not be cast")])
+def test_a_redis_url_that_would_miss_on_every_lookup_is_refused_at_start(url, match):
+    import torch
+
+    from kvconnect import GroupSpec, KVCacheEngine, KVLayout
+
+    layout = KVLayout.from_tensors({"layer.0": torch.zeros(4, 16, 64, dtype=torch.float16)}, groups=[GroupSpec(block_size=16)])
+    with pytest.raises(ConfigError, match=match) as err:
+        KVCacheEngine(layout, Config(chunk_size=16, num_threads=1, max_local_cpu_size=0.01, remote_url=url))
+    assert "LMCACHE_REMOTE_URL" in str(err.value)

@@ -2,7 +2,9 @@
 
 Builds the real ``KVLayout`` over the engine's tensors (a couple of blocks each) and reads
 every figure from ``kvconnect.sizing``: groups and planes, bytes per chunk and per token,
-what a restore at P loads, and the pool, disk and remote bytes for N tokens.
+what a restore at P loads, and the pool, disk and remote bytes for N tokens (with restore
+points, the default on a layout with window or state groups, those the parts take: the
+whole-chunk figures stand beside them).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def report(args: argparse.Namespace) -> dict:
     s = sizing.of(layout, args.chunk_size)
     supported = not model.state_layers or model.snapshots_served
     per_group_restore = [s._group_bytes(g, geo.needed_rows(restore_at)) for g, geo in enumerate(layout.geometries)]
+    rp = sizing.restore_points(layout, args.chunk_size, args.restore_interval)
+    # what the engine keeps for N tokens: with restore points (the default on a layout with window or
+    # state groups) prefix parts plus a window part per restore point, in slots of the largest part
+    kept = (lambda per_token: int(per_token * tokens)) if rp.split else None
+    stored = (kept(rp.bytes_per_token) if kept else s.stored_bytes(tokens)) if supported else 0
+    pool = (kept(rp.pool_bytes_per_token) if kept else s.pool_bytes(tokens)) if supported else 0
+    tier = (stored + (s.encoded_bytes(tokens) - s.stored_bytes(tokens)) if kept else s.encoded_bytes(tokens)) if supported else 0
     return {
         "model": model.name, "engine": model.engine, "tp": model.tp_size, "dcp": model.dcp.size,
         "chunk_tokens": args.chunk_size, "num_planes": len(layout.planes), "fingerprint": bytes(layout.fingerprint).hex(),
@@ -59,18 +68,21 @@ def report(args: argparse.Namespace) -> dict:
         "pool_slot_bytes": s.slot_bytes,
         "tokens": tokens,
         "chunks": s.num_chunks(tokens),
-        "stored_bytes": s.stored_bytes(tokens) if supported else 0,
-        "pool_bytes": s.pool_bytes(tokens) if supported else 0,
-        "tier_bytes": s.encoded_bytes(tokens) if supported else 0,
+        "stored_bytes": stored,
+        "pool_bytes": pool,
+        "tier_bytes": tier,
+        "restore_points_sized": bool(kept) and supported,  # the three above: restore points, steady state
+        "whole_chunk_stored_bytes": s.stored_bytes(tokens) if supported else 0,
+        "whole_chunk_pool_bytes": s.pool_bytes(tokens) if supported else 0,
         # every figure above is one rank's; a shared tier holds the chunks of these many ranks
         "tp_replicated": model.tp_replicated and model.tp_size > 1,
         "shared_tier_writers": model.shared_writers,
-        "shared_tier_bytes": (s.encoded_bytes(tokens) if supported else 0) * model.shared_writers,
+        "shared_tier_bytes": tier * model.shared_writers,
         "restore_asked": asked,
         "restore_at": restore_at,
         "restore_bytes": s.restore_bytes(restore_at) if supported else 0,
         "restore_chunks": s.num_chunks(restore_at),
-        "restore_points": dataclasses.asdict(sizing.restore_points(layout, args.chunk_size, args.restore_interval)),
+        "restore_points": dataclasses.asdict(rp),
     }
 
 
@@ -126,9 +138,12 @@ def human(r: dict) -> str:
                          f"{human_bytes(rp['bytes_per_token'])} per cached token")
         lines.append(f"stored      nothing: for {r['tokens']:,} tokens kvconnect keeps 0 bytes and every lookup hits 0")
         return "\n".join(lines)
+    how = (f" with restore points every {r['restore_points']['interval_tokens']:,} tokens (steady state; as whole "
+           f"chunks: payload {human_bytes(r['whole_chunk_stored_bytes'])}, CPU pool {human_bytes(r['whole_chunk_pool_bytes'])})"
+           if r["restore_points_sized"] else "")
     lines.append(f"{r['tokens']:,} tokens  {r['chunks']:,} chunks: payload {human_bytes(r['stored_bytes'])}; "
                  f"CPU pool {human_bytes(r['pool_bytes'])} (LMCACHE_MAX_LOCAL_CPU_SIZE={r['pool_bytes'] / (1 << 30):.2f}); "
-                 f"disk / remote {human_bytes(r['tier_bytes'])}")
+                 f"disk / remote {human_bytes(r['tier_bytes'])}{how}")
     if r["tp"] > 1 or r["dcp"] > 1:
         how = ("KV replicated over TP: one copy per DCP shard, written by one rank and read by all" if r["tp_replicated"]
                else "every TP rank stores its own shard")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -140,6 +141,11 @@ def _info(args: argparse.Namespace, config: Config) -> int:
     finally:
         client.close()
     if stats is None:
+        socket_path = args.url[len("ipc://"):] if args.url.startswith("ipc://") else None
+        if socket_path is not None and not os.path.exists(socket_path):
+            print(f"no cache server on {args.url}: there is no socket at {socket_path} (start one with "
+                  f"`kvconnect server --url {args.url}`)", file=sys.stderr)
+            return 1
         if token is None:
             why = ("no token was given: if the server was started with one (KVCONNECT_SERVER_TOKEN, --token-file), "
                    "pass the same; it drops frames without the right token, which looks like no answer")

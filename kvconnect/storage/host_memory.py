@@ -106,6 +106,12 @@ def _stop_all() -> None:
         job.stop()
 
 
+CGROUP_V2_DIR = "/sys/fs/cgroup"  # cgroup v2: memory.max / memory.current of this process's group
+CGROUP_V1_DIR = "/sys/fs/cgroup/memory"  # cgroup v1: memory.limit_in_bytes / memory.usage_in_bytes
+MEMINFO_PATH = "/proc/meminfo"
+NO_CGROUP_LIMIT_BYTES = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
+
+
 def physical_memory_bytes() -> Optional[int]:
     """This host's physical memory (None where the OS does not say)."""
     try:
@@ -114,15 +120,62 @@ def physical_memory_bytes() -> Optional[int]:
         return None
 
 
-def check_fits_host(requested_bytes: int, what: str) -> None:
-    """ConfigError when ``requested_bytes`` of host memory can never be had on this host.
+def available_memory_bytes(meminfo_path: str = MEMINFO_PATH) -> Optional[int]:
+    """Linux's estimate of memory a new allocation can get without swapping (``MemAvailable``)."""
+    try:
+        with open(meminfo_path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
-    ``what`` names the setting, e.g. ``"max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE) = 70 GB"``.
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (v2: no limit) reads as None
+
+
+def cgroup_room_bytes(v2_dir: str = CGROUP_V2_DIR, v1_dir: str = CGROUP_V1_DIR) -> Optional[int]:
+    """Bytes this process's memory cgroup still allows (limit minus usage); None without a limit.
+
+    A container's limit is not in ``/proc/meminfo``: a pool above it is killed by the OOM killer
+    while the host still shows memory free.
     """
-    host = physical_memory_bytes()
-    if host is not None and requested_bytes > host:
+    for limit_path, usage_path in ((os.path.join(v2_dir, "memory.max"), os.path.join(v2_dir, "memory.current")),
+                                   (os.path.join(v1_dir, "memory.limit_in_bytes"),
+                                    os.path.join(v1_dir, "memory.usage_in_bytes"))):
+        limit = _read_int(limit_path)
+        if limit is not None and limit < NO_CGROUP_LIMIT_BYTES:
+            return max(0, limit - (_read_int(usage_path) or 0))
+    return None
+
+
+def host_room() -> tuple[Optional[int], str]:
+    """(the most host memory an allocation can take now, what bounds it), the smallest of physical
+    memory, available memory and the cgroup's room; (None, "") where the OS says none of them."""
+    bounds = [(physical_memory_bytes(), "physical memory"), (available_memory_bytes(), "memory available now"),
+              (cgroup_room_bytes(), "room left under this process's cgroup memory limit")]
+    known = [(n, why) for n, why in bounds if n is not None]
+    return min(known, key=lambda b: b[0]) if known else (None, "")
+
+
+def check_fits_host(requested_bytes: int, what: str, *, advice: str = "set it below that") -> None:
+    """ConfigError when ``requested_bytes`` of host memory cannot be had on this host now.
+
+    The pool is pre-faulted (every page touched), so available memory and a cgroup limit bound it as
+    much as physical RAM does. ``what`` names the setting, e.g.
+    ``"max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE) = 70 GB"``; ``advice`` says what to change.
+    """
+    room, why = host_room()
+    if room is not None and requested_bytes > room:
         raise ConfigError(f"{what} asks for {requested_bytes / GIB:.1f} GiB of host memory, but this host has "
-                          f"{host / GIB:.1f} GiB; set it below that (leave room for the engine and the OS)")
+                          f"{room / GIB:.1f} GiB ({why}); {advice} (leave room for the engine and the OS)")
 
 
 def allocate(num_bytes: int, *, pin_memory: bool, what: str) -> torch.Tensor:

@@ -99,7 +99,22 @@ def parse_url(url: str) -> tuple[str, str]:
             "redis-cluster://host:port[,host:port...], a valkey spelling of these, or mooncakestore://HOST:PORT "
             f"(a Mooncake master){hint}"
         )
+    if scheme in _SINGLE and scheme != "unix":
+        _check_one_server(url, rest)
     return scheme, f"{scheme}://{rest}"
+
+
+def _check_one_server(url: str, rest: str) -> None:
+    """A ``redis://`` URL names one server: LMCache's comma list of several URLs, or a port that is not
+    a number, would otherwise fail at every lookup (redis-py parses the URL at the first connect)."""
+    if "," in rest.split("?", 1)[0].split("/", 1)[0].rpartition("@")[2] or "://" in rest:
+        raise ConfigError(f"remote_url (LMCACHE_REMOTE_URL) {url!r}: one redis:// URL names one server; for "
+                          "several nodes of a Redis Cluster write redis-cluster://host:port,host:port (kvconnect "
+                          "has no list of independent remotes)")
+    try:
+        urllib.parse.urlsplit(f"redis://{rest}").port
+    except ValueError as exc:
+        raise ConfigError(f"remote_url (LMCACHE_REMOTE_URL) {url!r}: {exc} (expected redis://HOST:PORT)") from exc
 
 
 def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], Optional[str], Optional[str]]:

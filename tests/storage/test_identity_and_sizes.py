@@ -89,7 +89,7 @@ def test_a_failed_pool_allocation_is_a_config_error(monkeypatch):
     """The allocator's own refusal (the host check passed: a host that claims more memory)
     becomes a ConfigError too; 64 x the host's memory is refused by Linux's overcommit check."""
     host = host_memory.physical_memory_bytes()
-    monkeypatch.setattr(host_memory, "physical_memory_bytes", lambda: 1 << 62)
+    monkeypatch.setattr(host_memory, "host_room", lambda: (1 << 62, "a host that claims more"))
     with pytest.raises(ConfigError) as err:
         host_memory.allocate(64 * host, pin_memory=False, what="max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE) = x GB")
     assert "LMCACHE_MAX_LOCAL_CPU_SIZE" in str(err.value) and "set it lower" in str(err.value)
