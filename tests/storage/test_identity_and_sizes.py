@@ -112,3 +112,19 @@ def test_mooncake_segment_larger_than_the_host_is_a_config_error(tmp_path):
         make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=False)
     assert "this host has" in str(err.value)
     assert parse_bytes("1.5e3 MB", "x") == int(1.5e3 * (1 << 20))
+
+
+def test_mooncake_local_buffer_larger_than_the_host_is_a_config_error(tmp_path):
+    """Mooncake allocates its local buffer at setup and retries std::bad_alloc forever when the
+    host cannot give it: such a size is refused before a client starts."""
+    host = host_memory.physical_memory_bytes()
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({"global_segment_size": 0, "local_buffer_size": 2 * host}))
+    with pytest.raises(ConfigError) as err:
+        make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=True)
+    assert "local_buffer_size" in str(err.value) and "this host has" in str(err.value)
+    path.write_text(json.dumps({"global_segment_size": host // 2 + 1, "local_buffer_size": host // 2 + 1}))
+    with pytest.raises(ConfigError, match="global_segment_size \\+ local_buffer_size"):
+        make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=False)
+    path.write_text(json.dumps({"global_segment_size": 0, "local_buffer_size": "16 MB"}))
+    assert make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=True).local_buffer_bytes == 16 << 20
