@@ -199,9 +199,16 @@ class StorageManager:
             with self._counter_lock:
                 self.promotion_failures += len(keys) - len(slots)
         outs = [memoryview(self.pool.slot_view(slot).numpy()) for slot in slots]
+        lent: set[int] = set()  # slots an abandoned read may still write: back to the pool once it ended
+
+        def abandoned(indices: list[int]) -> Callable[[], None]:
+            lent.update(indices)
+            late = [slots[i] for i in indices]
+            return lambda: self.pool.abort(late)
+
         start = time.perf_counter()
         try:
-            headers = tier.read_many_into(keys[: len(slots)], outs)
+            headers = tier.read_many_into(keys[: len(slots)], outs, on_abandoned=abandoned)
             self.meter.timed(tier.name, "read_into", time.perf_counter() - start)
         except Exception:
             logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
@@ -212,7 +219,8 @@ class StorageManager:
         out: list[Optional[PoolEntry]] = [None] * len(keys)
         for j, (key, slot, header) in enumerate(zip(keys, slots, headers)):
             if header is None:
-                self.pool.abort([slot])
+                if j not in lent:
+                    self.pool.abort([slot])
             else:
                 out[j] = self._publish(key, header, slot, level)
         return out

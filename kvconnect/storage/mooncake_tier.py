@@ -51,7 +51,7 @@ from .mooncake_buffers import BATCH_KEYS, HEADER_SLOT_BYTES, _Registered, view_a
 from .mooncake_codes import Meaning, Tally, meaning
 from .mooncake_config import MooncakeSpec
 from .mooncake_link import MooncakeLink
-from .mooncake_reads import MooncakeReads
+from .mooncake_reads import READ_THREADS, MooncakeReads, ReadRate
 from .mooncake_workers import Workers
 from .tier import LowerTier, StoreItem, peek_mask
 
@@ -60,7 +60,8 @@ logger = logging.getLogger(__name__)
 LOOKUP_THREADS = 4  # concurrent lookups (engines look up from more than one thread)
 KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
 FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures", "lease_conflicts", "no_space",
-                 "values_not_fitting", "unknown_codes", "parts_missing", "half_written", "cut_short")
+                 "values_not_fitting", "unknown_codes", "parts_missing", "half_written", "cut_short",
+                 "short_reads", "reads_abandoned", "reads_refused")
 class MooncakeTier(MooncakeReads, LowerTier):
     """Chunks in Mooncake Store; the read path (``read_into``, ``read_many_into``, ``get``) is
     the ``mooncake_reads.MooncakeReads`` mixin, the rest is here."""
@@ -82,17 +83,20 @@ class MooncakeTier(MooncakeReads, LowerTier):
         self._regions_lock = threading.Lock()
         self._pools: list = []  # pools whose buffers are registered on first use
         self._lookup_scratch = [_Registered(BATCH_KEYS) for _ in range(LOOKUP_THREADS)]
-        self._read_scratch = _Registered(BATCH_KEYS)
+        self._read_scratch = _Registered(BATCH_KEYS)  # reads through a copy (get, export)
+        self._reader_scratch = [_Registered(BATCH_KEYS) for _ in range(READ_THREADS)]
         self._write_scratch = _Registered(BATCH_KEYS)
         self._read_lock = threading.Lock()
         self._known: "collections.OrderedDict[ChunkKey, int]" = collections.OrderedDict()
         self._known_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._lookups = Workers("kvconnect-mooncake-lookup", LOOKUP_THREADS)
+        self._readers = Workers("kvconnect-mooncake-read", READ_THREADS)
+        self._read_rate = ReadRate()
         self.counters = {name: 0 for name in FAILURE_KINDS}
         self.counters["registered_bytes"] = 0
         self._stats.capacity_bytes = spec.global_segment_bytes
-        scratch = (*self._lookup_scratch, self._read_scratch, self._write_scratch)
+        scratch = (*self._lookup_scratch, *self._reader_scratch, self._read_scratch, self._write_scratch)
         self._link = MooncakeLink(spec, name="tier", timeout_s=timeout_s, retry_after_s=retry_after_s,
                                   max_retry_after_s=max_retry_after_s,
                                   adopt=lambda store: all(store.register_buffer(b.base, b.array.nbytes) == 0
@@ -364,5 +368,6 @@ class MooncakeTier(MooncakeReads, LowerTier):
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop connecting and the lookup threads; close the store once no call is in flight."""
         self._lookups.stop()
+        self._readers.stop()
         self._link.close(timeout_s)
         self._pools.clear()
