@@ -2,7 +2,8 @@
 
 ``MooncakeReads`` is not a tier of its own: it is the read half of ``mooncake_tier.MooncakeTier``
 (which inherits it), split out to keep one concept per module, and it uses the tier's state
-and helpers (``_link``, ``_read_lock``, ``_read_scratch``, ``_registered``, ``_judge``,
+and helpers (``_link``, ``_readers``, ``_reader_scratch``, ``_read_rate``, ``_read_lock``,
+``_read_scratch``, ``_registered``, ``_judge``,
 ``_go_on``, ``_remember``, ``_remove``, ``_bump``, ``object_keys``, ``timeout_s``, and
 ``LowerTier``'s ``_count`` / ``_verify``).
 
@@ -15,10 +16,17 @@ read and failed these checks are ever removed; a return code never removes anyth
 are evicted independently, so a read that finds one part of a chunk absent removes the
 other part (counted in ``parts_missing``), and lookups stop offering the chunk.
 
-``read_into`` cannot be abandoned (Mooncake writes into the pool slot until it returns), so
-a read of many chunks stops between batches once ``timeout_s`` has passed or the breaker
-opened; what it did not read is a miss. ``get`` (export and copies; not the hot path) reads
-encoded, verified chunks into fresh buffers.
+Bounds. A read may take ``read_budget_s`` of the bytes it asks for: ``timeout_s`` plus the
+bytes at the slower of an assumed healthy rate and half the measured one (one constant cut
+healthy 100-chunk reads short). Its batches run on one of READ_THREADS read workers, each
+with its own header scratch, and stop between batches at the deadline or once the breaker
+opened. Mooncake keeps writing into the pool slots of a batch until its transfer returns,
+which a stalled segment holder delays by a minute whatever ``MC_RPC_TIMEOUT_MS`` says: so
+at the deadline the caller stops waiting (``on_abandoned``), the batch in flight is a miss,
+and its slots stay lent to the abandoned transfer (out of the pool) until it returns; no
+later chunk can be written into them meanwhile. What was not read is a miss, counted in
+``short_reads``. ``get`` (export and copies; not the hot path) reads encoded, verified
+chunks into fresh buffers.
 """
 
 from __future__ import annotations

@@ -27,11 +27,12 @@ never an error here).
 Failures. The connection, its breaker and the count of calls in flight are
 ``mooncake_link.MooncakeLink``'s. Lookups (the calls on the engine's step path that meet a
 stalled master first) run on up to LOOKUP_THREADS worker threads (``mooncake_workers``) and
-are abandoned after ``timeout_s``. ``read_into`` cannot be abandoned (Mooncake writes into
-the pool slot until it returns), so it is bounded otherwise: each Mooncake RPC returns -901
-after ``timeout_s`` (``MC_RPC_TIMEOUT_MS``), and a read of many chunks stops between
-batches once ``timeout_s`` has passed or the breaker opened; what it did not read is a
-miss. Writes run on the write-behind thread and stop between batches the same way.
+are abandoned after ``timeout_s``. Reads run on READ_THREADS read workers and are abandoned
+after the budget of the bytes they ask for (``mooncake_reads``: the pool slots an abandoned
+transfer may still write stay lent to it until it returns); each Mooncake RPC returns -901
+after ``timeout_s`` (``MC_RPC_TIMEOUT_MS``), and a read of many chunks stops between batches
+at its deadline or once the breaker opened; what it did not read is a miss. Writes run on
+the write-behind thread and stop between batches the same way.
 
 Needs Mooncake (``pip install mooncake-transfer-engine-non-cuda`` and ``libibverbs1``).
 """
