@@ -315,8 +315,10 @@ class MooncakeTier(MooncakeReads, LowerTier):
         for j, (i, _) in enumerate(slots):
             ok[i] = codes[j] == 0 and codes[len(slots) + j] == 0
             self._remember(batch[i].key, batch[i].header.group_mask if ok[i] else None)
-            if not ok[i] and Meaning.OK in (meanings[j], meanings[len(slots) + j]):
+            parts = (meanings[j], meanings[len(slots) + j])
+            if not ok[i] and Meaning.OK in parts and Meaning.IN_USE not in parts:
                 half.append(batch[i].key)  # one part landed (e.g. the segments filled up in between)
+            # a part IN_USE is another engine's write of the same chunk in flight: it lands whole
         if half:  # a payload alone wastes space; a header alone would be offered by every lookup
             self._bump("half_written", len(half))
             self._remove(store, half)
