@@ -11,7 +11,9 @@ in kvconnect, and none in Mooncake beyond its transfer. The header object exists
 lookup learns group masks without moving payloads: ``masks`` is one ``batch_is_exist``
 over the header objects, masks of present chunks from what this process has seen (its
 writes and reads), and one batched read of the headers it has not seen into a small
-registered scratch buffer (which also checks their identity). A write batch is one
+registered scratch buffer (which also checks their identity). The existence check covers
+both objects of each chunk, so a lookup renews both leases or neither (a renewed header
+over an evicted payload is what a lookup would keep offering). A write batch is one
 ``batch_upsert_from`` of the payloads and then their headers.
 
 Verification. ``read_into`` reads header and payload in one call and checks them as
@@ -201,7 +203,7 @@ class MooncakeTier(MooncakeReads, LowerTier):
     def _read_headers(self, store, keys: Sequence[ChunkKey], slot: int, deadline: float) -> list[Optional[int]]:
         """Group masks per key, on the lookup worker thread (it owns one in-flight mark).
 
-        One ``batch_is_exist`` over the header objects per BATCH_KEYS keys; the masks of keys
+        One ``batch_is_exist`` over both objects per BATCH_KEYS keys; the masks of keys
         present come from the masks this process has seen (its writes and reads), and a
         second, batched read of the headers fetches those it has not. A remembered mask is
         a hint, as every lookup is: ``read_into`` returns the stored header, and the engine
@@ -220,8 +222,13 @@ class MooncakeTier(MooncakeReads, LowerTier):
 
     def _read_header_batch(self, store, batch: Sequence[ChunkKey], scratch: _Registered) -> list[Optional[int]]:
         names = [self.object_keys(k)[0] for k in batch]
-        exist = store.batch_is_exist(names)  # 1 present, 0 absent, < 0 an error code
-        self._judge([min(e, 0) for e in exist])  # an answer closes the breaker, a failure code opens it
+        # both parts of each chunk: an existence check renews an object's lease (Mooncake keeps it
+        # from eviction meanwhile), and renewing headers alone made payloads the ones evicted,
+        # leaving headers every lookup offered (orphans); a chunk is present when both parts are
+        both = store.batch_is_exist(names + [self.object_keys(k)[1] for k in batch])  # 1, 0, or < 0 an error
+        self._judge([min(e, 0) for e in both])  # an answer closes the breaker, a failure code opens it
+        n = len(batch)
+        exist = [min(h, p) for h, p in zip(both[:n], both[n:])]
         with self._known_lock:
             out = [self._known.get(k) if e == 1 else None for k, e in zip(batch, exist)]
             for k, e in zip(batch, exist):
