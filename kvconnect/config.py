@@ -18,7 +18,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
 | LMCACHE_SAVE_DECODE_CACHE      | save_decode_cache    | bool  | false   | engine adapters also store the chunks generated tokens complete |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
-| KVCONNECT_MODEL_NAME           | model_name           | str   | ""      | folded into the layout fingerprint |
+| KVCONNECT_MODEL_NAME           | model_name           | str   | ""      | the model's identity (name@revision), folded into the layout fingerprint; required with a shared tier (remote_url, server_url) unless the layout is named |
 | KVCONNECT_REMOTE_TIMEOUT_S     | remote_timeout_s     | float | 1.0     | bound on every remote-tier call |
 | KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
