@@ -106,8 +106,12 @@ class MooncakeReads:
             if direct:
                 job = _ReadJob(direct)
                 wait_s = max(0.0, deadline - time.monotonic()) if on_abandoned is not None else None
-                status, _ = self._readers.run(lambda slot: self._read_batches(store, keys, outs, job, slot, deadline),
-                                              wait_s)
+                try:
+                    status, _ = self._readers.run(
+                        lambda slot: self._read_batches(store, keys, outs, job, slot, deadline), wait_s)
+                except Exception:  # raised by the job, which ran and let go of the in-flight mark
+                    handed = True
+                    raise
                 handed = status != "busy"
                 if status == "busy":  # every read worker is held by a stalled read: a miss, at once
                     self._bump("reads_refused")
