@@ -27,13 +27,14 @@ exception into the engine.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 from .. import chunk_format
 from ..metrics import TierMeter
-from ..errors import CorruptChunkError
+from ..errors import ConfigError, CorruptChunkError
 from ..spec import ChunkKey, Fingerprint
 from .pool import ChunkPool, PoolEntry
 from .tier import LowerTier
@@ -65,8 +66,16 @@ def open_tiers(config: "Config", fingerprint: Fingerprint, *, writes_shared: boo
         else:
             from .disk import DiskTier
 
-            tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync,
-                                  follow_writer=not writes_shared))
+            tier = DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync,
+                            follow_writer=not writes_shared)
+            total = shutil.disk_usage(tier.dir).total
+            if config.max_local_disk_bytes > total:
+                tier.close()
+                raise ConfigError(
+                    f"max_local_disk_size (LMCACHE_MAX_LOCAL_DISK_SIZE) = {config.max_local_disk_size:g} GB, but the "
+                    f"filesystem of {config.local_disk!r} holds {total / (1 << 30):.1f} GiB in all; set it below "
+                    "its free space")
+            tiers.append(tier)
     if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
         from .mooncake_config import make_spec
         from .mooncake_tier import MooncakeTier
