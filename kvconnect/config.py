@@ -18,7 +18,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
 | LMCACHE_SAVE_DECODE_CACHE      | save_decode_cache    | bool  | false   | engine adapters also store the chunks generated tokens complete |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
-| KVCONNECT_MODEL_NAME           | model_name           | str   | ""      | folded into the layout fingerprint |
+| KVCONNECT_MODEL_NAME           | model_name           | str   | ""      | the model's identity (name@revision), folded into the layout fingerprint; required with a shared tier (remote_url, server_url) unless the layout is named |
 | KVCONNECT_REMOTE_TIMEOUT_S     | remote_timeout_s     | float | 1.0     | bound on every remote-tier call |
 | KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
@@ -35,7 +35,9 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_PD_POLL_INTERVAL_S   | pd_poll_interval_s   | float | 0.005   | P/D decode side: at most one shared-tier lookup per waiting request per this interval |
 | KVCONNECT_RESTORE_INTERVAL_TOKENS | restore_interval_tokens | int | 4096 | hybrid layouts: also keep window/state rows (the window part) every this many tokens of a stored prompt, besides its end and branch points (the first chunk end at or past each multiple); 0: at every chunk end (docs/design.md, "Restore points") |
 
-Values are parsed as LMCache parses them, or refused with a ``ConfigError``: booleans are
+Every number is checked once (``check_number`` over ``NUMERIC_RANGES``): NaN, infinities
+and values out of range are a ``ConfigError`` naming the setting. Values are parsed as
+LMCache parses them, or refused with a ``ConfigError``: booleans are
 ``true``/``false``/``1``/``0`` (LMCache reads any other word, ``yes`` and ``on`` included, as
 false: kvconnect refuses them); an environment value in matching quotes (``"1024"``) is
 unquoted; ``local_disk`` may carry LMCache's comma-separated list when it names one
@@ -60,6 +62,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -76,6 +79,46 @@ _FALSE = {"0", "false", ""}
 CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
 TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.route_backend
 EVICTION_POLICIES = ("s3fifo", "arc", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
+
+MAX_SIZE_GB = float(1 << 20)  # 1 PiB: a size past it is a typo, never a host's memory or disk
+MAX_TOKENS = 1 << 31
+# every numeric setting: (lowest, highest, lowest excluded). One check (``check_number``) reads
+# this table, so no setting can be NaN, infinite, or out of range: NaN compares false with every
+# bound, and a remote timeout of NaN once turned every shared-tier lookup off without an error.
+NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
+    "chunk_size": (0, 1 << 20, True),
+    "max_local_cpu_size": (0, MAX_SIZE_GB, False),
+    "max_local_disk_size": (0, MAX_SIZE_GB, False),
+    "num_threads": (0, 4096, True),
+    "remote_timeout_s": (0, 3600, True),
+    "metrics_port": (0, 65535, False),
+    "server_metrics_port": (0, 65535, False),
+    "log_interval_s": (0, 1e9, False),
+    "min_load_tokens": (0, MAX_TOKENS, False),
+    "pd_wait_timeout_s": (0, 3600, False),
+    "pd_poll_interval_s": (0, 60, False),
+    "restore_interval_tokens": (0, MAX_TOKENS, False),
+}
+_LMCACHE_NAMED = {"chunk_size", "max_local_cpu_size", "max_local_disk_size", "local_cpu", "local_disk", "remote_url",
+                  "save_unfull_chunk", "save_decode_cache"}
+
+
+def variable_of(name: str) -> str:
+    """The environment variable of setting ``name`` (LMCache's name where it has one)."""
+    return ("LMCACHE_" if name in _LMCACHE_NAMED else "KVCONNECT_") + name.upper()
+
+
+def check_number(name: str, value: Any, *, low: float, high: float, low_open: bool = False) -> None:
+    """ConfigError unless ``value`` is a finite number in range (``(low, high]`` with
+    ``low_open``, else ``[low, high]``): the one validation of every numeric setting."""
+    where = f"{name} ({variable_of(name)})"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+    if (value <= low if low_open else value < low) or value > high:
+        bounds = f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
+        raise ConfigError(f"{where} must be {bounds}, got {value!r}")
 
 
 def _default_threads() -> int:
@@ -113,37 +156,16 @@ class Config:
     restore_interval_tokens: int = 4096  # restore points (kvconnect/parts.py); 0: every chunk end
 
     def __post_init__(self) -> None:
-        if self.chunk_size <= 0:
-            raise ConfigError(f"chunk_size (LMCACHE_CHUNK_SIZE) must be > 0, got {self.chunk_size}")
-        if self.max_local_cpu_size < 0:
-            raise ConfigError(f"max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE) must be >= 0 GB, got {self.max_local_cpu_size}")
-        if self.max_local_disk_size < 0:
-            raise ConfigError(f"max_local_disk_size (LMCACHE_MAX_LOCAL_DISK_SIZE) must be >= 0 GB, got {self.max_local_disk_size}")
-        if self.num_threads <= 0:
-            raise ConfigError(f"num_threads (KVCONNECT_NUM_THREADS) must be > 0, got {self.num_threads}")
-        if self.remote_timeout_s <= 0:
-            raise ConfigError(f"remote_timeout_s (KVCONNECT_REMOTE_TIMEOUT_S) must be > 0, got {self.remote_timeout_s}")
-        for name in ("metrics_port", "server_metrics_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ConfigError(f"{name} (KVCONNECT_{name.upper()}) must be a port in 0..65535, got {getattr(self, name)}")
+        for name, (low, high, low_open) in NUMERIC_RANGES.items():
+            check_number(name, getattr(self, name), low=low, high=high, low_open=low_open)
         if not self.metrics_host:
             raise ConfigError("metrics_host (KVCONNECT_METRICS_HOST) must not be empty")
         if self.cuda_transfer not in CUDA_TRANSFERS:
             raise ConfigError(f"cuda_transfer (KVCONNECT_CUDA_TRANSFER) must be one of {', '.join(CUDA_TRANSFERS)}, got {self.cuda_transfer!r}")
         if self.transfer_route not in TRANSFER_ROUTES:
             raise ConfigError(f"transfer_route (KVCONNECT_TRANSFER_ROUTE) must be one of {', '.join(TRANSFER_ROUTES)}, got {self.transfer_route!r}")
-        if self.min_load_tokens < 0:
-            raise ConfigError(f"min_load_tokens (KVCONNECT_MIN_LOAD_TOKENS) must be >= 0, got {self.min_load_tokens}")
-        if self.pd_wait_timeout_s < 0:
-            raise ConfigError(f"pd_wait_timeout_s (KVCONNECT_PD_WAIT_TIMEOUT_S) must be >= 0, got {self.pd_wait_timeout_s}")
-        if self.pd_poll_interval_s < 0:
-            raise ConfigError(f"pd_poll_interval_s (KVCONNECT_PD_POLL_INTERVAL_S) must be >= 0, got {self.pd_poll_interval_s}")
-        if self.log_interval_s < 0:
-            raise ConfigError(f"log_interval_s (KVCONNECT_LOG_INTERVAL_S) must be >= 0, got {self.log_interval_s}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
-        if self.restore_interval_tokens < 0:
-            raise ConfigError(f"restore_interval_tokens (KVCONNECT_RESTORE_INTERVAL_TOKENS) must be >= 0, got {self.restore_interval_tokens}")
         if self.local_disk is not None:
             object.__setattr__(self, "local_disk", _one_disk_path(self.local_disk))
 

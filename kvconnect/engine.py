@@ -43,7 +43,7 @@ from . import metrics, transfer
 from .events import ChunkEventLog
 from .config import Config
 from .engine_stats import EngineStats
-from .errors import CorruptChunkError, LayoutError, TokenError
+from .errors import ConfigError, CorruptChunkError, LayoutError, TokenError
 from .keys import ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
 from .layout import KVLayout
 from .parts import PartLayout
@@ -93,6 +93,7 @@ class KVCacheEngine(StorePath, RestorePoints):
         """
         self.config = config or Config.from_env()
         self.layout = layout = _named(layout, self.config.model_name)
+        _check_shared_identity(layout, self.config)
         check_chunk_size(layout, self.config.chunk_size)
         if backend is None:  # an explicit backend wins over KVCONNECT_TRANSFER_ROUTE
             backend = transfer.route_backend(layout, self.config.transfer_route)
@@ -391,6 +392,23 @@ def _named(layout: KVLayout, model_name: str) -> KVLayout:
     if not layout.model_name:
         return layout.with_identity(model_name=model_name)
     return layout.with_identity(identity={"config_model_name": model_name})
+
+
+def _check_shared_identity(layout: KVLayout, config: Config) -> None:
+    """A shared tier holds the KV of every engine that names it: two unnamed models of equal
+    shapes would read each other's chunks (wrong bytes, never a miss), so an engine without a
+    model identity does not start on one. The adapters always name their model."""
+    if layout.model_name:
+        return
+    shared = [f"{name} ({variable})" for name, variable, value in (
+        ("remote_url", "LMCACHE_REMOTE_URL", config.remote_url), ("server_url", "KVCONNECT_SERVER_URL", config.server_url))
+        if value]
+    if shared:
+        raise ConfigError(
+            f"{' and '.join(shared)} is a tier shared with other engines, and this engine has no model identity: "
+            "set model_name (KVCONNECT_MODEL_NAME) to the model's name and revision, e.g. "
+            "'meta-llama/Llama-3.1-8B@main', or pass model_name= to KVLayout.from_tensors; without it two "
+            "models of the same shapes would serve each other's KV")
 
 
 def _want_pinned(device: torch.device) -> bool:

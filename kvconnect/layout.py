@@ -10,9 +10,9 @@ separate regions (``spec.RowRegions``, e.g. vLLM's DeepSeek V4 ``fp8_ds_mla`` bl
 in its base address and its own row stride, so every kernel (compiled CPU and CUDA, Triton,
 torch) moves each field from where the engine wrote it, whatever row range a copy covers.
 
-The fingerprint covers what decides a stored chunk's bytes (model, dtypes, plane row bytes
-and order, group kinds, compress ratios and windows, TP and DCP shard, format version, and
-the regions of split planes) and deliberately not the engine's block size or block stride
+The fingerprint covers what decides a stored chunk's bytes (model, dtypes, plane row bytes,
+row shapes (heads x head size) and order, group kinds, compress ratios and windows, TP and
+DCP shard, format version, and the regions of split planes) and deliberately not the engine's block size or block stride
 of token planes: a chunk stored by a deployment with block size 128 is read by one with
 block size 32.
 """
@@ -270,4 +270,6 @@ def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, 
         # Chunks of split planes hold each region's rows apart; before sub-planes existed such
         # caches were stored as wide rows (wrong bytes within a block): never match those.
         doc["regions"] = [[p.region_index, p.num_regions] for p in planes]
+    # rows of equal bytes split otherwise (4 heads x 128 vs 8 x 64) are other models' KV
+    doc["row_shapes"] = [list(p.row_shape) for p in planes]
     return Fingerprint(blake3.blake3(msgpack.packb(doc)).digest(16))

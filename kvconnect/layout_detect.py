@@ -144,4 +144,5 @@ def plane_geometry(t: torch.Tensor, *, is_page: bool, where: str) -> dict:
         block_stride_bytes=t.stride(0) * elem,
         row_stride_bytes=row_stride,
         dtype=str(t.dtype).removeprefix("torch."),
+        row_shape=tuple(int(d) for d in t.shape[1 if is_page else 2 :]),
     )

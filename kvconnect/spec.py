@@ -184,6 +184,8 @@ class PlaneSpec:
     A row's address is ``base + block * block_stride_bytes + row * row_stride_bytes``;
     its ``row_bytes`` bytes are contiguous. A sub-plane (region ``region_index`` of
     ``num_regions``, see ``RowRegions``) has its base at the region's offset in block 0.
+    ``row_shape`` keeps the engine's split of a row (8 x 64 and 4 x 128 are both 1 KiB rows
+    of different models); empty where the engine gives none.
     """
 
     layer_name: str
@@ -199,6 +201,7 @@ class PlaneSpec:
     is_page: bool = False
     region_index: int = 0
     num_regions: int = 1
+    row_shape: tuple[int, ...] = ()  # the row's dims as the engine shapes them (heads x head size)
 
     def __post_init__(self) -> None:
         where = f"layer {self.layer_name!r} plane {self.plane_index}"

@@ -145,3 +145,34 @@ def test_config_is_frozen_and_validated_directly():
     with pytest.raises(ConfigError, match="LMCACHE_CHUNK_SIZE"):
         Config(chunk_size=0)
     assert Config(local_disk="file:///x").local_disk == "/x"
+
+
+@pytest.mark.parametrize("var, value", [
+    ("KVCONNECT_REMOTE_TIMEOUT_S", "nan"), ("KVCONNECT_REMOTE_TIMEOUT_S", "inf"), ("KVCONNECT_REMOTE_TIMEOUT_S", "0"),
+    ("LMCACHE_MAX_LOCAL_CPU_SIZE", "inf"), ("LMCACHE_MAX_LOCAL_CPU_SIZE", "1e400"), ("LMCACHE_MAX_LOCAL_CPU_SIZE", "nan"),
+    ("LMCACHE_MAX_LOCAL_DISK_SIZE", "inf"), ("LMCACHE_MAX_LOCAL_DISK_SIZE", "nan"), ("LMCACHE_MAX_LOCAL_DISK_SIZE", "-1"),
+    ("KVCONNECT_PD_WAIT_TIMEOUT_S", "nan"), ("KVCONNECT_PD_POLL_INTERVAL_S", "inf"), ("KVCONNECT_LOG_INTERVAL_S", "nan"),
+    ("LMCACHE_CHUNK_SIZE", "1e400"), ("KVCONNECT_NUM_THREADS", "0"), ("KVCONNECT_METRICS_PORT", "65536"),
+    ("KVCONNECT_RESTORE_INTERVAL_TOKENS", "-1"), ("KVCONNECT_MIN_LOAD_TOKENS", "99999999999"),
+    ("LMCACHE_LOOKUP_TIMEOUT_MS", "nan"), ("LMCACHE_LOOKUP_TIMEOUT_MS", "inf"),
+])
+def test_no_numeric_setting_disables_or_crashes(var, value):
+    """NaN, infinities and values out of range are a ConfigError naming the setting, never a
+    tier silently turned off (a NaN timeout made every deadline test false) or an OverflowError
+    from the byte sizes derived later."""
+    with pytest.raises(ConfigError) as err:
+        config = Config.from_env({var: value})
+        (config.max_local_cpu_bytes, config.max_local_disk_bytes)  # what used to raise OverflowError
+    text = str(err.value)
+    assert var in text or var.removeprefix("LMCACHE_").lower() in text or "remote_timeout_s" in text, text
+
+
+def test_every_numeric_field_is_validated():
+    """The one numeric check covers every int and float setting (a new one cannot be missed)."""
+    from kvconnect.config import NUMERIC_RANGES
+
+    numeric = {f.name for f in dataclasses.fields(Config) if f.type in ("int", "float")}
+    assert numeric == set(NUMERIC_RANGES)
+    for name in numeric:
+        with pytest.raises(ConfigError, match=name):
+            Config(**{name: float("nan")})

@@ -507,3 +507,30 @@ def test_params_of_a_prefill_from_before_the_producers_reset_find_its_chunks_or_
     assert set(hits.asked_generations) == {GEN_A} and len(hits.calls) <= 10
     hits.generation = GEN_A  # the old generation's chunks are still there
     assert server.num_new_matched_tokens(view("r2"), 0, old) == (288, True)
+
+
+def test_once_the_pair_moved_on_an_old_generation_no_longer_loads():
+    """Params are the client's: replaying a prefill's params from before a reset must not load
+    the pre-reset KV for ever. While only one side has reset, old params still load (prefills
+    in flight); once this server reset and the producer named a new generation, they do not."""
+    server, sched, hits, clock = make("kv_consumer")
+    old = stored(generation=GEN_A).to_params()
+    hits.generation, hits.restorable = GEN_A, 288
+    assert server.num_new_matched_tokens(view("a1"), 0, old) == (288, True)
+    assert sched.reset_cache()  # this server resets (the weights changed)
+    own = sched.generation
+    assert server.num_new_matched_tokens(view("a2"), 0, old) == (288, True)  # the producer has not moved yet
+    hits.generation = GEN_B  # the producer reset: its new prefills are stored under B
+    assert server.num_new_matched_tokens(view("b1"), 0, stored(generation=GEN_B).to_params()) == (288, True)
+    hits.generation = GEN_A  # A's chunks are still in the tier, and a client replays A's params
+    rejected = server.counters["remote_prefill_rejected"]
+    assert server.num_new_matched_tokens(view("a3"), 0, old) == (0, False)  # a plain lookup: nothing of A loads
+    assert server.counters["remote_prefill_rejected"] == rejected + 1
+    assert hits.asked_generations[-1] == own and server.num_waiting == 0
+    # params naming a generation no producer stored under cannot retire a real one
+    hits.generation = GEN_B
+    forged = stored(generation=b"\x07" * 16).to_params()
+    assert server.num_new_matched_tokens(view("f"), 0, forged) == (None, False)
+    clock.t += 10
+    assert server.num_new_matched_tokens(view("f"), 0, forged) == (0, False)
+    assert server.num_new_matched_tokens(view("b2"), 0, stored(generation=GEN_B).to_params()) == (288, True)

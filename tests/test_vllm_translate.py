@@ -673,3 +673,28 @@ def test_v013_states_refusal_names_the_release_and_the_reason():
     assert "Compress128AttentionSpec, Compress4AttentionSpec" in text
     generic = translate.states_refusal(config, caches, states, release=engine_tables.VLLM_ASCEND_0_23)
     assert "vllm-ascend-0.23 registered per-request state buffers" in generic and "do not translate" in generic
+
+
+def test_model_identity_tells_apart_models_a_name_does_not():
+    """The vLLM adapter names its model by name, revision and a digest of the config fields that
+    decide the KV: the same path serving another checkpoint (other KV heads, another
+    quantisation) is another identity, the same checkpoint the same one on every server."""
+
+    class HF(SimpleNamespace):
+        def to_dict(self):
+            return dict(vars(self))
+
+    def vllm_config(revision="r1", **hf):
+        fields = dict(architectures=["LlamaForCausalLM"], num_hidden_layers=2, hidden_size=1024,
+                      num_attention_heads=8, num_key_value_heads=8, head_dim=128, _name_or_path="/local/path")
+        fields.update(hf)
+        return SimpleNamespace(model_config=SimpleNamespace(model="/models/m", revision=revision, dtype=torch.bfloat16,
+                                                            quantization=None, hf_config=HF(**fields)))
+
+    base = translate.model_identity(vllm_config())
+    assert base.startswith("/models/m@r1#") and len(base.split("#")[1]) == 16
+    assert translate.model_identity(vllm_config()) == base  # prefill and decode servers agree
+    assert translate.model_identity(vllm_config(_name_or_path="/elsewhere")) == base  # where it lies is no identity
+    others = [vllm_config(num_key_value_heads=4), vllm_config(head_dim=64), vllm_config(revision="r2"),
+              vllm_config(quantization_config={"quant_method": "fp8"})]
+    assert len({translate.model_identity(c) for c in others} | {base}) == len(others) + 1

@@ -19,7 +19,10 @@ group masks seen so far, one listing of a key's subdirectory per call to learn a
 so it finds what the writer wrote since the start and forgets what the writer evicted.
 
 The size limit (``capacity_bytes``) counts the files of this fingerprint; when a write
-needs room, the least recently used files go first. Recency survives a restart only as
+needs room, the least recently used files go first. A filesystem fuller than the limit
+(ENOSPC: other files share it) is met the same way: the write frees this tier's least
+recently used files, as many bytes as it needs, and is tried once more; the warning is
+logged once a minute while writes keep failing. Recency survives a restart only as
 file modification order (reads do not touch files).
 """
 
@@ -36,6 +39,7 @@ from typing import Optional, Sequence
 from .. import chunk_format
 from ..chunk_format import ChunkHeader
 from ..errors import CorruptChunkError, StorageError
+from ..repeat_warning import RepeatingWarning
 from ..spec import ChunkKey, Fingerprint
 from .tier import LowerTier, StoreItem, TierStats, read_header
 
@@ -153,6 +157,7 @@ class DiskTier(LowerTier):
         self._index: "OrderedDict[ChunkKey, _Entry]" = OrderedDict()
         self._used_bytes = 0  # indexed files plus writes in flight
         self._tmp_counter = 0
+        self._full = RepeatingWarning(logger.warning)  # ENOSPC lasts: one line a minute, not one per write
         try:
             os.makedirs(self.dir, exist_ok=True)
         except OSError as exc:
@@ -349,7 +354,7 @@ class DiskTier(LowerTier):
     def put(self, items: Sequence[StoreItem]) -> list[bool]:
         return [self._put_one(item) for item in items]
 
-    def _put_one(self, item: StoreItem) -> bool:
+    def _put_one(self, item: StoreItem, *, retry_when_full: bool = True) -> bool:
         size_bytes = item.header.header_bytes + item.header.payload_bytes
         if size_bytes > self.capacity_bytes:
             self._count(errors=1)
@@ -374,15 +379,44 @@ class DiskTier(LowerTier):
             if self.fsync:
                 _fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            level = logging.WARNING if exc.errno in (errno.ENOSPC, errno.EDQUOT) else logging.ERROR
-            logger.log(level, "kvconnect: disk tier write of %s failed: %s", final, exc)
             _unlink_quietly(tmp)
             with self._lock:
                 self._used_bytes -= size_bytes
-            self._count(errors=1, evictions=num_evicted)
+            self._count(evictions=num_evicted)
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                logger.error("kvconnect: disk tier write of %s failed: %s", final, exc)
+                self._count(errors=1)
+                return False
+            # the filesystem is fuller than the tier's size allows (other files share it): make
+            # room from this tier's own least recently used files, as its size limit would
+            freed = self._free_when_full(size_bytes, keep=item.key) if retry_when_full else 0
+            if freed and self._put_one(item, retry_when_full=False):
+                return True
+            if retry_when_full:
+                self._full.failed("kvconnect: disk tier %s is full (%s): writes fail and it frees its own least "
+                                  "recently used files to make room; lower LMCACHE_MAX_LOCAL_DISK_SIZE below the "
+                                  "free space", self.dir, exc)
+                self._count(errors=1)
             return False
+        self._full.cleared()
         self._count(puts=1, bytes_written=size_bytes, evictions=num_evicted)
         return True
+
+    def _free_when_full(self, need_bytes: int, *, keep: ChunkKey) -> int:
+        """Remove least recently used files (never ``keep``'s: a rewrite keeps its old version)
+        until ``need_bytes`` are freed; how many went."""
+        num = freed = 0
+        with self._lock:
+            for key in [k for k in self._index if k != keep]:
+                if freed >= need_bytes:
+                    break
+                entry = self._index.pop(key)
+                self._used_bytes -= entry.size_bytes
+                _unlink_quietly(self._path(key, entry.mask))
+                freed += entry.size_bytes
+                num += 1
+        self._count(evictions=num)
+        return num
 
     def _write_tmp(self, tmp: str, parts: Sequence[memoryview]) -> None:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)

@@ -27,13 +27,14 @@ exception into the engine.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 from .. import chunk_format
 from ..metrics import TierMeter
-from ..errors import CorruptChunkError
+from ..errors import ConfigError, CorruptChunkError
 from ..spec import ChunkKey, Fingerprint
 from .pool import ChunkPool, PoolEntry
 from .tier import LowerTier
@@ -65,8 +66,16 @@ def open_tiers(config: "Config", fingerprint: Fingerprint, *, writes_shared: boo
         else:
             from .disk import DiskTier
 
-            tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync,
-                                  follow_writer=not writes_shared))
+            tier = DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync,
+                            follow_writer=not writes_shared)
+            total = shutil.disk_usage(tier.dir).total
+            if config.max_local_disk_bytes > total:
+                tier.close()
+                raise ConfigError(
+                    f"max_local_disk_size (LMCACHE_MAX_LOCAL_DISK_SIZE) = {config.max_local_disk_size:g} GB, but the "
+                    f"filesystem of {config.local_disk!r} holds {total / (1 << 30):.1f} GiB in all; set it below "
+                    "its free space")
+            tiers.append(tier)
     if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
         from .mooncake_config import make_spec
         from .mooncake_tier import MooncakeTier
@@ -199,9 +208,16 @@ class StorageManager:
             with self._counter_lock:
                 self.promotion_failures += len(keys) - len(slots)
         outs = [memoryview(self.pool.slot_view(slot).numpy()) for slot in slots]
+        lent: set[int] = set()  # slots an abandoned read may still write: back to the pool once it ended
+
+        def abandoned(indices: list[int]) -> Callable[[], None]:
+            lent.update(indices)
+            late = [slots[i] for i in indices]
+            return lambda: self.pool.abort(late)
+
         start = time.perf_counter()
         try:
-            headers = tier.read_many_into(keys[: len(slots)], outs)
+            headers = tier.read_many_into(keys[: len(slots)], outs, on_abandoned=abandoned)
             self.meter.timed(tier.name, "read_into", time.perf_counter() - start)
         except Exception:
             logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
@@ -212,7 +228,8 @@ class StorageManager:
         out: list[Optional[PoolEntry]] = [None] * len(keys)
         for j, (key, slot, header) in enumerate(zip(keys, slots, headers)):
             if header is None:
-                self.pool.abort([slot])
+                if j not in lent:
+                    self.pool.abort([slot])
             else:
                 out[j] = self._publish(key, header, slot, level)
         return out

@@ -9,7 +9,7 @@ read it from here.
 |-------------------------------|-----------|--------------------|
 | >= 0                          | OK        | use the bytes (reads still verify them) |
 | -704 object not found, -710 replica not found, -712 replica gone | ABSENT | a miss; a chunk with one part absent is removed whole (its other part is useless) |
-| -703 replica not ready, -706 lease, -707 lease expired, -708, -714 (a write or replication in flight) | IN_USE | a miss, counted; never removed |
+| -703 replica not ready, -706 lease, -707 lease expired, -708, -714 (a write or replication in flight), -601 ILLEGAL_CLIENT (another client's upsert of the same key is in flight: two engines storing one chunk at once) | IN_USE | a miss or a failed write, counted; never removed (the other write lands) |
 | -200 no available handle (the segments are full) | NO_SPACE | a failed write, counted; not a breaker event (the master answered) |
 | -600 buffer too small / invalid params | NOT_FITTING | a miss, counted; never removed (no bytes were read) |
 | -800..-899 transfer (a segment owner gone) | TRANSFER | a miss, counted, a breaker event |
@@ -33,7 +33,8 @@ from typing import Iterable
 NO_AVAILABLE_HANDLE = -200
 NOT_FOUND = -704
 ABSENT_CODES = (NOT_FOUND, -710, -712)
-IN_USE_CODES = (-703, -706, -707, -708, -714)
+ILLEGAL_CLIENT = -601  # Mooncake's answer to an upsert while another client's put of the key is in flight
+IN_USE_CODES = (ILLEGAL_CLIENT, -703, -706, -707, -708, -714)
 BUFFER_TOO_SMALL = -600
 TRANSFER_FAIL = -800
 RPC_FAIL = -900

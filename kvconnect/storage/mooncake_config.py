@@ -181,6 +181,11 @@ def make_spec(url: str, config_path: Optional[str], *, has_node_server: bool) ->
         check_fits_host(segment, f"{where}: global_segment_size = {data['global_segment_size']!r}")
     else:
         segment = 0 if has_node_server else DEFAULT_SEGMENT_BYTES
+    local_buffer = parse_bytes(data.get("local_buffer_size", 0), f"{where}: local_buffer_size")
+    # Mooncake allocates its staging buffer at setup and retries std::bad_alloc forever when the
+    # host cannot give it: refuse what never fits, alone and together with the segment
+    check_fits_host(local_buffer, f"{where}: local_buffer_size = {data.get('local_buffer_size')!r}")
+    check_fits_host(segment + local_buffer, f"{where}: global_segment_size + local_buffer_size")
     local_hostname = str(data.get("local_hostname", "127.0.0.1")) or "127.0.0.1"
     return MooncakeSpec(
         master_address=master,
@@ -189,7 +194,7 @@ def make_spec(url: str, config_path: Optional[str], *, has_node_server: bool) ->
         protocol=protocol,
         device_name=str(data.get("device_name", "")),
         global_segment_bytes=segment,
-        local_buffer_bytes=parse_bytes(data.get("local_buffer_size", 0), f"{where}: local_buffer_size"),
+        local_buffer_bytes=local_buffer,
     )
 
 

@@ -2,7 +2,8 @@
 
 ``MooncakeReads`` is not a tier of its own: it is the read half of ``mooncake_tier.MooncakeTier``
 (which inherits it), split out to keep one concept per module, and it uses the tier's state
-and helpers (``_link``, ``_read_lock``, ``_read_scratch``, ``_registered``, ``_judge``,
+and helpers (``_link``, ``_readers``, ``_reader_scratch``, ``_read_rate``, ``_read_lock``,
+``_read_scratch``, ``_registered``, ``_judge``,
 ``_go_on``, ``_remember``, ``_remove``, ``_bump``, ``object_keys``, ``timeout_s``, and
 ``LowerTier``'s ``_count`` / ``_verify``).
 
@@ -15,17 +16,25 @@ read and failed these checks are ever removed; a return code never removes anyth
 are evicted independently, so a read that finds one part of a chunk absent removes the
 other part (counted in ``parts_missing``), and lookups stop offering the chunk.
 
-``read_into`` cannot be abandoned (Mooncake writes into the pool slot until it returns), so
-a read of many chunks stops between batches once ``timeout_s`` has passed or the breaker
-opened; what it did not read is a miss. ``get`` (export and copies; not the hot path) reads
-encoded, verified chunks into fresh buffers.
+Bounds. A read may take ``read_budget_s`` of the bytes it asks for: ``timeout_s`` plus the
+bytes at the slower of an assumed healthy rate and half the measured one (one constant cut
+healthy 100-chunk reads short). Its batches run on one of READ_THREADS read workers, each
+with its own header scratch, and stop between batches at the deadline or once the breaker
+opened. Mooncake keeps writing into the pool slots of a batch until its transfer returns,
+which a stalled segment holder delays by a minute whatever ``MC_RPC_TIMEOUT_MS`` says: so
+at the deadline the caller stops waiting (``on_abandoned``), the batch in flight is a miss,
+and its slots stay lent to the abandoned transfer (out of the pool) until it returns; no
+later chunk can be written into them meanwhile. What was not read is a miss, counted in
+``short_reads``. ``get`` (export and copies; not the hot path) reads encoded, verified
+chunks into fresh buffers.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -39,6 +48,11 @@ from .tier import read_header
 
 logger = logging.getLogger("kvconnect.storage.mooncake_tier")  # the name these reads have always logged under
 
+READ_THREADS = 2  # reads in flight at once: one stalled read must not block the next step's
+ASSUMED_READ_BYTES_PER_S = 64 << 20  # a healthy link moves at least this (read_budget_s)
+MIN_READ_BYTES_PER_S = 16 << 20  # the slowest rate a measurement may stretch the budget to
+MEASURED_BATCH_BYTES = 1 << 20
+
 
 class MooncakeReads:
     """The read path of ``MooncakeTier`` (a mixin: ``read_into``, ``read_many_into``, ``get``)."""
@@ -46,18 +60,40 @@ class MooncakeReads:
     def read_into(self, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
         return self.read_many_into([key], [out])[0]
 
-    def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[Optional[ChunkHeader]]:
+    def read_budget_s(self, nbytes: int) -> float:
+        """How long a read of ``nbytes`` may take: ``timeout_s`` plus the bytes at the slower of
+        ASSUMED_READ_BYTES_PER_S and half the throughput measured on this tier (never below
+        MIN_READ_BYTES_PER_S). One constant cut large reads short on a healthy link (the first
+        100-chunk read loaded 64 chunks); a stalled transport costs this budget, no more."""
+        rate = ASSUMED_READ_BYTES_PER_S
+        measured = self._read_rate.bytes_per_s
+        if measured:
+            rate = min(rate, max(MIN_READ_BYTES_PER_S, measured / 2))
+        return self.timeout_s + nbytes / rate
+
+    def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview], *,
+                       on_abandoned: Optional[Callable[[list[int]], Callable[[], None]]] = None,
+                       ) -> list[Optional[ChunkHeader]]:
         """``read_into`` for many keys: one ``batch_get_into`` per BATCH_KEYS chunks, each payload
         straight into its ``out`` (pool slots); a verified header per key, None for a miss.
-        Stops between batches after ``timeout_s`` or once the breaker opened (the rest miss)."""
+
+        Bounded by ``read_budget_s`` of the bytes asked for, whatever the transport does: the
+        batches run on a read worker, stop between batches at the deadline or once the
+        breaker opened, and with ``on_abandoned`` the caller stops waiting at the deadline.
+        The batch then in flight may still write its outs: they come back None, after
+        ``on_abandoned(indices)``, whose result is called (on the worker) once the abandoned
+        call returned; the caller must not reuse those outs before. Without ``on_abandoned``
+        the caller waits for the batch in flight."""
         self._count(gets=len(keys))
         result: list[Optional[ChunkHeader]] = [None] * len(keys)
         store = self._link.enter()
         if store is None:
             self._count(skipped_unhealthy=1)
             return result
-        deadline = time.monotonic() + self.timeout_s
+        handed = False  # the read worker owns the in-flight mark once it took the job
+        cut = False
         try:
+            deadline = time.monotonic() + self.read_budget_s(sum(len(out) for out in outs))
             direct = []
             for i, (key, out) in enumerate(zip(keys, outs)):
                 address = view_address(out)
@@ -65,23 +101,82 @@ class MooncakeReads:
                     direct.append((i, address))
                 elif self._go_on(deadline):
                     result[i] = self._read_copy(store, key, out)
-            with self._read_lock:
-                for start in range(0, len(direct), BATCH_KEYS):
-                    if start and not self._go_on(deadline):
-                        break
-                    batch = direct[start : start + BATCH_KEYS]
-                    headers = self._read_verified(store, [keys[i] for i, _ in batch], [outs[i] for i, _ in batch],
-                                                  [a for _, a in batch])
-                    for (i, _), header in zip(batch, headers):
-                        result[i] = header
+                else:
+                    cut = True
+            if direct:
+                job = _ReadJob(direct)
+                wait_s = max(0.0, deadline - time.monotonic()) if on_abandoned is not None else None
+                try:
+                    status, _ = self._readers.run(
+                        lambda slot: self._read_batches(store, keys, outs, job, slot, deadline), wait_s)
+                except Exception:  # raised by the job, which ran and let go of the in-flight mark
+                    handed = True
+                    raise
+                handed = status != "busy"
+                if status == "busy":  # every read worker is held by a stalled read: a miss, at once
+                    self._bump("reads_refused")
+                cut = self._collect(job, result, status, on_abandoned) or cut
         finally:
-            self._link.exit()
+            if not handed:
+                self._link.exit()
+        if cut:  # chunks asked for and never read: a capacity loss when the link was healthy
+            self._bump("short_reads")
         return result
 
+    def _read_batches(self, store, keys: Sequence[ChunkKey], outs: Sequence[memoryview], job: "_ReadJob",
+                      slot: int, deadline: float) -> None:
+        """The batches of one read, on a read worker with its own header scratch; each batch's
+        headers are published to ``job`` unless the caller has stopped waiting."""
+        try:
+            direct = job.direct
+            for start in range(0, len(direct), BATCH_KEYS):
+                batch = direct[start : start + BATCH_KEYS]
+                with job.lock:
+                    if job.abandoned:
+                        return
+                    if start and not self._go_on(deadline):
+                        job.cut = True
+                        return
+                    job.in_flight = [i for i, _ in batch]
+                began = time.monotonic()
+                headers = self._read_verified(store, [keys[i] for i, _ in batch], [outs[i] for i, _ in batch],
+                                              [a for _, a in batch], self._reader_scratch[slot])
+                self._read_rate.add(sum(len(outs[i]) for i, _ in batch), time.monotonic() - began)
+                with job.lock:
+                    job.in_flight = []
+                    if job.abandoned:
+                        return
+                    job.headers.update({i: h for (i, _), h in zip(batch, headers)})
+        finally:
+            self._link.exit()
+            with job.lock:
+                job.finished = True
+                late = job.release
+            if late is not None:
+                try:
+                    late()
+                except Exception:  # the caller's buffers are its own; never lose the worker thread
+                    logger.exception("kvconnect: releasing the buffers of an abandoned Mooncake read failed")
+
+    def _collect(self, job: "_ReadJob", result: list, status: str,
+                 on_abandoned: Optional[Callable[[list[int]], Callable[[], None]]]) -> bool:
+        """Move the published headers of ``job`` into ``result``; past the deadline, abandon it.
+        True when the read was cut short (by its deadline, the breaker, or refused)."""
+        with job.lock:
+            if status == "timeout" and not job.finished:
+                job.abandoned = True
+                self._bump("reads_abandoned")
+                if job.in_flight and on_abandoned is not None:
+                    job.release = on_abandoned(list(job.in_flight))
+            for i, header in job.headers.items():
+                result[i] = header
+        if job.abandoned:
+            self._link.failure()  # the transport stalled: back off instead of paying a budget per step
+        return job.abandoned or job.cut or status == "busy"
+
     def _read_verified(self, store, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
-                       addresses: Sequence[int]) -> list[Optional[ChunkHeader]]:
+                       addresses: Sequence[int], scratch) -> list[Optional[ChunkHeader]]:
         """Headers and payloads of up to BATCH_KEYS chunks in one call, each checked like decode."""
-        scratch = self._read_scratch
         names = [self.object_keys(k) for k in keys]
         n = len(keys)
         codes = store.batch_get_into([h for h, _ in names] + [p for _, p in names],
@@ -203,6 +298,37 @@ class MooncakeReads:
             self._remove(store, [key])
             return None
         return buffer.tobytes()
+
+
+class _ReadJob:
+    """One ``read_many_into`` on a read worker: the headers of the batches it finished, the
+    outs of the batch in flight, and whether the caller stopped waiting for it."""
+
+    def __init__(self, direct: list[tuple[int, int]]) -> None:
+        self.direct = direct  # (index, address) of each out read zero-copy
+        self.lock = threading.Lock()
+        self.headers: dict[int, Optional[ChunkHeader]] = {}
+        self.in_flight: list[int] = []
+        self.abandoned = False
+        self.cut = False  # stopped between batches (deadline or breaker)
+        self.finished = False
+        self.release: Optional[Callable[[], None]] = None
+
+
+class ReadRate:
+    """Bytes per second of this tier's reads, a moving average over batches of at least
+    MEASURED_BATCH_BYTES (smaller ones measure latency, not throughput)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_per_s = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        if nbytes < MEASURED_BATCH_BYTES or seconds <= 0:
+            return
+        with self._lock:
+            rate = nbytes / seconds
+            self.bytes_per_s = rate if not self.bytes_per_s else 0.8 * self.bytes_per_s + 0.2 * rate
 
 
 def _chunk_verdict(header: Meaning, payload: Meaning) -> str:

@@ -11,7 +11,9 @@ in kvconnect, and none in Mooncake beyond its transfer. The header object exists
 lookup learns group masks without moving payloads: ``masks`` is one ``batch_is_exist``
 over the header objects, masks of present chunks from what this process has seen (its
 writes and reads), and one batched read of the headers it has not seen into a small
-registered scratch buffer (which also checks their identity). A write batch is one
+registered scratch buffer (which also checks their identity). The existence check covers
+both objects of each chunk, so a lookup renews both leases or neither (a renewed header
+over an evicted payload is what a lookup would keep offering). A write batch is one
 ``batch_upsert_from`` of the payloads and then their headers.
 
 Verification. ``read_into`` reads header and payload in one call and checks them as
@@ -27,11 +29,12 @@ never an error here).
 Failures. The connection, its breaker and the count of calls in flight are
 ``mooncake_link.MooncakeLink``'s. Lookups (the calls on the engine's step path that meet a
 stalled master first) run on up to LOOKUP_THREADS worker threads (``mooncake_workers``) and
-are abandoned after ``timeout_s``. ``read_into`` cannot be abandoned (Mooncake writes into
-the pool slot until it returns), so it is bounded otherwise: each Mooncake RPC returns -901
-after ``timeout_s`` (``MC_RPC_TIMEOUT_MS``), and a read of many chunks stops between
-batches once ``timeout_s`` has passed or the breaker opened; what it did not read is a
-miss. Writes run on the write-behind thread and stop between batches the same way.
+are abandoned after ``timeout_s``. Reads run on READ_THREADS read workers and are abandoned
+after the budget of the bytes they ask for (``mooncake_reads``: the pool slots an abandoned
+transfer may still write stay lent to it until it returns); each Mooncake RPC returns -901
+after ``timeout_s`` (``MC_RPC_TIMEOUT_MS``), and a read of many chunks stops between batches
+at its deadline or once the breaker opened; what it did not read is a miss. Writes run on
+the write-behind thread and stop between batches the same way.
 
 Needs Mooncake (``pip install mooncake-transfer-engine-non-cuda`` and ``libibverbs1``).
 """
@@ -51,7 +54,7 @@ from .mooncake_buffers import BATCH_KEYS, HEADER_SLOT_BYTES, _Registered, view_a
 from .mooncake_codes import Meaning, Tally, meaning
 from .mooncake_config import MooncakeSpec
 from .mooncake_link import MooncakeLink
-from .mooncake_reads import MooncakeReads
+from .mooncake_reads import READ_THREADS, MooncakeReads, ReadRate
 from .mooncake_workers import Workers
 from .tier import LowerTier, StoreItem, peek_mask
 
@@ -60,7 +63,8 @@ logger = logging.getLogger(__name__)
 LOOKUP_THREADS = 4  # concurrent lookups (engines look up from more than one thread)
 KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
 FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures", "lease_conflicts", "no_space",
-                 "values_not_fitting", "unknown_codes", "parts_missing", "half_written", "cut_short")
+                 "values_not_fitting", "unknown_codes", "parts_missing", "half_written", "cut_short",
+                 "short_reads", "reads_abandoned", "reads_refused")
 class MooncakeTier(MooncakeReads, LowerTier):
     """Chunks in Mooncake Store; the read path (``read_into``, ``read_many_into``, ``get``) is
     the ``mooncake_reads.MooncakeReads`` mixin, the rest is here."""
@@ -82,17 +86,20 @@ class MooncakeTier(MooncakeReads, LowerTier):
         self._regions_lock = threading.Lock()
         self._pools: list = []  # pools whose buffers are registered on first use
         self._lookup_scratch = [_Registered(BATCH_KEYS) for _ in range(LOOKUP_THREADS)]
-        self._read_scratch = _Registered(BATCH_KEYS)
+        self._read_scratch = _Registered(BATCH_KEYS)  # reads through a copy (get, export)
+        self._reader_scratch = [_Registered(BATCH_KEYS) for _ in range(READ_THREADS)]
         self._write_scratch = _Registered(BATCH_KEYS)
         self._read_lock = threading.Lock()
         self._known: "collections.OrderedDict[ChunkKey, int]" = collections.OrderedDict()
         self._known_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._lookups = Workers("kvconnect-mooncake-lookup", LOOKUP_THREADS)
+        self._readers = Workers("kvconnect-mooncake-read", READ_THREADS)
+        self._read_rate = ReadRate()
         self.counters = {name: 0 for name in FAILURE_KINDS}
         self.counters["registered_bytes"] = 0
         self._stats.capacity_bytes = spec.global_segment_bytes
-        scratch = (*self._lookup_scratch, self._read_scratch, self._write_scratch)
+        scratch = (*self._lookup_scratch, *self._reader_scratch, self._read_scratch, self._write_scratch)
         self._link = MooncakeLink(spec, name="tier", timeout_s=timeout_s, retry_after_s=retry_after_s,
                                   max_retry_after_s=max_retry_after_s,
                                   adopt=lambda store: all(store.register_buffer(b.base, b.array.nbytes) == 0
@@ -196,7 +203,7 @@ class MooncakeTier(MooncakeReads, LowerTier):
     def _read_headers(self, store, keys: Sequence[ChunkKey], slot: int, deadline: float) -> list[Optional[int]]:
         """Group masks per key, on the lookup worker thread (it owns one in-flight mark).
 
-        One ``batch_is_exist`` over the header objects per BATCH_KEYS keys; the masks of keys
+        One ``batch_is_exist`` over both objects per BATCH_KEYS keys; the masks of keys
         present come from the masks this process has seen (its writes and reads), and a
         second, batched read of the headers fetches those it has not. A remembered mask is
         a hint, as every lookup is: ``read_into`` returns the stored header, and the engine
@@ -215,8 +222,13 @@ class MooncakeTier(MooncakeReads, LowerTier):
 
     def _read_header_batch(self, store, batch: Sequence[ChunkKey], scratch: _Registered) -> list[Optional[int]]:
         names = [self.object_keys(k)[0] for k in batch]
-        exist = store.batch_is_exist(names)  # 1 present, 0 absent, < 0 an error code
-        self._judge([min(e, 0) for e in exist])  # an answer closes the breaker, a failure code opens it
+        # both parts of each chunk: an existence check renews an object's lease (Mooncake keeps it
+        # from eviction meanwhile), and renewing headers alone made payloads the ones evicted,
+        # leaving headers every lookup offered (orphans); a chunk is present when both parts are
+        both = store.batch_is_exist(names + [self.object_keys(k)[1] for k in batch])  # 1, 0, or < 0 an error
+        self._judge([min(e, 0) for e in both])  # an answer closes the breaker, a failure code opens it
+        n = len(batch)
+        exist = [min(h, p) for h, p in zip(both[:n], both[n:])]
         with self._known_lock:
             out = [self._known.get(k) if e == 1 else None for k, e in zip(batch, exist)]
             for k, e in zip(batch, exist):
@@ -310,8 +322,10 @@ class MooncakeTier(MooncakeReads, LowerTier):
         for j, (i, _) in enumerate(slots):
             ok[i] = codes[j] == 0 and codes[len(slots) + j] == 0
             self._remember(batch[i].key, batch[i].header.group_mask if ok[i] else None)
-            if not ok[i] and Meaning.OK in (meanings[j], meanings[len(slots) + j]):
+            parts = (meanings[j], meanings[len(slots) + j])
+            if not ok[i] and Meaning.OK in parts and Meaning.IN_USE not in parts:
                 half.append(batch[i].key)  # one part landed (e.g. the segments filled up in between)
+            # a part IN_USE is another engine's write of the same chunk in flight: it lands whole
         if half:  # a payload alone wastes space; a header alone would be offered by every lookup
             self._bump("half_written", len(half))
             self._remove(store, half)
@@ -364,5 +378,6 @@ class MooncakeTier(MooncakeReads, LowerTier):
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop connecting and the lookup threads; close the store once no call is in flight."""
         self._lookups.stop()
+        self._readers.stop()
         self._link.close(timeout_s)
         self._pools.clear()

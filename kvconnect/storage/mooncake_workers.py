@@ -4,8 +4,8 @@
     status, result = workers.run(fn, timeout_s)   # fn(slot) on a worker thread
     workers.stop()                                 # idle threads end now, busy ones after their call
 
-A lookup runs on the engine's step path and must return within ``timeout_s`` even when the
-master stalls; the call itself cannot be interrupted, so it runs here and the caller stops
+A lookup or a read runs on the engine's step path and must return within its bound even when
+the master or a segment holder stalls; the call itself cannot be interrupted, so it runs here and the caller stops
 waiting. Each thread owns one slot (0..size-1), e.g. its scratch buffer. When every thread
 is busy a new call is refused at once instead of queueing behind stalled ones. ``stop``
 ends the threads (a closed tier must not keep threads, or through them its buffers).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 
 class Workers:
@@ -28,10 +28,10 @@ class Workers:
         self._size = size
         self._stopped = False
 
-    def run(self, fn: Callable[[int], object], timeout_s: float) -> tuple[str, object]:
+    def run(self, fn: Callable[[int], object], timeout_s: Optional[float]) -> tuple[str, object]:
         """("done", result); ("busy", None) when every thread is taken or the workers are
         stopped (``fn`` not started); ("timeout", None) when ``fn`` runs past ``timeout_s``
-        (it finishes on its thread). An exception of ``fn`` is raised here."""
+        (it finishes on its thread; None: wait for it). An exception of ``fn`` is raised here."""
         box: dict = {}
         done = threading.Event()
 

@@ -12,8 +12,9 @@ in ``stats()``. Methods, in the order a caller uses them:
     read_into(key, out) -> verified header, payload written into ``out`` (e.g. a pool
                      slot), or None; tiers that can do so without an extra copy set
                      ``reads_into = True`` (the default copies from ``get``)
-    read_many_into(keys, outs) -> ``read_into`` per key (a tier may batch it: one call
-                     to its store for many chunks, bounded by its timeout)
+    read_many_into(keys, outs, on_abandoned=) -> ``read_into`` per key (a tier may batch
+                     it: one call to its store for many chunks, bounded by its timeout; a
+                     tier may abandon a stalled call and lend the caller's outs until it ends)
     attach_pool(pool) -> the CPU pool chunks move from and to (a tier that moves bytes
                      zero-copy registers its buffer; the default does nothing)
     put(items)    -> True per item written (header + payload; the tier encodes)
@@ -34,7 +35,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 from .. import chunk_format
@@ -119,8 +120,15 @@ class LowerTier(abc.ABC):
         out[: header.payload_bytes] = memoryview(data).cast("B")[header.header_bytes :]
         return header
 
-    def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[Optional[ChunkHeader]]:
-        """``read_into`` for each key and its ``out``; a miss is None (its ``out`` unusable)."""
+    def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview], *,
+                       on_abandoned: Optional[Callable[[list[int]], Callable[[], None]]] = None,
+                       ) -> list[Optional[ChunkHeader]]:
+        """``read_into`` for each key and its ``out``; a miss is None (its ``out`` unusable).
+
+        A tier whose reads may stall past its deadline (Mooncake) stops waiting when the
+        caller gives ``on_abandoned``: the outs the abandoned call may still write come back
+        None after ``on_abandoned(indices)``, and the callable it returns is called once that
+        call has returned. Until then those outs must not be reused. This one never abandons."""
         return [self.read_into(key, out) for key, out in zip(keys, outs)]
 
     def attach_pool(self, pool) -> None:

@@ -197,6 +197,9 @@ def test_file_deleted_after_indexing_is_a_miss(tmp_path):
 
 
 def test_enospc_on_write_is_a_failed_put(tmp_path, monkeypatch):
+    """A disk that stays full: a failed rewrite keeps the old version (the tier never frees the
+    key it rewrites), other writes free the tier's own oldest files to make room and fail when
+    even that does not help; no temporary file survives, the byte count stays true."""
     tier = DiskTier(str(tmp_path), FP, 1 << 20)
     tier.put([make_item(1, mask=1)])
     real = disk_mod._write_all
@@ -206,15 +209,43 @@ def test_enospc_on_write_is_a_failed_put(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk_mod, "_write_all", full_after_header)
-    assert tier.put([make_item(2), make_item(3)]) == [False, False]
     assert tier.put([make_item(1, mask=3, version=1)]) == [False]  # a failed rewrite keeps the old version
-    assert tier.stats().errors == 3
-    assert tier.masks([key_of(i) for i in (1, 2, 3)]) == [1, None, None]
+    assert tier.masks([key_of(1)]) == [1]
     assert bytes(tier.get([key_of(1)])[0]) == encoded(make_item(1, mask=1))
-    assert not list(tmp_path.rglob("*.tmp")) and set(chunk_files(tier)) == {key_of(1)}
-    assert tier.stats().used_bytes == len(encoded(make_item(1)))
+    assert tier.put([make_item(2), make_item(3)]) == [False, False]
+    assert tier.stats().errors == 3
+    assert tier.masks([key_of(i) for i in (1, 2, 3)]) == [None, None, None]  # freed for room: still full
+    assert not list(tmp_path.rglob("*.tmp")) and not chunk_files(tier)
+    assert tier.stats().used_bytes == 0
     monkeypatch.setattr(disk_mod, "_write_all", real)
     assert tier.put([make_item(2)]) == [True] and bytes(tier.get([key_of(2)])[0]) == encoded(make_item(2))
+
+
+def test_a_full_filesystem_frees_the_tiers_own_oldest_files(tmp_path, monkeypatch, caplog):
+    """ENOSPC below the tier's size limit (other files fill the filesystem): each write frees
+    the tier's least recently used files, as many bytes as it needs, and lands; the warning
+    comes once, not once per failed write."""
+    tier = DiskTier(str(tmp_path), FP, 1 << 20)
+    assert tier.put([make_item(i) for i in range(4)]) == [True] * 4
+    room = {"files": 4}  # the filesystem holds 4 of these files and no more
+    real = disk_mod._write_all
+
+    def filesystem_of_four(fd, parts):
+        if len(chunk_files(tier)) >= room["files"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, parts)
+
+    monkeypatch.setattr(disk_mod, "_write_all", filesystem_of_four)
+    with caplog.at_level("WARNING", logger="kvconnect.storage.disk"):
+        assert tier.put([make_item(i) for i in range(4, 10)]) == [True] * 6
+        assert tier.masks([key_of(i) for i in range(10)]) == [None] * 6 + [1] * 4  # the oldest went first
+        for i in range(6, 10):
+            assert bytes(tier.get([key_of(i)])[0]) == encoded(make_item(i))
+        room["files"] = 0  # now nothing fits at all
+        assert tier.put([make_item(i) for i in range(10, 20)]) == [False] * 10
+    assert tier.stats().errors == 10 and tier.stats().evictions >= 6
+    full = [r for r in caplog.records if "is full" in r.getMessage()]
+    assert len(full) == 1, [r.getMessage() for r in caplog.records]
 
 
 def test_read_permission_error_is_a_miss(tmp_path, monkeypatch):

@@ -112,3 +112,37 @@ def test_mooncake_segment_larger_than_the_host_is_a_config_error(tmp_path):
         make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=False)
     assert "this host has" in str(err.value)
     assert parse_bytes("1.5e3 MB", "x") == int(1.5e3 * (1 << 20))
+
+
+def test_mooncake_local_buffer_larger_than_the_host_is_a_config_error(tmp_path):
+    """Mooncake allocates its local buffer at setup and retries std::bad_alloc forever when the
+    host cannot give it: such a size is refused before a client starts."""
+    host = host_memory.physical_memory_bytes()
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({"global_segment_size": 0, "local_buffer_size": 2 * host}))
+    with pytest.raises(ConfigError) as err:
+        make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=True)
+    assert "local_buffer_size" in str(err.value) and "this host has" in str(err.value)
+    path.write_text(json.dumps({"global_segment_size": host // 2 + 1, "local_buffer_size": host // 2 + 1}))
+    with pytest.raises(ConfigError, match="global_segment_size \\+ local_buffer_size"):
+        make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=False)
+    path.write_text(json.dumps({"global_segment_size": 0, "local_buffer_size": "16 MB"}))
+    assert make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=True).local_buffer_bytes == 16 << 20
+
+
+def test_a_disk_tier_larger_than_its_filesystem_is_a_config_error(tmp_path):
+    """A size no filesystem under the directory can hold is a typo, not a cache: refused at
+    start naming the setting (a size past every host, inf or NaN, is refused by Config)."""
+    import shutil
+
+    total_gb = shutil.disk_usage(tmp_path).total / (1 << 30)
+    case = zoo.build(CASE, max_tokens=TOKENS, seed=1)
+    config = zoo.small_config(CHUNK, local_disk=str(tmp_path / "disk"), max_local_disk_size=2 * total_gb)
+    with pytest.raises(ConfigError) as err:
+        KVCacheEngine(case.layout(), config)
+    assert "LMCACHE_MAX_LOCAL_DISK_SIZE" in str(err.value) and "filesystem" in str(err.value)
+    engine = KVCacheEngine(case.layout(), zoo.small_config(CHUNK, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01))
+    try:
+        assert [t.name for t in engine.storage.tiers] == ["disk"]
+    finally:
+        engine.close()

@@ -104,9 +104,9 @@ def test_a_large_read_stops_at_its_deadline_when_the_master_stalls(stored, maste
 
 
 def test_a_chunk_whose_payload_was_evicted_is_no_longer_offered(stored, master, tmp_path):
-    """Header and payload are two objects, evicted independently. A read that finds the payload
-    gone removes the header too: the next lookup stops at that chunk instead of offering it
-    forever (a false hit every time)."""
+    """Header and payload are two objects, evicted independently. A lookup checks both, and a
+    read that finds the payload gone removes the header too: lookups stop at that chunk
+    instead of offering it forever (a false hit every time)."""
     case, dst, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
     tier = _tier(engine)
     try:
@@ -114,7 +114,8 @@ def test_a_chunk_whose_payload_was_evicted_is_no_longer_offered(stored, master, 
         assert all(m is not None for m in tier.masks(keys))
         _, payload1 = tier.object_keys(keys[1])
         assert Peer("remove", master.address, payload1).result["rc"] == [0]
-        assert engine.lookup(tokens) == 3 * HYBRID_CHUNK  # the header still says so: a lookup cannot know
+        # a lookup checks both parts (and so leases both): it stops at chunk 1 at once
+        assert engine.lookup(tokens) == HYBRID_CHUNK
         headers = tier.read_many_into(keys, _slots(engine, len(keys)))
         assert headers[0] is not None and headers[1] is None and headers[2] is not None
         assert tier.counters["parts_missing"] == 1 and tier.stats().corrupt == 0

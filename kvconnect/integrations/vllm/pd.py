@@ -33,6 +33,11 @@ generation. The producer's params name the generation its prefill was stored und
 decode side probes and loads under that one, not its own: a consumer reset changes nothing for
 params it receives afterwards; after a producer reset new params name the new generation, and
 params of a prefill admitted before it still name the old one (its chunks were stored there).
+Params are the client's to send, so an old generation must not load for ever: once the pair
+has moved on (this server reset since it first loaded a generation, and that generation's
+producer has since named one first loaded after the reset), params naming the old one are
+refused (counted in ``remote_prefill_rejected``; a plain lookup under this server's own
+generation instead). Until then, params of prefills stored before either reset still load.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -59,6 +65,7 @@ MAX_POLL_INTERVAL_S = 0.05
 # can cost grow with the log of the wait, not linearly (~30 for a 5 s wait, not ~100), and a request
 # waits at most this fraction longer than its chunks took to land
 PROBE_GROWTH = 0.125
+MAX_GENERATIONS = 1024  # key generations remembered (one per reset of a producer)
 
 COUNTERS = (
     "remote_decode_prefills",  # producer: prefills for a remote decode whose stored tokens were named
@@ -127,6 +134,8 @@ class PDScheduler:
         self._clock = clock
         self._waiting: dict[str, _Waiting] = {}
         self._warn = _RateLimitedWarning(WARN_INTERVAL_S, clock)
+        # generation -> (producer engine id, this server's generation at its first load)
+        self._generations: "OrderedDict[bytes, tuple[str, bytes]]" = OrderedDict()
 
     # -- new requests ------------------------------------------------------------------
     def num_new_matched_tokens(self, req: RequestView, num_computed: int, params: Any) -> tuple[Optional[int], bool]:
@@ -163,7 +172,28 @@ class PDScheduler:
                        req.req_id, self.wait_timeout_s)
         else:
             self.counters["remote_prefill_ready"] += 1
+            self._loaded(waiting.stored)
         return self.scheduler.num_new_matched_tokens(req, num_computed, remote_prefill_tokens=needed, generation=generation)
+
+    # -- key generations the pair moved on from --------------------------------------------
+    def _loaded(self, stored: StoredPrefill) -> None:
+        """Note the first load under ``stored.generation``: its producer, and this server's own
+        generation then (what a reset here moves)."""
+        if stored.generation not in self._generations:
+            self._generations[stored.generation] = (stored.engine_id, self.scheduler.generation)
+            while len(self._generations) > MAX_GENERATIONS:
+                self._generations.popitem(last=False)
+
+    def _moved_on(self, stored: StoredPrefill) -> bool:
+        """Whether the pair moved on from ``stored.generation``: first loaded before this
+        server's last reset, and its producer has since named a generation first loaded after.
+        Only generations this server loaded count, so params naming a generation nobody stored
+        under (anyone can write them) can never retire a real one."""
+        seen = self._generations.get(stored.generation)
+        now = self.scheduler.generation
+        if seen is None or seen[1] == now:
+            return False
+        return any(engine == seen[0] and epoch == now for engine, epoch in self._generations.values())
 
     def _remote_prefill(self, req: RequestView, params: Any) -> Optional[StoredPrefill]:
         """The producer's stored prefill this request may wait for, or None (plain lookup)."""
@@ -174,6 +204,11 @@ class PDScheduler:
             self._warn("kvconnect: P/D: ignoring the kv_transfer_params of %s (a plain lookup instead): %s", req.req_id, exc)
             return None
         if stored is None or not req.cacheable:
+            return None
+        if self._moved_on(stored):
+            self.counters["remote_prefill_rejected"] += 1
+            self._warn("kvconnect: P/D: the params of %s name a key generation this pair has moved on from (a reset "
+                       "on both sides): a plain lookup instead", req.req_id)
             return None
         why = mismatch(stored, prompt=req.prompt_tokens, namespace=req.namespace,
                        chunk_tokens=self.identity.chunk_tokens, tp_size=self.identity.tp_size, model=self.identity.model)
