@@ -12,7 +12,8 @@
    of DeepSeek V4's compressor state in the installed vLLM gathers rows p - R + 1 .. p only for a
    token p closing a compression group ((p + 1) % R == 0). After a resume at a multiple of 128 such
    a group starts at or after the resume point, so no row before it is read and none needs
-   restoring. A vLLM whose readers change fails here before the rule is trusted.
+   restoring. A vLLM whose readers change fails here before the rule is trusted. The Triton
+   gather also runs, under Triton's interpreter on CPU (dsv4_c128_triton.py).
 """
 
 from __future__ import annotations
@@ -175,3 +176,26 @@ def test_every_cuda_rocm_reader_gathers_only_the_closing_group():
 
     compressor = _flat(_source(_V4 + "compressor.py"))
     assert "self.overlap=compress_ratio==4" in compressor and "overlap=self.overlap," in compressor  # C128: none
+
+
+def test_triton_c128_gather_run_on_cpu_reads_no_row_before_an_aligned_resume():
+    """vLLM's own Triton state gather (ROCm / XPU, and CUDA's two-stage path), run under Triton's
+    interpreter (tests/integration/dsv4_c128_triton.py): with the rows before the resume point NaN
+    or a constant, an aligned resume gathers bit-identical finite values; an unaligned one reads them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "dsv4_c128_triton.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(DOCS.parents[1]), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["interpreted"] == "InterpretedFunction"
+    for aligned in ("128", "256", "384"):
+        run = out[aligned]
+        assert run["closing_positions"] and run["identical"] and run["nan_at"] == [] and run["others_zero"], (aligned, run)
+    # the control: a group that starts before an unaligned resume reads the rows a restore left there
+    assert out["200"]["nan_at"] == [255] and not out["200"]["identical"]
+    assert out["300"]["nan_at"] == [383] and not out["300"]["identical"]

@@ -196,7 +196,8 @@ DSV4_C128_STATE_FREE = WindowFree(
           "the generic CuTe DSL kernel; Triton _fused_kv_compress_norm_rope_insert_sparse_attn and the two-stage "
           "_compress_gather_split_sparse_attn) read state rows only for a token at position p with (p + 1) % 128 "
           "== 0, rows p - 127 .. p: after a resume at a multiple of 128 only rows the resumed forward wrote "
-          "(tests/integration/test_vllm_spec_classes.py reads that code in the installed vLLM; docs/vllm.md)")
+          "(tests/integration/test_vllm_spec_classes.py reads that code in the installed vLLM and runs the Triton "
+          "gather under Triton's interpreter; docs/vllm.md)")
 
 _MLA_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec"})
 
