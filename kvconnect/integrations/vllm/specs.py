@@ -141,8 +141,8 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
         # keeps blocks for every token, so it is restored as a full group.
         return GroupSpec(block_size=tokens, compress_ratio=ratio)
     raise UnsupportedLayoutError(
-        f"vLLM cache spec {name} is not supported (chunked local, cross attention and "
-        f"unknown specs cannot be restored exactly); kvconnect stays off for this model"
+        f"vLLM cache spec {name} is not supported (a spec kvconnect has no restore rule for cannot be "
+        f"restored exactly); kvconnect stays off for this model"
     )
 
 
