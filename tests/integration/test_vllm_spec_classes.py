@@ -1,0 +1,201 @@
+"""vLLM 0.32's cache specs, read from the installed package: each has a rule in kvconnect, or CI fails.
+
+1. Every ``KVCacheSpec`` class the installed vLLM defines (found in its whole source,
+   tests/spec_classes.py) is served, refused by name with a reason, or an abstract base
+   (``specs.known_specs``), and docs/vllm.md's "Cache specs" table lists it: a new spec fails here
+   instead of passing silently.
+2. The refused specs, built by vLLM's own classes, are refused naming the class and the reason.
+3. ``SlidingWindowMLASpec.bounded_replay`` (DeepSeek V4.1): vLLM's own spec says the group is not
+   prefix-cacheable and replays its window; kvconnect refuses it, so no window part is ever
+   written from rows the engine never computed.
+4. The C128 window-free rule on CUDA / ROCm (``engine_tables.DSV4_C128_STATE_FREE``): every reader
+   of DeepSeek V4's compressor state in the installed vLLM gathers rows p - R + 1 .. p only for a
+   token p closing a compression group ((p + 1) % R == 0). After a resume at a multiple of 128 such
+   a group starts at or after the resume point, so no row before it is read and none needs
+   restoring. A vLLM whose readers change fails here before the rule is trusted. The Triton
+   gather also runs, under Triton's interpreter on CPU (dsv4_c128_triton.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (.ci/install_vllm.sh)"),
+]
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+
+
+def _docs_spec_table() -> str:
+    text = DOCS.read_text()
+    start = text.index("## Cache specs")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_every_installed_spec_class_has_a_rule_and_a_docs_row():
+    import spec_classes
+    from kvconnect.integrations.vllm import engine_tables, specs
+
+    found = spec_classes.spec_classes("vllm")
+    # vLLM 0.32.0's classes (the issue's list: all present in this build)
+    for name in ("CircularBufferSpec", "RSWASpec", "SinkFullAttentionSpec", "HiddenStateCacheSpec",
+                 "HiSparseHotSpec", "HiSparseResidentSpec", "SlidingWindowMLASpec", "MambaSpec"):
+        assert name in found, name
+    unknown = set(found) - specs.known_specs(engine_tables.VLLM)
+    assert not unknown, f"vLLM spec classes with no kvconnect rule: {sorted(unknown)} (add them to specs.py)"
+    table = _docs_spec_table()
+    missing = [name for name in found if f"`{name}`" not in table]
+    assert not missing, f"docs/vllm.md's Cache specs table lacks {missing}"
+
+
+def _refused_cases():
+    import torch
+    from vllm.v1 import kv_cache_interface as kv
+
+    attn = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return {
+        "ChunkedLocalAttentionSpec": kv.ChunkedLocalAttentionSpec(**attn, attention_chunk_size=64),
+        "CrossAttentionSpec": kv.CrossAttentionSpec(**attn),
+        "EncoderOnlyAttentionSpec": kv.EncoderOnlyAttentionSpec(**attn),
+        "CircularBufferSpec": kv.CircularBufferSpec(block_size=136, num_kv_heads=1, head_size=512, dtype=torch.float32),
+        "RSWASpec": kv.RSWASpec(**attn, rswa_window=128),
+        "SinkFullAttentionSpec": kv.SinkFullAttentionSpec(**attn, sink_len=4),
+        "HiddenStateCacheSpec": kv.HiddenStateCacheSpec(**attn),
+        "HiSparseHotSpec": kv.HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=8),
+        "HiSparseResidentSpec": kv.HiSparseResidentSpec(block_size=64, page_size=4096),
+    }
+
+
+def test_refused_specs_are_refused_by_name_with_the_reason():
+    from kvconnect.errors import UnsupportedLayoutError
+    from kvconnect.integrations.vllm import specs
+
+    cases = _refused_cases()
+    for name, spec in cases.items():
+        assert type(spec).__name__ == name
+        with pytest.raises(UnsupportedLayoutError) as err:
+            specs.group_spec_of(spec, device_type="cpu")
+        assert name in str(err.value) and specs.REFUSED_SPECS[name] in str(err.value), name
+    # what the reasons rest on, in vLLM's own classes
+    assert not cases["CircularBufferSpec"].prefix_cacheable and not cases["CircularBufferSpec"].uses_slot_mapping
+    assert not cases["HiSparseHotSpec"].prefix_cacheable and not cases["HiSparseResidentSpec"].prefix_cacheable
+
+
+def test_bounded_replay_window_is_refused_and_the_plain_one_served():
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    from kvconnect.errors import UnsupportedLayoutError
+    from kvconnect.integrations.vllm import specs
+
+    swa = dict(block_size=64, num_kv_heads=1, head_size=584, dtype=torch.uint8, sliding_window=128,
+               cache_dtype_str="fp8_ds_mla", model_version="deepseek_v4")
+    replayed = SlidingWindowMLASpec(**swa, bounded_replay=True)
+    # vLLM's own view: out of prefix caching, the hit's last window recomputed after every hit
+    assert not replayed.prefix_cacheable and replayed.prefix_replay_tokens == 128
+    with pytest.raises(UnsupportedLayoutError, match="bounded_replay.*never computed"):
+        specs.group_spec_of(replayed, device_type="cpu")
+    plain = SlidingWindowMLASpec(**swa)
+    assert plain.prefix_cacheable and plain.prefix_replay_tokens == 0
+    group = specs.group_spec_of(plain, device_type="cpu")
+    assert (group.block_size, group.sliding_window, group.restore_window, group.window_free_every) == (64, 128, 127, None)
+
+
+# --- the C128 compressor state's readers on CUDA / ROCm ------------------------------------------
+def _source(relative: str) -> str:
+    import spec_classes
+
+    return (spec_classes.package_dir("vllm") / relative).read_text()
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+_V4 = "models/deepseek_v4/"
+# Every file of the installed vLLM that touches the compressor's state cache, and what it does with it.
+_STATE_FILES = {
+    "compressor.py": "allocates the cache (CompressorStateCache) and calls the writer, then one reader",
+    "common/ops/save_partial_states.py": "writer: each token's kv/score at its own slot",
+    "common/ops/fused_compress_quant_cache.py": "Triton readers (ROCm, XPU, indexer; two-stage on CUDA by choice)",
+    "nvidia/ops/sparse_attn_compress_cutedsl.py": "CuTe DSL readers (CUDA, head 512)",
+    "cpu/cpu_compressor.py": "CPU reader (the bench of tests/integration/dsv4_reads.py)",
+}
+
+
+def test_c128_state_cache_is_touched_only_by_the_known_files():
+    import spec_classes
+
+    root = spec_classes.package_dir("vllm") / _V4
+    touching = {str(p.relative_to(root)) for p in root.rglob("*.py") if "state_cache" in p.read_text()}
+    assert touching == set(_STATE_FILES), f"new DeepSeek V4 state-cache code: {sorted(touching ^ set(_STATE_FILES))}"
+
+
+def test_c128_state_geometry_matches_the_rule():
+    from kvconnect.integrations.vllm.engine_tables import DSV4_C128_STATE_FREE
+
+    src = _flat(_source(_V4 + "compressor.py"))
+    # C128: coff 1, window = 128, 8-row blocks, fp32 -> the rule's match
+    for line in ("coff=1+(compress_ratio==4)", "self.sliding_window=coff*compress_ratio",
+                 "elifcompress_ratio==128:self.block_size=8", "assertself.dtype==torch.float32"):
+        assert line in src, line
+    assert dict(DSV4_C128_STATE_FREE.match) == {"dtype": "float32", "sliding_window": 128, "block_size": 8}
+    assert DSV4_C128_STATE_FREE.every == 128 and {"cpu", "cuda"} <= DSV4_C128_STATE_FREE.device_types
+
+
+def test_every_cuda_rocm_reader_gathers_only_the_closing_group():
+    """Each reader: active only for a token p with (p + 1) % ratio == 0; rows start = p - window + 1 .. p,
+    window = ratio at C128 (no overlap). Every ``start =`` in the reader files is one of these."""
+    cutedsl = _source(_V4 + "nvidia/ops/sparse_attn_compress_cutedsl.py")
+    flat = _flat(cutedsl)
+    starts = [_flat(s) for s in re.findall(r"^\s*start\s*=\s*(.+)$", cutedsl, re.MULTILINE)]
+    assert starts and set(starts) <= {"position-Int64(window-1)", "position-Int64(compress_ratio-1)"}, starts
+    assert "window=(1+int(overlap))*compress_ratio" in flat and "overlap=compress_ratio==4" in flat
+    assert flat.count("boundary=has_positionand((position+Int64(1))%Int64(compress_ratio)==Int64(0))") >= 3
+    assert flat.count("andboundary") >= 3  # the gather runs only at a group's closing token
+    c128 = flat[flat.index("classSparseAttnCompressC128Block8Kernel"):]
+    c128 = c128[:c128.index("classSparseAttnNormRopeStoreKernel")]
+    assert "compress_ratio=128" in c128 and "first_block_index=start//Int64(state_block_size)" in c128
+
+    triton = _source(_V4 + "common/ops/fused_compress_quant_cache.py")
+    readers = [f for f in re.split(r"^def ", triton, flags=re.MULTILINE) if "state_cache_ptr+" in _flat(f)]
+    assert len(readers) >= 4, len(readers)  # C4/C128 sparse-attn, two-stage gather, indexer fp8 / mxfp4
+    for reader in readers:  # every kernel that loads state rows: behind the closing-token gate, one group
+        name, flat_reader = reader.split("(", 1)[0], _flat(reader)
+        assert "if(position+1)%COMPRESS_RATIO!=0:return" in flat_reader, name
+        tstarts = {_flat(s) for s in re.findall(r"^\s*start\s*=\s*(.+)$", reader, re.MULTILINE)}
+        assert tstarts and tstarts <= {"position-(1+OVERLAP)*COMPRESS_RATIO+1", "position-COMPRESS_RATIO+1"}, name
+        assert "OVERLAP" not in "".join(tstarts) or "overlap=compress_ratio==4" in _flat(triton), name
+
+    compressor = _flat(_source(_V4 + "compressor.py"))
+    assert "self.overlap=compress_ratio==4" in compressor and "overlap=self.overlap," in compressor  # C128: none
+
+
+def test_triton_c128_gather_run_on_cpu_reads_no_row_before_an_aligned_resume():
+    """vLLM's own Triton state gather (ROCm / XPU, and CUDA's two-stage path), run under Triton's
+    interpreter (tests/integration/dsv4_c128_triton.py): with the rows before the resume point NaN
+    or a constant, an aligned resume gathers bit-identical finite values; an unaligned one reads them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "dsv4_c128_triton.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(DOCS.parents[1]), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["interpreted"] == "InterpretedFunction"
+    for aligned in ("128", "256", "384"):
+        run = out[aligned]
+        assert run["closing_positions"] and run["identical"] and run["nan_at"] == [] and run["others_zero"], (aligned, run)
+    # the control: a group that starts before an unaligned resume reads the rows a restore left there
+    assert out["200"]["nan_at"] == [255] and not out["200"]["identical"]
+    assert out["300"]["nan_at"] == [383] and not out["300"]["identical"]
