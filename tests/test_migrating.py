@@ -262,5 +262,6 @@ def test_a_redis_url_that_would_miss_on_every_lookup_is_refused_at_start(url, ma
 
     layout = KVLayout.from_tensors({"layer.0": torch.zeros(4, 16, 64, dtype=torch.float16)}, groups=[GroupSpec(block_size=16)])
     with pytest.raises(ConfigError, match=match) as err:
-        KVCacheEngine(layout, Config(chunk_size=16, num_threads=1, max_local_cpu_size=0.01, remote_url=url))
+        KVCacheEngine(layout, Config(chunk_size=16, num_threads=1, max_local_cpu_size=0.01, remote_url=url,
+                                     model_name="test/redis-url"))
     assert "LMCACHE_REMOTE_URL" in str(err.value)

@@ -51,7 +51,7 @@ def test_server_exporter(tmp_path):
             assert _value(text, 'kvconnect_server_used_bytes{instance="server"}') == 0
             assert _value(text, 'kvconnect_server_clients{instance="server"}') == 0
             # an engine on the server stores two chunks: the server's figures move
-            env = clean_env(KVCONNECT_SERVER_URL=f"ipc://{d}/kvc.sock", LMCACHE_CHUNK_SIZE="32")
+            env = clean_env(KVCONNECT_SERVER_URL=f"ipc://{d}/kvc.sock", LMCACHE_CHUNK_SIZE="32", KVCONNECT_MODEL_NAME="test/server-metrics")
             engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=env, cwd=str(tmp_path))
             try:
