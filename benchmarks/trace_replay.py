@@ -39,9 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout  # noqa: E402
-from kvconnect import presets  # noqa: E402
-from kvconnect.parts import PartLayout  # noqa: E402
-from kvconnect.plan import max_chunk_payload_bytes  # noqa: E402
+from kvconnect.integrations import presets  # noqa: E402
+from kvconnect.restore.parts import PartLayout  # noqa: E402
+from kvconnect.restore.plan import max_chunk_payload_bytes  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 BLOCK_TOKENS = 512  # one trace hash id

@@ -17,9 +17,9 @@ from .errors import (
     TokenError,
     TransferError,
 )
-from .layout import FORMAT_VERSION, KVLayout
-from .slots import block_ids_from_slot_mapping
-from .spec import ChunkKey, DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec
+from .layout.kv_layout import FORMAT_VERSION, KVLayout
+from .layout.slots import block_ids_from_slot_mapping
+from .layout.spec import ChunkKey, DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec
 
 __version__ = "0.1.0"
 

@@ -44,10 +44,10 @@ from .events import ChunkEventLog
 from .config import Config
 from .engine_stats import EngineStats
 from .errors import CorruptChunkError, LayoutError, TokenError
-from .keys import ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
-from .layout import KVLayout
-from .parts import PartLayout
-from .plan import (
+from .chunks.keys import ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
+from .layout.kv_layout import KVLayout
+from .restore.parts import PartLayout
+from .restore.plan import (
     BlockTables,
     Chunk,
     StoredPart,
@@ -55,11 +55,11 @@ from .plan import (
     restorable_boundary,
     retrieve_part_segments,
 )
-from .restore import RestorePoints
-from .rows import chunk_bounds
+from .restore.reads import RestorePoints
+from .layout.rows import chunk_bounds
 from .server import close_pool, make_pool
 from .storage import ChunkPool, StorageManager
-from .store_path import StorePath
+from .restore.writes import StorePath
 from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)

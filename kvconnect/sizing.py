@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .chunk_format import FIXED_HEADER_BYTES
-from .layout import KVLayout
-from .plan import check_chunk_size, max_chunk_payload_bytes
-from .rows import chunk_bounds
+from .chunks.chunk_format import FIXED_HEADER_BYTES
+from .layout.kv_layout import KVLayout
+from .restore.plan import check_chunk_size, max_chunk_payload_bytes
+from .layout.rows import chunk_bounds
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ class RestorePointSizing:
 def restore_points(layout: KVLayout, chunk_tokens: int, interval_tokens: int) -> RestorePointSizing:
     """Steady-state bytes per cached token at ``interval_tokens`` (restore points every interval;
     a prompt's end and branch points add one window part each)."""
-    from .parts import PartLayout, window_chunks
-    from .plan import Chunk
+    from .restore.parts import PartLayout, window_chunks
+    from .restore.plan import Chunk
 
     check_chunk_size(layout, chunk_tokens)
     whole = max_chunk_payload_bytes(layout, chunk_tokens)

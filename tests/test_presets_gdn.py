@@ -13,9 +13,10 @@ import json
 
 import pytest
 
-from kvconnect import presets, sizing
+from kvconnect import sizing
+from kvconnect.integrations import presets
 from kvconnect.cli import main
-from kvconnect.spec import GroupKind
+from kvconnect.layout.spec import GroupKind
 
 CHUNK = 256
 MIB = 1 << 20

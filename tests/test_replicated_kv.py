@@ -22,7 +22,7 @@ import torch
 from kvconnect import Config, KVCacheEngine
 from kvconnect.integrations.vllm.translate import ParallelRanks, translate_kv_caches
 from kvconnect.server.server import CacheServer
-from kvconnect.spec import DCPSpec
+from kvconnect.layout.spec import DCPSpec
 from test_vllm_translate import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, NB, _filled
 
 CHUNK = 32

@@ -14,8 +14,8 @@ import pytest
 import zoo
 from kvconnect import Config, KVCacheEngine
 from kvconnect.errors import ConfigError, LayoutError
-from kvconnect.parts import PartLayout, restore_points, window_key
-from kvconnect.plan import Chunk
+from kvconnect.restore.parts import PartLayout, restore_points, window_key
+from kvconnect.restore.plan import Chunk
 
 # (zoo case, chunk tokens, interval tokens, prompt tokens): window shorter and longer than a
 # chunk, compressor states, recurrent state on page edges, a DCP shard
@@ -341,7 +341,8 @@ def test_interval_setting():
 def test_inspect_sizes_restore_points_per_preset():
     """``kvconnect inspect``'s restore-point figures come from the real preset layouts: DeepSeek-V4-Flash
     caches a prefix token at <= 1/4 of whole chunks' bytes at the default interval."""
-    from kvconnect import presets, sizing
+    from kvconnect import sizing
+    from kvconnect.integrations import presets
 
     layout = presets.preset("deepseek-v4-flash").layout(0)
     rp = sizing.restore_points(layout, 256, Config().restore_interval_tokens)

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import zoo
 from kvconnect import BlockTableError, DCPSpec, GroupKind, GroupSpec, KVLayout
-from kvconnect.plan import BlockTables, max_group_rows
-from kvconnect.rows import GroupGeometry, chunk_bounds, intersect
+from kvconnect.restore.plan import BlockTables, max_group_rows
+from kvconnect.layout.rows import GroupGeometry, chunk_bounds, intersect
 
 
 @st.composite

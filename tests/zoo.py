@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import dsv4_cache  # noqa: E402  (the DeepSeek-V4 cache table lives with the demo)
 
 from kvconnect import Config, DCPSpec, GroupKind, GroupSpec, KVLayout  # noqa: E402
-from kvconnect.spec import RowRegions  # noqa: E402
+from kvconnect.layout.spec import RowRegions  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -596,7 +596,7 @@ def transplant(src_engine, dst_engine, tokens) -> int:
     """Move every stored chunk of ``tokens`` from one engine's pool to another's through the
     canonical encoded form (export_chunk -> import_chunk); returns chunks moved. A hybrid
     layout's window pieces (kvconnect/parts.py) move with their chunk and are not counted."""
-    from kvconnect.parts import window_key
+    from kvconnect.restore.parts import window_key
 
     chunks = src_engine.chunks(tokens, include_partial=True)
     blobs = [(c.key, src_engine.storage.export_chunk(c.key)) for c in chunks]
@@ -617,7 +617,7 @@ def random_tokens(rng: np.random.Generator, n: int, vocab: int = 32000) -> np.nd
 def stored_masks(engine, chunks) -> list:
     """Per chunk, the groups stored for it in either part: its prefix part's and, when every
     window piece is present, the window groups all pieces hold (None: nothing stored)."""
-    from kvconnect.parts import window_key
+    from kvconnect.restore.parts import window_key
 
     prefix = engine.storage.masks([c.key for c in chunks])
     if not engine.parts.split:
@@ -637,8 +637,8 @@ def stored_masks(engine, chunks) -> list:
 def export_logical_chunk(engine, chunk):
     """(token start, token end, group mask, plane rows, payload) of a chunk as one object: the
     prefix part and the window pieces merged plane by plane (None when nothing is stored)."""
-    from kvconnect.chunk_format import decode_header
-    from kvconnect.parts import window_key
+    from kvconnect.chunks.chunk_format import decode_header
+    from kvconnect.restore.parts import window_key
 
     keys = [chunk.key] + ([window_key(chunk.key, i) for i in range(len(engine.parts.pieces))] if engine.parts.split else [])
     objs = [engine.storage.export_chunk(k) for k in keys]
@@ -678,7 +678,7 @@ def export_logical_chunk(engine, chunk):
 
 def remove_chunk(engine, chunk) -> None:
     """Evict a chunk from the pool as one unit: its prefix part and every window piece."""
-    from kvconnect.parts import window_key
+    from kvconnect.restore.parts import window_key
 
     engine.pool.remove(chunk.key)
     for i in range(len(engine.parts.pieces)):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from ..config import Config
-from ..spec import Fingerprint
+from ..layout.spec import Fingerprint
 from ..storage.pool import ChunkPool
 
 __all__ = ["make_pool", "close_pool"]

@@ -40,10 +40,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import zmq
 
-from ..chunk_format import ChunkHeader
+from ..chunks.chunk_format import ChunkHeader
 from ..errors import StorageError
 from ..repeat_warning import RepeatingWarning
-from ..spec import ChunkKey, Fingerprint
+from ..layout.spec import ChunkKey, Fingerprint
 from ..storage.pool import PoolEntry, PoolStats, SlotViews, notify_evicted
 from . import protocol
 from .index import STATS_FIELDS

@@ -30,8 +30,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..chunk_format import ChunkHeader
-from ..spec import ChunkKey
+from ..chunks.chunk_format import ChunkHeader
+from ..layout.spec import ChunkKey
 from .eviction import DEFAULT_POLICY, make_policy
 from .host_memory import allocate, prefault_in_background
 

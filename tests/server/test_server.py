@@ -20,7 +20,7 @@ import pytest
 import server_rig
 import zoo
 from kvconnect import Config, KVCacheEngine
-from kvconnect.chunk_format import ChunkHeader
+from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.cli import main as cli_main
 from kvconnect.errors import ConfigError
 from kvconnect.server.client import SharedPoolClient

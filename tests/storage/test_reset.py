@@ -11,8 +11,8 @@ import pytest
 
 import kv_rig
 from kvconnect import Config, KVCacheEngine
-from kvconnect.keys import ChunkKeyer
-from kvconnect.page_keys import PageKeyFolder
+from kvconnect.chunks.keys import ChunkKeyer
+from kvconnect.chunks.page_keys import PageKeyFolder
 from redis_server import RedisNode, redis_available
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server"))

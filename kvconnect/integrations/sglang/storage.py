@@ -45,9 +45,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvconnect.config import Config
 from kvconnect.engine import KVCacheEngine
 from kvconnect.errors import LayoutError
-from kvconnect.layout import KVLayout
+from kvconnect.layout.kv_layout import KVLayout
 from kvconnect.page_store import PageStore, restorable_prefixes
-from kvconnect.spec import GroupSpec
+from kvconnect.layout.spec import GroupSpec
 
 from .flat_pages import FlatPages
 from .host_pools import PoolPlanes, pool_planes

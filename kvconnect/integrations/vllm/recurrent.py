@@ -38,7 +38,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from kvconnect.errors import UnsupportedLayoutError
-from kvconnect.spec import GroupKind, GroupSpec
+from kvconnect.layout.spec import GroupKind, GroupSpec
 
 from .metadata import BlockIds, freeze_block_ids
 

@@ -45,7 +45,7 @@ from typing import Callable, Collection, Mapping, Optional, Protocol
 
 import numpy as np
 
-from kvconnect.keys import new_generation
+from kvconnect.chunks.keys import new_generation
 
 from .metadata import SAVE_SLACK_STEPS, BlockIds, LoadJob, RequestView, SaveJob, StepPlan
 from .logs import Periodic

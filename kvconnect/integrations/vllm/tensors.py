@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from kvconnect.errors import LayoutError, UnsupportedLayoutError
-from kvconnect.spec import GroupSpec, RowRegions
-from kvconnect.views import distinct_view_indices
+from kvconnect.layout.spec import GroupSpec, RowRegions
+from kvconnect.layout.views import distinct_view_indices
 
 from . import recurrent
 from .engine_tables import EngineRelease

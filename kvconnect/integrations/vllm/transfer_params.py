@@ -38,7 +38,7 @@ import blake3
 import numpy as np
 
 from kvconnect.errors import KVConnectError
-from kvconnect.keys import GENERATION_BYTES
+from kvconnect.chunks.keys import GENERATION_BYTES
 
 KEY = "kvconnect"
 VERSION = 1

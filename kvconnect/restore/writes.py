@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from .chunk_format import ChunkHeader
+from ..chunks.chunk_format import ChunkHeader
 from .parts import restore_points, window_chunks, window_key
 from .plan import BlockTables, Chunk, plan_store, store_segments
 

@@ -24,10 +24,10 @@ from typing import Sequence, Union
 
 import blake3
 
-from .errors import TokenError
+from ..errors import TokenError
 from .keys import KEY_BYTES, Namespace, namespace_bytes
-from .plan import Chunk
-from .spec import ChunkKey, Fingerprint
+from ..restore.plan import Chunk
+from ..layout.spec import ChunkKey, Fingerprint
 
 MAX_PAGE_KEY_BYTES = 1024
 _DOMAIN = b"kvconnect-page-keys\x00"

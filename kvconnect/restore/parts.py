@@ -46,10 +46,10 @@ from typing import Sequence
 import blake3
 import numpy as np
 
-from .layout import KVLayout
+from ..layout.kv_layout import KVLayout
 from .plan import Chunk, max_chunk_payload_bytes, max_group_rows
-from .rows import intersect
-from .spec import ChunkKey
+from ..layout.rows import intersect
+from ..layout.spec import ChunkKey
 
 PART_PREFIX = 0  # a chunk's prefix part (or, without window groups, the whole chunk)
 PART_WINDOW = 1  # one piece of a chunk's window rows

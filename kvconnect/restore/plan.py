@@ -19,11 +19,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .errors import BlockTableError, CorruptChunkError, LayoutError
-from .layout import KVLayout
-from .rows import RowRange, intersect
-from .spec import ChunkKey
-from .transfer.tables import SegmentBuilder
+from ..errors import BlockTableError, CorruptChunkError, LayoutError
+from ..layout.kv_layout import KVLayout
+from ..layout.rows import RowRange, intersect
+from ..layout.spec import ChunkKey
+from ..transfer.tables import SegmentBuilder
 
 
 @dataclass(frozen=True)

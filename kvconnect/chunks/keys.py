@@ -30,8 +30,8 @@ import blake3
 import numpy as np
 import torch
 
-from .errors import TokenError
-from .spec import ChunkKey, Fingerprint
+from ..errors import TokenError
+from ..layout.spec import ChunkKey, Fingerprint
 
 KEY_BYTES = 16
 MAX_NAMESPACE_BYTES = 4096
