@@ -42,6 +42,7 @@ from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout  # noqa: E402
 from kvconnect.integrations import presets  # noqa: E402
 from kvconnect.restore.parts import PartLayout  # noqa: E402
 from kvconnect.restore.plan import max_chunk_payload_bytes  # noqa: E402
+from kvconnect.restore.points import splits_window_groups  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 BLOCK_TOKENS = 512  # one trace hash id
@@ -112,12 +113,13 @@ class Model:
         assert len(self.scaled_split.pieces) == len(self.parts.pieces)
 
     def engine(self, config: str, pool_gb: float) -> KVCacheEngine:
-        split = config != "today"
+        interval = 0 if config == "today" else int(config)
+        split = splits_window_groups(interval)  # the engine's own rule: interval 0 keeps chunks whole
         real_slot = self.parts.slot_bytes if split else self.whole_bytes
         slots = int(pool_gb * GB // real_slot)
         scaled = self.scaled_split if split else self.scaled_whole
         cfg = Config(chunk_size=CHUNK, max_local_cpu_size=slots * scaled.slot_bytes / GB + 1e-9, num_threads=1,
-                     pool_prefault=False, restore_interval_tokens=int(config) if split else 0, log_interval_s=0)
+                     pool_prefault=False, restore_interval_tokens=interval, log_interval_s=0)
         eng = KVCacheEngine(self.layout, cfg, window_parts=split)
         assert eng.pool.num_slots == slots, (eng.pool.num_slots, slots)
         return eng

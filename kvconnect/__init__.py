@@ -6,7 +6,8 @@ Engine-neutral core for hybrid, multi-group KV caches. Start with::
 """
 
 from .config import Config
-from .engine import EngineStats, KVCacheEngine
+from .engine import KVCacheEngine
+from .engine_stats import EngineStats
 from .errors import (
     BlockTableError,
     ConfigError,

@@ -1,4 +1,4 @@
-"""Restore points (kvconnect/parts.py): window rows stored only where a request can resume.
+"""Restore points (kvconnect/restore/parts.py): window rows stored only where a request can resume.
 
 Every hit must land on a restore point made by a store (the end of the stored tokens, a
 branch point, the first chunk end past each multiple of the interval), restore exactly the
@@ -13,9 +13,10 @@ import pytest
 
 import zoo
 from kvconnect import Config, KVCacheEngine
+from kvconnect.chunks.keys import Chunk
 from kvconnect.errors import ConfigError, LayoutError
-from kvconnect.restore.parts import PartLayout, restore_points, window_key
-from kvconnect.restore.plan import Chunk
+from kvconnect.restore.parts import PartLayout, window_key
+from kvconnect.restore.points import restore_points
 
 # (zoo case, chunk tokens, interval tokens, prompt tokens): window shorter and longer than a
 # chunk, compressor states, recurrent state on page edges, a DCP shard
@@ -155,9 +156,9 @@ def test_bytes_per_token_shrink_with_the_interval(rng):
     assert every.stats.stored_bytes == (n // chunk) * (parts.prefix_bytes + parts.window_bytes)
     from kvconnect import sizing  # what ``kvconnect inspect`` reports for this layout and interval
 
-    rp = sizing.restore_points(case.layout(), chunk, 2048)
+    rp = sizing.restore_point_sizing(case.layout(), chunk, 2048)
     assert rp.bytes_per_token * n == sparse.stats.stored_bytes
-    assert sizing.restore_points(case.layout(), chunk, 0).bytes_per_token * n == every.stats.stored_bytes
+    assert sizing.restore_point_sizing(case.layout(), chunk, 0).bytes_per_token * n == every.stats.stored_bytes
 
 
 @pytest.mark.parametrize("drop", ["window", "prefix"])
@@ -345,18 +346,18 @@ def test_inspect_sizes_restore_points_per_preset():
     from kvconnect.integrations import presets
 
     layout = presets.preset("deepseek-v4-flash").layout(0)
-    rp = sizing.restore_points(layout, 256, Config().restore_interval_tokens)
+    rp = sizing.restore_point_sizing(layout, 256, Config().restore_interval_tokens)
     assert rp.split and rp.window_part_chunks == 1 and rp.pieces_per_chunk > 1
     free = rp.window_free_bytes_per_chunk  # vLLM's C128 compressor state: restore window 0 at every multiple of 128
     assert rp.window_free_groups == (6,) and free == 10 << 20 and free > rp.window_bytes_per_chunk
     assert rp.prefix_bytes_per_chunk + rp.window_bytes_per_chunk + free == rp.whole_bytes_per_token * 256
     assert rp.bytes_per_token <= rp.whole_bytes_per_token / 4
     assert rp.slot_bytes == rp.prefix_bytes_per_chunk
-    whole = sizing.restore_points(layout, 256, 0)
+    whole = sizing.restore_point_sizing(layout, 256, 0)
     assert not whole.split and whole.bytes_per_token == whole.whole_bytes_per_token
-    gemma = sizing.restore_points(presets.preset("gemma-3-27b").layout(0), 256, 4096)
+    gemma = sizing.restore_point_sizing(presets.preset("gemma-3-27b").layout(0), 256, 4096)
     assert gemma.window_part_chunks == 4  # 1024-token windows over 256-token chunks
-    plain = sizing.restore_points(presets.preset("llama-3.1-8b").layout(0), 256, 4096)
+    plain = sizing.restore_point_sizing(presets.preset("llama-3.1-8b").layout(0), 256, 4096)
     assert not plain.split
 
 

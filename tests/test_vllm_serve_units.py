@@ -161,7 +161,7 @@ def test_worker_summary_after_activity(caplog):
         worker.save(StepPlan())
         lines = [r.getMessage() for r in caplog.records if "since start" in r.getMessage()]
         # the pool holds the 2 chunks' prefix parts and the window piece(s) of the restore point at the
-        # saved prompt's end (the layout has a window group: kvconnect/parts.py)
+        # saved prompt's end (the layout has a window group: kvconnect/restore/parts.py)
         pooled = 2 + worker.engine.stats.window_pieces_stored
         assert worker.engine.stats.window_pieces_stored == len(worker.engine.parts.pieces)
         assert len(lines) == 1 and "1 saves (2 chunks stored" in lines[0] and f"CPU pool {pooled}/" in lines[0]

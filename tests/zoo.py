@@ -586,7 +586,7 @@ def small_config(chunk_size: int, **kw) -> Config:
     """A Config for tests: a 64 MB CPU pool, 2 kernel threads, no lower tiers, and a restore
     point at every chunk end (what the hand-computed boundaries assume) made by the restore-point
     model: an interval of one chunk, so a hybrid layout's chunks are stored as prefix parts and
-    window pieces (kvconnect/parts.py; interval 0 would store whole chunks). The restore-point
+    window pieces (kvconnect/restore/parts.py; interval 0 would store whole chunks). The restore-point
     tests (tests/test_restore_points.py) set other intervals."""
     return Config(**{"chunk_size": chunk_size, "max_local_cpu_size": 64 / 1024, "num_threads": 2,
                      "restore_interval_tokens": chunk_size, **kw})
@@ -595,7 +595,7 @@ def small_config(chunk_size: int, **kw) -> Config:
 def transplant(src_engine, dst_engine, tokens) -> int:
     """Move every stored chunk of ``tokens`` from one engine's pool to another's through the
     canonical encoded form (export_chunk -> import_chunk); returns chunks moved. A hybrid
-    layout's window pieces (kvconnect/parts.py) move with their chunk and are not counted."""
+    layout's window pieces (kvconnect/restore/parts.py) move with their chunk and are not counted."""
     from kvconnect.restore.parts import window_key
 
     chunks = src_engine.chunks(tokens, include_partial=True)
@@ -611,7 +611,7 @@ def random_tokens(rng: np.random.Generator, n: int, vocab: int = 32000) -> np.nd
 
 
 # ---------------------------------------------------------------------------------------
-# the two parts of a stored chunk (kvconnect/parts.py), reassembled for format checks
+# the two parts of a stored chunk (kvconnect/restore/parts.py), reassembled for format checks
 
 
 def stored_masks(engine, chunks) -> list:

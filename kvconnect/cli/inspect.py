@@ -70,7 +70,7 @@ def report(args: argparse.Namespace) -> dict:
         "restore_at": restore_at,
         "restore_bytes": s.restore_bytes(restore_at) if supported else 0,
         "restore_chunks": s.num_chunks(restore_at),
-        "restore_points": dataclasses.asdict(sizing.restore_points(layout, args.chunk_size, args.restore_interval)),
+        "restore_points": dataclasses.asdict(sizing.restore_point_sizing(layout, args.chunk_size, args.restore_interval)),
     }
 
 

@@ -83,6 +83,8 @@ class SlotViews:
 
 
 class ChunkPool(SlotViews):
+    shared = False  # this engine's own: see pool_protocol.Pool
+
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False,
                  eviction: str = DEFAULT_POLICY, prefault: bool = False,
                  what: str = "max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE)") -> None:

@@ -10,7 +10,7 @@ applies this to every layer it keeps.
 | a layer whose module reports a tiled layout (``tiled_layers``: ROCm V3.2 indexer) | one opaque page per block |
 | 4-D ``[B, H, N, C]`` whose ``(H, C)`` is contiguous per token (vLLM >= 0.32, MLA ``[B, 1, N, 576]``) | one plane ``[B, N, H*C]`` |
 | 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
-| 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
+| 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout.detect`` |
 
 Views of one layer that only re-read bytes its other views cover (vLLM-Ascend A5's third
 indexer view) are stored once; a partial overlap is refused (``_distinct_views``). Registered

@@ -61,7 +61,7 @@ class StoredPrefill:
     prompt_digest: str
     model: str = ""
     engine_id: str = ""
-    generation: bytes = b""  # the producer's key generation (keys.py): empty or GENERATION_BYTES bytes
+    generation: bytes = b""  # the producer's key generation (kvconnect/chunks/keys.py): empty or GENERATION_BYTES bytes
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` the producer returns from ``request_finished``."""
