@@ -54,9 +54,8 @@ from .restore.scheme import RestoreScheme
 from .restore.whole_chunks import WholeChunks
 from .restore.window_parts import WindowParts
 from .restore.writes import ObjectWriter
-from .server import close_pool, make_pool
 from .storage.manager import StorageManager
-from .storage.pool_protocol import Pool
+from .storage.pool_protocol import Pool, PoolFactory, private_pool
 from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 class KVCacheEngine:
     def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None,
-                 window_parts: bool = True, shared_writer: bool = True) -> None:
+                 window_parts: bool = True, shared_writer: bool = True, pool_factory: PoolFactory = private_pool) -> None:
         """``window_parts=False`` stores every group's rows in one object per chunk (engines
         that hand over pages under their own keys: ``store_chunks``), as does a restore interval
         of 0; by default a layout with window groups stores them only at restore points
@@ -76,6 +75,10 @@ class KVCacheEngine:
         queues nothing for the disk or remote tiers and, over the node server's shared pool or
         with ``local_cpu`` off (the pool only a buffer for the tiers), stores nothing (``store``
         returns 0). Every rank then reads the writer's one copy.
+
+        ``pool_factory`` makes the CPU pool once the slot size is known: a private pool by
+        default; ``kvconnect.server.make_pool`` gives the node cache server's shared pool when
+        ``config.server_url`` is set (every adapter passes it).
         """
         self.config = config or Config.from_env()
         self.layout = layout = _named(layout, self.config.model_name)
@@ -89,8 +92,7 @@ class KVCacheEngine:
         interval = self.config.restore_interval_tokens
         self.parts = PartLayout.of(layout, self.config.chunk_size, split=splits_window_groups(interval, window_parts=window_parts))
         self.max_chunk_bytes = self.parts.slot_bytes  # the largest object: a whole chunk, or a part
-        # a private ChunkPool, or the node cache server's shared pool when server_url is set
-        pool = make_pool(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
+        pool = pool_factory(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
         self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config, writes_shared=shared_writer)
         self.shared_writer = shared_writer
         self.counters = Counters()
@@ -293,7 +295,7 @@ class KVCacheEngine:
         """Flush queued lower-tier writes, stop their threads, close the tiers, empty the pool."""
         metrics.unregister(self.metrics_instance)
         self.storage.close()
-        close_pool(self.pool)
+        self.pool.close()  # a private pool is emptied; a shared one keeps the other engines' entries
 
 
 def _named(layout: KVLayout, model_name: str) -> KVLayout:

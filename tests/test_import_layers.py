@@ -35,14 +35,6 @@ FLOOR = {unit: n for n, units in enumerate(FLOORS) for unit in units}
 FACE = "kvconnect"  # the package's __init__: the public names of the core only
 CORE_TOP = FLOOR["page_store"]
 
-# Known arrows against the floors, each with why it stands; a new one fails the test.
-EXCEPTIONS = {
-    # KVCacheEngine chooses the node server's shared pool when Config.server_url is set
-    # (``server.make_pool``); moving that choice up needs every engine maker to pass a pool
-    ("engine", "server"),
-}
-
-
 def _unit(name: str) -> str:
     """The unit of a dotted kvconnect module name (``kvconnect.restore.gate`` -> ``restore``)."""
     parts = name.split(".")
@@ -96,7 +88,7 @@ def test_imports_only_from_floors_below(module: Path):
         if not _known_unit(name):
             continue  # a compiled extension (kvconnect._cpu_kernels) or the package itself
         other = _unit(name)
-        if other == me or (me, other) in EXCEPTIONS:
+        if other == me:
             continue
         if me == FACE:
             if FLOOR[other] > CORE_TOP:
@@ -104,15 +96,6 @@ def test_imports_only_from_floors_below(module: Path):
         elif FLOOR[other] >= FLOOR[me]:
             wrong.append(f"{name} ({other}, floor {FLOOR[other]}, is not below {me}, floor {FLOOR[me]})")
     assert not wrong, f"{module.relative_to(ROOT.parent)} imports upward or sideways: {wrong}"
-
-
-def test_exceptions_still_exist():
-    """An exception that no import needs any more is removed from EXCEPTIONS."""
-    arrows = set()
-    for module in _modules():
-        me = _unit(".".join(module.relative_to(ROOT.parent).with_suffix("").parts))
-        arrows.update((me, _unit(n)) for n in _imports(module) if _known_unit(n))
-    assert EXCEPTIONS <= arrows, EXCEPTIONS - arrows
 
 
 # Private names still imported across modules: each goes when its module is reshaped; the

@@ -15,6 +15,10 @@ slots. In the order a caller uses them:
 ``shared``: other engines read this pool's entries, so ``clear`` is never this engine's to
 call and a replica has no pool of its own to keep. ``on_evict``: listeners called with each
 entry of this engine's layout the pool evicts.
+
+A ``PoolFactory`` makes an engine's pool once it knows its slot size: ``private_pool``
+here, or ``kvconnect.server.make_pool``, which gives the node server's shared pool when
+``Config.server_url`` is set (the adapters pass it; the core never imports the server).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from ..chunks.chunk_format import ChunkHeader
-from ..layout.spec import ChunkKey
-from .pool import PoolEntry, PoolStats
+from ..config import Config
+from ..errors import ConfigError
+from ..layout.spec import ChunkKey, Fingerprint
+from .pool import ChunkPool, PoolEntry, PoolStats
 
 
 class Pool(Protocol):
@@ -60,3 +66,20 @@ class Pool(Protocol):
     def close(self) -> None: ...
 
     def stats(self) -> PoolStats: ...
+
+
+class PoolFactory(Protocol):
+    def __call__(self, config: Config, slot_bytes: int, *, pin_memory: bool,
+                 fingerprint: Optional[Fingerprint] = None) -> Pool: ...
+
+
+def private_pool(config: Config, slot_bytes: int, *, pin_memory: bool, fingerprint: Optional[Fingerprint] = None) -> ChunkPool:
+    """A ``ChunkPool`` of ``config.private_pool_bytes`` (with ``local_cpu`` false: only the
+    buffer the lower tiers go through, 0 without one, as in LMCache). Raises ConfigError when
+    ``config.server_url`` names a node server: the engine was made without the factory that
+    reaches it, and a private pool in its place would silently share nothing."""
+    if config.server_url:
+        raise ConfigError(f"server_url ({config.server_url}) is set but this engine was made with a private pool: "
+                          "pass pool_factory=kvconnect.server.make_pool to KVCacheEngine (the adapters do)")
+    return ChunkPool(config.private_pool_bytes, slot_bytes, pin_memory=pin_memory, eviction=config.eviction,
+                     prefault=config.pool_prefault)
