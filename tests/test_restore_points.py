@@ -291,6 +291,26 @@ def test_window_pieces_round_trip_through_the_disk_tier(tmp_path, rng):
         reader.close()
 
 
+def test_sizing_counts_the_engines_own_restore_points(rng):
+    """An interval that is not a chunk multiple (320 at chunk 256): the engine makes a restore
+    point at 4 of every 5 chunk ends, and ``kvconnect inspect`` (sizing) reports the bytes of
+    exactly those window parts, not one per ceil(320 / 256) chunks."""
+    from kvconnect import sizing
+
+    chunk, interval, n = 256, 320, 1280  # one period: lcm(320, 256) tokens, ending on a restore point
+    case = zoo.dsv4(max_tokens=n)
+    tokens = zoo.random_tokens(rng, n)
+    tables = zoo.random_tables(case, n, rng, keep=zoo.window_keep(case, zoo.chunk_bounds_ref(n, chunk, False)))
+    engine = _engine(case, chunk, interval, max_local_cpu_size=0.25)
+    try:
+        assert engine.store(tokens, tables) == n
+        assert engine.stats.window_parts_stored == 4
+        rp = sizing.restore_point_sizing(case.layout(), chunk, interval)
+        assert rp.bytes_per_token * n == engine.stats.stored_bytes
+    finally:
+        engine.close()
+
+
 def test_restore_points_rule():
     chunks = [Chunk(i, i * 64, (i + 1) * 64, None) for i in range(10)]
     # a store of everything into an empty cache, interval 256: the end and every 4th chunk end
