@@ -231,7 +231,7 @@ class KVCacheEngine:
         return self.restore.store(every, chunks, tables, start_s, (tok, every))
 
     def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
-        """Store chunks whose keys the caller computed (e.g. ``kvconnect.page_keys``).
+        """Store chunks whose keys the caller computed (e.g. ``kvconnect.chunks.page_keys``).
 
         ``chunks`` tile a token range that ``block_ids`` (one list per group) covers from
         token 0; returns the tokens of ``chunks`` stored after the call. Each chunk is one

@@ -1,4 +1,4 @@
-"""Row arithmetic (kvconnect.rows) and slot mapping (plan.BlockTables), property-tested
+"""Row arithmetic (kvconnect.layout.rows) and slot mapping (kvconnect.restore.plan.BlockTables), property-tested
 against brute-force references that enumerate tokens and rows one by one."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ tensors when ``"interface_v1"`` is not set in the extra config.
 
 Each registered pool becomes one group of a kvconnect layout (``host_pools``); one stored
 object is one page of one pool, under SGLang's page key folded with the layout fingerprint
-(``kvconnect.page_keys``) and moved by kvconnect's compiled CPU kernel (``PageStore``).
+(``kvconnect.chunks.page_keys``) and moved by kvconnect's compiled CPU kernel (``PageStore``).
 Every entry point catches failures: a tier that is down or slow, a corrupt page or a bug
 here is a miss (False / 0) and a log line, never an exception into SGLang's controller.
 
