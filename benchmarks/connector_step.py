@@ -32,7 +32,7 @@ from kvconnect.integrations.vllm.metadata import RequestView, StepPlan
 from kvconnect.integrations.vllm.scheduler import KVConnectScheduler
 from kvconnect.integrations.vllm.translate import Translation
 from kvconnect.integrations.vllm.worker import KVConnectWorker
-from kvconnect.keys import ChunkKeyer
+from kvconnect.chunks.keys import ChunkKeyer
 
 BS = 128
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from layouts import LAYOUTS, full_block_tables
 
 from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout, transfer
-from kvconnect.plan import BlockTables, plan_store, retrieve_segments, store_segments
+from kvconnect.restore.plan import BlockTables, plan_store, retrieve_segments, store_segments
 
 
 def best_of(fn, repeats: int) -> float:
@@ -67,7 +67,7 @@ def bench_layout(name: str, num_tokens: int, threads: int, repeats: int, chunk_t
 
 
 def _header(plan):
-    from kvconnect.chunk_format import ChunkHeader
+    from kvconnect.chunks.chunk_format import ChunkHeader
 
     return ChunkHeader(fingerprint=b"\0" * 16, key=plan.chunk.key, token_start=plan.chunk.start, token_end=plan.chunk.end,
                        group_mask=plan.group_mask, plane_rows=plan.plane_rows, payload_bytes=plan.payload_bytes)

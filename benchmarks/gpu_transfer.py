@@ -49,9 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import dsv4_cache  # noqa: E402
 
 from kvconnect import GroupSpec, KVLayout, transfer  # noqa: E402
-from kvconnect.chunk_format import ChunkHeader  # noqa: E402
-from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, retrieve_segments, store_segments  # noqa: E402
-from kvconnect.spec import ChunkKey  # noqa: E402
+from kvconnect.chunks.chunk_format import ChunkHeader  # noqa: E402
+from kvconnect.chunks.keys import Chunk  # noqa: E402
+from kvconnect.layout.spec import ChunkKey  # noqa: E402
+from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, retrieve_segments, store_segments  # noqa: E402
 from kvconnect.transfer import cuda as cuda_path  # noqa: E402
 from kvconnect.transfer import triton_route  # noqa: E402
 from kvconnect.transfer.torch_impl import byte_views  # noqa: E402

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvconnect import Config, GroupSpec, KVLayout
-from kvconnect.chunk_format import compute_checksum
+from kvconnect.chunks.chunk_format import compute_checksum
 from kvconnect.engine import KVCacheEngine
 from kvconnect.server.server import CacheServer
 

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from layouts import full_block_tables, mla_prompt_setup
 
 from kvconnect import Config, KVCacheEngine, KVLayout
+from kvconnect.server import make_pool
 
 CHUNK_TOKENS = 256
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +120,7 @@ def main() -> None:
     try:
         for name in tqdm(("pool", "server"), desc="pools", unit="pool", leave=False):
             cfg = base if name == "pool" else Config(**{**vars(base), "server_url": url, "remote_timeout_s": 30.0})
-            engine = KVCacheEngine(layout, cfg)
+            engine = KVCacheEngine(layout, cfg, pool_factory=make_pool)
             if name == "server":  # like the private pool's zero_() below: time copies, not first-touch faults
                 t0 = time.perf_counter()
                 engine.pool.prefaulted.wait(120)

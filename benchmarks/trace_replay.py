@@ -39,10 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout  # noqa: E402
-from kvconnect import presets  # noqa: E402
-from kvconnect.parts import PartLayout  # noqa: E402
-from kvconnect.plan import max_chunk_payload_bytes  # noqa: E402
 from kvconnect.errors import ConfigError  # noqa: E402
+from kvconnect.integrations import presets  # noqa: E402
+from kvconnect.restore.parts import PartLayout  # noqa: E402
+from kvconnect.restore.plan import max_chunk_payload_bytes  # noqa: E402
+from kvconnect.restore.points import splits_window_groups  # noqa: E402
 from kvconnect.storage import host_memory  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
@@ -88,6 +89,11 @@ def ideal_share(trace: list[dict]) -> float:
     return served / total
 
 
+def _interval(config: str) -> int:
+    """The restore interval a replay configuration names ("today": whole chunks, interval 0)."""
+    return 0 if config == "today" else int(config)
+
+
 class Model:
     """The preset's real object sizes and a tiny layout with the same object structure."""
 
@@ -115,18 +121,19 @@ class Model:
 
     def scaled_pool(self, config: str, pool_gb: float) -> tuple[int, int]:
         """(slots, bytes) of the scaled pool standing for ``pool_gb`` of the real model's."""
-        split = config != "today"
+        split = splits_window_groups(_interval(config))  # the engine's own rule: interval 0 keeps chunks whole
         real_slot = self.parts.slot_bytes if split else self.whole_bytes
         slots = int(pool_gb * GB // real_slot)
         scaled = self.scaled_split if split else self.scaled_whole
         return slots, slots * scaled.slot_bytes
 
     def engine(self, config: str, pool_gb: float) -> KVCacheEngine:
-        split = config != "today"
+        interval = _interval(config)
+        split = splits_window_groups(interval)
         slots, _ = self.scaled_pool(config, pool_gb)
         scaled = self.scaled_split if split else self.scaled_whole
         cfg = Config(chunk_size=CHUNK, max_local_cpu_size=slots * scaled.slot_bytes / GB + 1e-9, num_threads=1,
-                     pool_prefault=False, restore_interval_tokens=int(config) if split else 0, log_interval_s=0)
+                     pool_prefault=False, restore_interval_tokens=interval, log_interval_s=0)
         eng = KVCacheEngine(self.layout, cfg, window_parts=split)
         assert eng.pool.num_slots == slots, (eng.pool.num_slots, slots)
         return eng

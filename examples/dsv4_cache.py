@@ -12,10 +12,10 @@ import torch
 
 from kvconnect import GroupSpec
 
-from kvconnect.presets import DSV4_GROUPS as GROUPS  # group name -> (spec, row bytes, dtype, page alignment)
-from kvconnect.presets import DSV4_ROW_BYTES as ROW_BYTES  # fp8_ds_mla: 576 B data + 8 B scales a row
-from kvconnect.presets import DSV4_ROW_REGIONS as ROW_REGIONS  # vLLM writes those blocks [rows x data][rows x scales]
-from kvconnect.presets import dsv4_layer_caches as layer_caches  # layers 0-1 and MTP (43) SWA, C4 even, C128 odd
+from kvconnect.integrations.presets import DSV4_GROUPS as GROUPS  # group name -> (spec, row bytes, dtype, page alignment)
+from kvconnect.integrations.presets import DSV4_ROW_BYTES as ROW_BYTES  # fp8_ds_mla: 576 B data + 8 B scales a row
+from kvconnect.integrations.presets import DSV4_ROW_REGIONS as ROW_REGIONS  # vLLM writes those blocks [rows x data][rows x scales]
+from kvconnect.integrations.presets import dsv4_layer_caches as layer_caches  # layers 0-1 and MTP (43) SWA, C4 even, C128 odd
 
 GROUP_NAMES = list(GROUPS)
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dsv4_cache  # noqa: E402
 
 from kvconnect import Config, KVCacheEngine, KVLayout  # noqa: E402
-from kvconnect.rows import intersect  # noqa: E402
+from kvconnect.layout.rows import intersect  # noqa: E402
 from kvconnect.transfer.torch_impl import byte_views  # noqa: E402
 
 

@@ -6,7 +6,8 @@ Engine-neutral core for hybrid, multi-group KV caches. Start with::
 """
 
 from .config import Config
-from .engine import EngineStats, KVCacheEngine
+from .engine import KVCacheEngine
+from .engine_stats import EngineStats
 from .errors import (
     BlockTableError,
     ConfigError,
@@ -17,9 +18,9 @@ from .errors import (
     TokenError,
     TransferError,
 )
-from .layout import FORMAT_VERSION, KVLayout
-from .slots import block_ids_from_slot_mapping
-from .spec import ChunkKey, DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec
+from .layout.kv_layout import FORMAT_VERSION, KVLayout
+from .layout.slots import block_ids_from_slot_mapping
+from .layout.spec import ChunkKey, DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec
 
 __version__ = "0.1.0"
 

@@ -153,7 +153,7 @@ class Config:
     pd_wait_timeout_s: float = 5.0
     pd_poll_interval_s: float = 0.005
     mooncake_config_path: Optional[str] = None
-    restore_interval_tokens: int = 4096  # restore points (kvconnect/parts.py); 0: every chunk end
+    restore_interval_tokens: int = 4096  # restore points (kvconnect/restore/parts.py); 0: every chunk end
 
     def __post_init__(self) -> None:
         for name, (low, high, low_open) in NUMERIC_RANGES.items():

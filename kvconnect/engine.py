@@ -7,7 +7,7 @@
 
 Each also takes ``namespace=`` (str or bytes): what besides token ids decides the KV, e.g. a
 LoRA adapter or a tenant's salt. Chunks stored under one namespace are misses under another
-(see keys.py); no namespace is the empty one.
+(see kvconnect/chunks/keys.py); no namespace is the empty one.
 
 Data flow of ``store``: tokens -> chunk bounds -> key chain; block ids -> per-group slots
 of the rows each chunk keeps (windowed groups keep only their trailing rows); one
@@ -23,16 +23,15 @@ returns the tokens loaded beyond them. For ``store`` the run is a chunk multiple
 ``retrieve`` it may end inside a chunk (an engine's block-aligned prefix hit): rows of the
 masked tokens are never written.
 
-KVCacheEngine's concepts beyond this API live beside it: the store path (store plans, the
-gather, headers committed; window parts at restore points) in store_path.py, the restore
-point lookup and retrieve with its fallback to an earlier restore point in restore.py (both
-mixins of KVCacheEngine), its counters (EngineStats, re-exported here) in engine_stats.py.
+The restore-point idea lives in kvconnect/restore/: the engine holds one ``RestoreScheme``
+(``WholeChunks`` or ``WindowParts``, chosen here once) that stores, looks up and retrieves,
+writing through ``ObjectWriter`` and loading through ``ChunkLoader``. Its counters are an
+``EngineStats`` (engine_stats.py) added under one lock.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Optional
 
@@ -40,49 +39,46 @@ import numpy as np
 import torch
 
 from . import metrics, transfer
-from .events import ChunkEventLog
+from .chunks.keys import Chunk, ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
 from .config import Config
-from .engine_stats import EngineStats
-from .errors import ConfigError, CorruptChunkError, LayoutError, TokenError
-from .keys import ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
-from .layout import KVLayout
-from .parts import PartLayout
-from .plan import (
-    BlockTables,
-    Chunk,
-    StoredPart,
-    check_chunk_size,
-    restorable_boundary,
-    retrieve_part_segments,
-)
-from .restore import RestorePoints
-from .rows import chunk_bounds
-from .server import close_pool, make_pool
-from .storage import ChunkPool, StorageManager
-from .store_path import StorePath
+from .engine_stats import Counters
+from .errors import ConfigError, TokenError
+from .events import ChunkEventLog
+from .layout.kv_layout import KVLayout
+from .layout.rows import chunk_bounds
+from .restore.parts import PartLayout
+from .restore.plan import BlockTables, check_chunk_size
+from .restore.points import splits_window_groups
+from .restore.reads import ChunkLoader
+from .restore.scheme import RestoreScheme
+from .restore.whole_chunks import WholeChunks
+from .restore.window_parts import WindowParts
+from .restore.writes import ObjectWriter
+from .storage.manager import StorageManager
+from .storage.pool_protocol import Pool, PoolFactory, private_pool
 from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
 
 
-def _warn_stores_nothing(config: Config, slot_bytes: int) -> None:
-    """One warning for an engine whose ``store`` can only return 0: every chunk goes through the
-    CPU pool (the cache itself, or the buffer of the disk and remote tiers) and it has no slot."""
+def _stores_nothing_reason(config: Config, pool: Pool, slot_bytes: int) -> Optional[str]:
+    """Why ``store`` can only return 0, or None: every chunk goes through the CPU pool (the
+    cache itself, or the buffer of the disk and remote tiers), so a pool of no slot keeps nothing."""
+    if config.server_url or pool.num_slots > 0:
+        return None
     if not config.local_cpu and not config.has_lower_tier:
-        why = "local_cpu (LMCACHE_LOCAL_CPU) is false and there is no disk or remote tier: nothing is kept anywhere"
-    else:
-        why = (f"the CPU pool (max_local_cpu_size, LMCACHE_MAX_LOCAL_CPU_SIZE = {config.max_local_cpu_size:g} GB) is "
-               f"smaller than one chunk of this layout ({slot_bytes / (1 << 30):.4g} GB)")
-    logger.warning("kvconnect: this engine stores nothing (store returns 0, every lookup misses): %s", why)
+        return "local_cpu (LMCACHE_LOCAL_CPU) is false and there is no disk or remote tier: nothing is kept anywhere"
+    return (f"the CPU pool (max_local_cpu_size, LMCACHE_MAX_LOCAL_CPU_SIZE = {config.max_local_cpu_size:g} GB) holds 0 "
+            f"chunks: it is smaller than one chunk of this layout ({slot_bytes / (1 << 30):.4g} GB)")
 
 
-class KVCacheEngine(StorePath, RestorePoints):
+class KVCacheEngine:
     def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None,
-                 window_parts: bool = True, shared_writer: bool = True) -> None:
+                 window_parts: bool = True, shared_writer: bool = True, pool_factory: PoolFactory = private_pool) -> None:
         """``window_parts=False`` stores every group's rows in one object per chunk (engines
         that hand over pages under their own keys: ``store_chunks``), as does a restore interval
         of 0; by default a layout with window groups stores them only at restore points
-        (kvconnect/parts.py).
+        (kvconnect/restore/).
 
         ``shared_writer=False`` makes a *replica*: one of several engines (TP ranks) whose
         layouts hold the same KV under the same fingerprint, of which another writes the
@@ -90,6 +86,10 @@ class KVCacheEngine(StorePath, RestorePoints):
         queues nothing for the disk or remote tiers and, over the node server's shared pool or
         with ``local_cpu`` off (the pool only a buffer for the tiers), stores nothing (``store``
         returns 0). Every rank then reads the writer's one copy.
+
+        ``pool_factory`` makes the CPU pool once the slot size is known: a private pool by
+        default; ``kvconnect.server.make_pool`` gives the node cache server's shared pool when
+        ``config.server_url`` is set (every adapter passes it).
         """
         self.config = config or Config.from_env()
         self.layout = layout = _named(layout, self.config.model_name)
@@ -101,20 +101,19 @@ class KVCacheEngine(StorePath, RestorePoints):
         self.backend = backend
         self._cuda_tuning = route_tuning(self.config.cuda_transfer)
         self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)
-        # interval 0 (a restore point at every chunk end) stores every group's rows in every chunk
-        # anyway: one object per chunk, as before restore points existed
-        self.parts = PartLayout.of(layout, self.config.chunk_size, split=window_parts and self.config.restore_interval_tokens > 0)
-        self._piece_planes = self.parts.piece_planes(len(layout.planes))
-        self._prefix_planes = np.array([(self.parts.prefix_mask >> p.group_index) & 1 == 1 for p in layout.planes], np.bool_)
+        interval = self.config.restore_interval_tokens
+        self.parts = PartLayout.of(layout, self.config.chunk_size, split=splits_window_groups(interval, window_parts=window_parts))
         self.max_chunk_bytes = self.parts.slot_bytes  # the largest object: a whole chunk, or a part
-        # a private ChunkPool, or the node cache server's shared pool when server_url is set
-        pool = make_pool(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
+        pool = pool_factory(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
         self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config, writes_shared=shared_writer)
-        if not self.config.server_url and pool.num_slots == 0:
-            _warn_stores_nothing(self.config, self.max_chunk_bytes)
+        # why this engine can keep nothing (None when it can): said once here; adapters stay off on it
+        self.stores_nothing = _stores_nothing_reason(self.config, pool, self.max_chunk_bytes)
+        if self.stores_nothing:
+            logger.warning("kvconnect: this engine stores nothing (store returns 0, every lookup misses): %s",
+                           self.stores_nothing)
         self.shared_writer = shared_writer
-        self.stats = EngineStats()
-        self._stats_lock = threading.Lock()
+        self.counters = Counters()
+        self.stats = self.counters.stats
         self.ops = metrics.OpLog()  # store/retrieve latency and per-operation sizes
         self.metrics_instance = metrics.register_engine(self)  # Prometheus: kvconnect.metrics
         metrics.start_exporter(self.config)  # opt-in (KVCONNECT_METRICS_PORT), once per process
@@ -123,17 +122,19 @@ class KVCacheEngine(StorePath, RestorePoints):
         self.store_threads = self.config.num_threads
         self.load_threads = self.config.num_threads
         self.events: Optional[ChunkEventLog] = None  # enable_events(): chunk events for KV-aware routers
-        if self.parts.split and hasattr(self.pool, "on_evict"):
-            self.pool.on_evict.append(self._count_evicted)
+        writer = ObjectWriter(layout, self.storage, self.gather_to_pool)
+        loader = ChunkLoader(layout, self.storage, self.scatter_from_pool, self.counters, self.ops)
+        self.restore: RestoreScheme = (
+            WindowParts(layout, self.parts, self.storage, writer, loader, self.counters, self.ops, interval_tokens=interval)
+            if self.parts.split else WholeChunks(layout, self.parts, self.storage, writer, loader, self.counters, self.ops))
 
     @property
-    def pool(self) -> ChunkPool:
+    def pool(self) -> Pool:
         return self.storage.pool
 
     def stats_snapshot(self) -> dict[str, int]:
         """A consistent copy of ``stats`` (kvconnect.metrics reads it)."""
-        with self._stats_lock:
-            return dict(vars(self.stats))
+        return self.counters.snapshot()
 
     @property
     def generation(self) -> bytes:
@@ -144,11 +145,11 @@ class KVCacheEngine(StorePath, RestorePoints):
         """Record chunks stored in and removed from every tier (kvconnect.events); idempotent."""
         if self.events is None:
             self.events = log or ChunkEventLog()
-            events = self.events
-            if hasattr(self.pool, "on_evict"):  # the private pool, or the node server's evictions of this layout
-                window_only = self.parts.window_mask if self.parts.prefix_mask else 0  # window pieces are no chunks
-                self.pool.on_evict.append(lambda entry: None if window_only and not entry.header.group_mask & ~window_only
-                                          else events.removed("cpu", [bytes(entry.key)]))
+            self.restore.events = events = self.events
+            # the private pool's evictions, or the node server's of this layout; window pieces are no chunks
+            window_only = self.parts.window_mask if self.parts.prefix_mask else 0
+            self.pool.on_evict.append(lambda entry: None if window_only and not entry.header.group_mask & ~window_only
+                                      else events.removed("cpu", [bytes(entry.key)]))
             for writer in self.storage.writers:
                 name = writer.tier.name
                 writer.on_written.append(lambda keys, name=name: events.stored_keys(name, [bytes(k) for k in keys]))
@@ -160,7 +161,7 @@ class KVCacheEngine(StorePath, RestorePoints):
         """Never serve a chunk stored before this call (an engine's weights changed, or its
         operator asked for a clean cache); chunks stored after it are served as usual.
 
-        The key chain moves to a new random generation (keys.py), which no stored chunk of
+        The key chain moves to a new random generation (kvconnect/chunks/keys.py), which no stored chunk of
         any tier carries: the pool, the disk, Redis, Mooncake, the node server and any other
         LowerTier, shared or not, hold only misses for this engine from now on, with no call
         to them. Nothing is deleted from tiers other engines may read (the node server's
@@ -186,7 +187,7 @@ class KVCacheEngine(StorePath, RestorePoints):
         self.keyer = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=generation)
         if self.events is not None:
             self.events.cleared()
-        if isinstance(self.pool, ChunkPool):  # private to this engine; a shared pool keeps other engines' hits
+        if not self.pool.shared:  # a shared pool keeps other engines' hits
             self.pool.clear()
         logger.info("kvconnect: reset: chunks stored before now are no longer served by this engine")
 
@@ -229,40 +230,33 @@ class KVCacheEngine(StorePath, RestorePoints):
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
-        With window groups (parts.py), their rows are stored only at the restore points of
+        With window groups (kvconnect/restore/parts.py), their rows are stored only at the restore points of
         this store: its end, where it leaves an already stored prefix, and every
         ``restore_interval_tokens``. ``generation``: the key generation to store under (None:
-        this engine's; keys.py).
+        this engine's; kvconnect/chunks/keys.py).
         """
         start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok))
         tables = BlockTables.of(self.layout, block_ids)
-        if not self.shared_writer and (not isinstance(self.pool, ChunkPool) or not self.config.local_cpu):
-            with self._stats_lock:  # a replica with no pool of its own to keep: the writer's store lands for it
-                self.stats.replica_stores_left += 1
+        if not self.shared_writer and (self.pool.shared or not self.config.local_cpu):
+            # a replica with no pool of its own to keep: the writer's store lands for it
+            self.counters.add(replica_stores_left=1)
             return 0
         every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation)
         chunks = [c for c in every if c.start >= skip]
-        if not self.parts.split:
-            return self._store_chunks(chunks, tables, start_s, (tok, every))
-        return self._store_parts(every, chunks, tables, start_s, (tok, every))
+        return self.restore.store(every, chunks, tables, start_s, (tok, every))
 
     def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
-        """Store chunks whose keys the caller computed (e.g. ``kvconnect.page_keys``).
+        """Store chunks whose keys the caller computed (e.g. ``kvconnect.chunks.page_keys``).
 
         ``chunks`` tile a token range that ``block_ids`` (one list per group) covers from
         token 0; returns the tokens of ``chunks`` stored after the call. Each chunk is one
         object with every group's rows: the engine must be made with ``window_parts=False``
         when the layout has window groups.
         """
-        self._whole_chunks_only("store_chunks")
-        return self._store_chunks(list(chunks), BlockTables.of(self.layout, block_ids), time.perf_counter())
-
-    def _whole_chunks_only(self, what: str) -> None:
-        if self.parts.split:
-            raise LayoutError(f"{what} stores whole chunks under caller keys; this engine splits its window groups "
-                              "into restore-point parts: make it with KVCacheEngine(..., window_parts=False)")
+        self.restore.check_caller_keys("store_chunks")
+        return self.restore.store_chunks(list(chunks), BlockTables.of(self.layout, block_ids), time.perf_counter())
 
     # -- lookup ----------------------------------------------------------------------
     def lookup(self, tokens: Tokens, *, namespace: Namespace = None, generation: Optional[bytes] = None) -> int:
@@ -272,27 +266,15 @@ class KVCacheEngine(StorePath, RestorePoints):
         The pool's objects of the hit become its most recently used, so that the stores running
         between an engine's lookup and its retrieve evict other chunks first (a hit is still
         not a promise: ``retrieve`` returns what it loaded). ``generation``: the key generation
-        to look under (None: this engine's; keys.py).
+        to look under (None: this engine's; kvconnect/chunks/keys.py).
         """
         chunks = self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace, generation=generation)
-        if not self.parts.split:
-            return self.lookup_chunks(chunks)
-        return self._lookup_parts(chunks)
+        return self.restore.lookup(chunks)
 
     def lookup_chunks(self, chunks: list[Chunk]) -> int:
         """``lookup`` over chunks whose keys the caller computed: the restorable chunk end."""
-        self._whole_chunks_only("lookup_chunks")
-        hit = restorable_boundary(self.layout, chunks, self.storage.masks([c.key for c in chunks]))
-        if hit:
-            self.pool.release(self.pool.acquire([c.key for c in chunks if c.end <= hit]))  # acquire touches
-        self._count_lookup(chunks, hit)
-        return hit
-
-    def _count_lookup(self, chunks: list[Chunk], hit: int) -> None:
-        with self._stats_lock:
-            self.stats.lookups += 1
-            self.stats.lookup_requested_tokens += chunks[-1].end if chunks else 0
-            self.stats.lookup_hit_tokens += hit
+        self.restore.check_caller_keys("lookup_chunks")
+        return self.restore.lookup_chunks(chunks)
 
     # -- retrieve --------------------------------------------------------------------
     def retrieve(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None,
@@ -307,63 +289,13 @@ class KVCacheEngine(StorePath, RestorePoints):
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
         chunks = self._chunks(tok, include_partial=True, namespace=namespace, generation=generation)
-        if self.parts.split:
-            return self._retrieve_parts(chunks, tables, skip, start_s)
-        return self._retrieve_chunks(chunks, tables, skip, start_s)
+        return self.restore.retrieve(chunks, tables, skip, start_s)
 
     def retrieve_chunks(self, chunks: list[Chunk], block_ids, *, present_tokens: int = 0) -> int:
         """``retrieve`` over chunks whose keys the caller computed; tokens loaded beyond ``present_tokens``."""
-        self._whole_chunks_only("retrieve_chunks")
-        return self._retrieve_chunks(list(chunks), BlockTables.of(self.layout, block_ids), present_tokens, time.perf_counter())
-
-    def _retrieve_chunks(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
-        # chunks below the mask are already in the engine: never fetch them from a tier
-        wanted = [c for c in chunks if c.end > skip]
-        entries = [None] * (len(chunks) - len(wanted)) + list(self.storage.acquire([c.key for c in wanted]))
-        try:
-            masks = [e.header.group_mask if e is not None else None for e in entries]
-            boundary = restorable_boundary(self.layout, chunks, masks, present_below=skip)
-            if boundary <= skip:
-                return 0
-            load = [c for c in chunks if c.end > skip and c.end <= boundary]
-            parts = [[StoredPart(e.header, self.pool.slot_offset(e.slot), key=e.key)] if (e := entries[c.index]) is not None else []
-                     for c in load]
-            return self._load(load, parts, boundary, tables, skip, start_s, pieces=0)
-        finally:
-            self.storage.release(entries)
-
-
-    def _load(self, load: list[Chunk], parts: list, boundary: int, tables: BlockTables, skip: int, start_s: float, *,
-              pieces: int) -> int:
-        """Scatter the rows needed at ``boundary`` from the pinned ``parts`` of ``load``; tokens loaded."""
-        try:
-            builder = retrieve_part_segments(self.layout, load, parts, boundary, tables, present_tokens=skip)
-        except CorruptChunkError as exc:
-            logger.warning("kvconnect: dropping an inconsistent chunk; reporting a miss: %s", exc)
-            key = getattr(exc, "key", None)  # set by plan: drop only that object
-            index = getattr(exc, "chunk_index", None)
-            if key is not None:
-                self.storage.drop(key)
-            else:
-                for chunk, mine in zip(load, parts):
-                    if index is None or chunk.index == index:
-                        for part in mine:
-                            if part.key is not None:
-                                self.storage.drop(part.key)
-            with self._stats_lock:
-                self.stats.corrupt_chunks += 1
-            return 0
-        tables_built = builder.build()
-        self.scatter_from_pool(tables_built)
-        nbytes = tables_built.payload_bytes(self.layout)
-        chunks_used = sum(1 for mine in parts if mine)
-        with self._stats_lock:
-            self.stats.retrieved_chunks += chunks_used
-            self.stats.retrieved_bytes += nbytes
-            self.stats.retrieved_tokens += boundary - skip
-            self.stats.window_pieces_retrieved += pieces
-        self.ops.retrieved(chunks_used, nbytes, time.perf_counter() - start_s)
-        return boundary - skip
+        self.restore.check_caller_keys("retrieve_chunks")
+        return self.restore.retrieve_chunks(list(chunks), BlockTables.of(self.layout, block_ids), present_tokens,
+                                            time.perf_counter())
 
     # -- pool transfers (also PageStore's) --------------------------------------------
     def gather_to_pool(self, tables) -> None:
@@ -380,7 +312,7 @@ class KVCacheEngine(StorePath, RestorePoints):
         """Flush queued lower-tier writes, stop their threads, close the tiers, empty the pool."""
         metrics.unregister(self.metrics_instance)
         self.storage.close()
-        close_pool(self.pool)
+        self.pool.close()  # a private pool is emptied; a shared one keeps the other engines' entries
 
 
 def _named(layout: KVLayout, model_name: str) -> KVLayout:

@@ -66,7 +66,7 @@ INSTEAD: dict[str, str] = {
     "local_disk_path_sharding": "the disk tier keeps each layout (model, TP rank, format) in its own fingerprint directory under LMCACHE_LOCAL_DISK",
     "remote_serde": "chunks are stored in kvconnect's own format (header, checksum, raw planes): there is no serializer to choose",
     "use_layerwise": "no layer-by-layer pipelining: a hit is loaded before the forward that uses it, each chunk is saved in the step that computes it",
-    "pre_caching_hash_algorithm": "chunks are keyed by kvconnect's chained prefix hash of token ids (kvconnect/keys.py)",
+    "pre_caching_hash_algorithm": "chunks are keyed by kvconnect's chained prefix hash of token ids (kvconnect/chunks/keys.py)",
     "enable_blending": _BLEND, "blend_recompute_ratios": _BLEND, "blend_thresholds": _BLEND,
     "blend_check_layers": _BLEND, "blend_min_tokens": _BLEND, "blend_special_str": _BLEND,
     "retrieve_locations": "every chunk is stored in every configured tier and read from the fastest tier that holds it",
@@ -152,8 +152,8 @@ INSTEAD: dict[str, str] = {
     "pd_pull_mode": _PD, "pd_delay_pull": _PD, "pd_pull_done_port": _PD, "pd_use_cpu_offload": _PD,
     "pd_cpu_buffer_size": _PD, "pd_pull_pending_ttl": _PD, "pd_alloc_fail_backoff_ttl": _PD,
     "pd_pull_backpressure_reserve_pct": _PD,
-    "enable_chunk_hashes_return": "lookups return token counts; chunk keys are internal (kvconnect/keys.py)",
-    "lookup_hashes_cache_size": "lookups return token counts; chunk keys are internal (kvconnect/keys.py)",
+    "enable_chunk_hashes_return": "lookups return token counts; chunk keys are internal (kvconnect/chunks/keys.py)",
+    "lookup_hashes_cache_size": "lookups return token counts; chunk keys are internal (kvconnect/chunks/keys.py)",
     "store_async": "stores to the disk and remote tiers are always asynchronous (write-behind, bounded; docs/storage.md)",
     "store_async_max_queue_size": "the write-behind queue is bounded by bytes and items per tier (kvconnect/storage/writer.py)",
     # -- LMCache-Ascend's DeepSeek V4 connector (seed 003)
@@ -198,7 +198,7 @@ EXTRA_CONFIG: dict[str, str] = {
     "hf3fs_base_path": _BACKEND, "hf3fs_mount_point": _BACKEND, "infinistore_link_type": _BACKEND,
     "rust_raw_block.io_engine": _BACKEND, "rust_raw_block.use_iouring": _BACKEND, "rust_raw_block.use_uring": _BACKEND,
     "internal_api_server_access_log": _API, "internal_api_server_log_level": _API,
-    "save_chunk_meta": "every chunk carries its own header (layout fingerprint, groups, checksum; kvconnect/chunk_format.py)",
+    "save_chunk_meta": "every chunk carries its own header (layout fingerprint, groups, checksum; kvconnect/chunks/chunk_format.py)",
     "shm_name": "the node server's shared memory is named by kvconnect server --url (docs/server.md)",
     "use_exists_sync": "lookups in every tier are batched and bounded by KVCONNECT_REMOTE_TIMEOUT_S",
     # -- LMCache 0.5.6

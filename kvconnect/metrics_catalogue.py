@@ -36,7 +36,7 @@ CATALOGUE: dict[str, Metric] = {m.name: m for m in (
     Metric("kvconnect_retrieved_bytes_total", COUNTER, "payload bytes loaded into the engine's KV cache"),
     Metric("kvconnect_retrieved_tokens_total", COUNTER, "tokens restored into the engine's KV cache"),
     Metric("kvconnect_corrupt_chunks_dropped_total", COUNTER, "chunks found inconsistent and dropped (a miss, never wrong bytes)"),
-    Metric("kvconnect_window_parts_stored_total", COUNTER, "restore points whose window part a store wrote (kvconnect/parts.py)"),
+    Metric("kvconnect_window_parts_stored_total", COUNTER, "restore points whose window part a store wrote (kvconnect/restore/parts.py)"),
     Metric("kvconnect_window_pieces_stored_total", COUNTER, "window-part pieces written into the CPU pool"),
     Metric("kvconnect_window_pieces_evicted_total", COUNTER, "window-part pieces evicted from the CPU pool"),
     Metric("kvconnect_restore_point_hits_total", COUNTER, "retrieves that resumed at a restore point (prefix parts + one window part)"),

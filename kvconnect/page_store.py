@@ -25,13 +25,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .chunk_format import ChunkHeader
+from .chunks.chunk_format import ChunkHeader
 from .engine import KVCacheEngine
 from .errors import BlockTableError
-from .page_keys import PageKey, PageKeyFolder
-from .plan import PlaneArrays
-from .rows import GroupGeometry
-from .spec import ChunkKey, DCPSpec, GroupSpec
+from .chunks.page_keys import PageKey, PageKeyFolder
+from .restore.plan import PlaneArrays
+from .layout.rows import GroupGeometry
+from .layout.spec import ChunkKey, DCPSpec, GroupSpec
 from .transfer.tables import SegmentBuilder
 
 logger = logging.getLogger(__name__)

@@ -7,20 +7,25 @@ rules (``rows.GroupGeometry``) and plane bytes, the same the engine's planner us
     s.restore_bytes(p)     bytes ``retrieve`` loads to resume at token p (windowed groups: only their window)
     s.pool_bytes(n)        CPU pool bytes n tokens occupy (fixed slots of the largest chunk)
     s.encoded_bytes(n)     bytes in the disk / remote tiers (payload + chunk header)
-    restore_points(layout, chunk_tokens, interval)   prefix part, window part and bytes per
-                           cached token with window rows kept only at restore points (parts.py)
+    restore_point_sizing(layout, chunk_tokens, interval)   prefix part, window part and bytes
+                           per cached token with window rows kept only at restore points (kvconnect/restore/)
 
 The per-prompt figures above are those of whole chunks (interval 0).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .chunk_format import FIXED_HEADER_BYTES
-from .layout import KVLayout
-from .plan import check_chunk_size, max_chunk_payload_bytes
-from .rows import chunk_bounds
+from .chunks.chunk_format import FIXED_HEADER_BYTES
+from .chunks.keys import Chunk
+from .layout.kv_layout import KVLayout
+from .layout.rows import chunk_bounds
+from .restore.gate import window_chunks
+from .restore.parts import PartLayout
+from .restore.plan import check_chunk_size, max_chunk_payload_bytes
+from .restore.points import is_interval_point, splits_window_groups
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ def of(layout: KVLayout, chunk_tokens: int) -> Sizing:
 
 @dataclass(frozen=True)
 class RestorePointSizing:
-    """What restore points (kvconnect/parts.py) store for a long prompt at a restore interval."""
+    """What restore points (kvconnect/restore/) store for a long prompt at a restore interval."""
 
     interval_tokens: int
     chunk_tokens: int
@@ -107,28 +112,33 @@ class RestorePointSizing:
     window_free_groups: tuple = ()  # their group indices
 
 
-def restore_points(layout: KVLayout, chunk_tokens: int, interval_tokens: int) -> RestorePointSizing:
-    """Steady-state bytes per cached token at ``interval_tokens`` (restore points every interval;
-    a prompt's end and branch points add one window part each)."""
-    from .parts import PartLayout, window_chunks
-    from .plan import Chunk
-
+def restore_point_sizing(layout: KVLayout, chunk_tokens: int, interval_tokens: int) -> RestorePointSizing:
+    """Steady-state bytes per cached token at ``interval_tokens``: the restore points a long
+    store makes (``points.is_interval_point``, the engine's rule) over one period of the
+    interval and the chunk size; a prompt's end and branch points add one window part each."""
     check_chunk_size(layout, chunk_tokens)
     whole = max_chunk_payload_bytes(layout, chunk_tokens)
-    parts = PartLayout.of(layout, chunk_tokens, split=interval_tokens > 0)
+    parts = PartLayout.of(layout, chunk_tokens, split=splits_window_groups(interval_tokens))
     if not parts.split:
         per = whole / chunk_tokens
         return RestorePointSizing(interval_tokens, chunk_tokens, False, whole, 0, 0, 0, 0, whole, per, per, per)
     longest = max(geo.window_tokens or 0 for geo in layout.geometries)
-    n = longest // chunk_tokens + 3
-    chunks = [Chunk(i, i * chunk_tokens, (i + 1) * chunk_tokens, None) for i in range(n)]
-    span = len(window_chunks(layout, parts.window_mask, chunks, n - 1))
-    per_interval = -(-interval_tokens // chunk_tokens)  # chunks per restore point
-    chunk_span = per_interval * chunk_tokens
-    window_part = span * parts.window_bytes
-    payload = per_interval * parts.prefix_bytes + min(span, per_interval) * parts.window_bytes
-    objects = per_interval + min(span, per_interval) * len(parts.pieces)
+    span_probe = [Chunk(i, i * chunk_tokens, (i + 1) * chunk_tokens, None) for i in range(longest // chunk_tokens + 3)]
+    span = len(window_chunks(layout, parts.window_mask, span_probe, len(span_probe) - 1))
+    # restore points repeat every lcm(interval, chunk) tokens: count one period far from the prompt's start
+    period = interval_tokens * chunk_tokens // math.gcd(interval_tokens, chunk_tokens) // chunk_tokens  # in chunks
+    first = span + period
+    chunks = [Chunk(i, i * chunk_tokens, (i + 1) * chunk_tokens, None) for i in range(first + period + span)]
+    kept: set[int] = set()  # chunks whose window rows some restore point keeps
+    for k in range(first + period + span):
+        if is_interval_point(chunks[k], interval_tokens):
+            kept.update(window_chunks(layout, parts.window_mask, chunks, k))
+    window_chunks_per_period = sum(1 for j in kept if first <= j < first + period)
+    period_tokens = period * chunk_tokens
+    payload = period * parts.prefix_bytes + window_chunks_per_period * parts.window_bytes
+    objects = period + window_chunks_per_period * len(parts.pieces)
     free = tuple(g for g in range(layout.num_groups) if (parts.free_mask >> g) & 1)
     return RestorePointSizing(interval_tokens, chunk_tokens, True, parts.prefix_bytes, parts.window_bytes, len(parts.pieces),
-                              span, window_part, parts.slot_bytes, payload / chunk_span, objects * parts.slot_bytes / chunk_span,
-                              whole / chunk_tokens, whole - parts.prefix_bytes - parts.window_bytes, free)
+                              span, span * parts.window_bytes, parts.slot_bytes, payload / period_tokens,
+                              objects * parts.slot_bytes / period_tokens, whole / chunk_tokens,
+                              whole - parts.prefix_bytes - parts.window_bytes, free)

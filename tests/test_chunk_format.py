@@ -11,8 +11,8 @@ import pytest
 
 import zoo
 from kvconnect import CorruptChunkError, KVCacheEngine
-from kvconnect import chunk_format as cf
-from kvconnect.layout import FORMAT_VERSION
+from kvconnect.chunks import chunk_format as cf
+from kvconnect.layout.kv_layout import FORMAT_VERSION
 
 FP = bytes(range(16))
 KEY = bytes(range(16, 32))

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from kvconnect import KVCacheEngine, presets, sizing
+from kvconnect import KVCacheEngine, sizing
+from kvconnect.integrations import presets
 from kvconnect.cli import main
 from kvconnect.config import GB, Config
 from kvconnect.errors import ConfigError, LayoutError
@@ -28,7 +29,7 @@ CASES = [
 def _model(name, layers, engine, extra):
     kw = dict(extra)
     if "dcp" in kw:
-        from kvconnect.spec import DCPSpec
+        from kvconnect.layout.spec import DCPSpec
 
         size, interleave = kw.pop("dcp")
         kw["dcp"] = DCPSpec(rank=0, size=size, interleave_tokens=interleave)

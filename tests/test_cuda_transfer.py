@@ -18,8 +18,9 @@ import torch
 
 import zoo
 from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout, TransferError, transfer
-from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments
-from kvconnect.spec import ChunkKey
+from kvconnect.chunks.keys import Chunk
+from kvconnect.layout.spec import ChunkKey
+from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments
 from kvconnect.transfer import SegmentBuilder, TransferTables
 from kvconnect.transfer import cuda as cuda_path
 

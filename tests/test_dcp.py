@@ -75,7 +75,7 @@ def test_every_rank_restores_exactly_its_tokens(size, interleave, builder, rng):
         engine = KVCacheEngine(case.layout(), zoo.small_config(chunk))
         assert engine.store(tokens, tables) == boundary
         for c in engine.chunks(tokens, include_partial=False):
-            # the chunk's prefix part and window pieces merged (kvconnect/parts.py)
+            # the chunk's prefix part and window pieces merged (kvconnect/restore/parts.py)
             _, _, _, plane_rows, _ = zoo.export_logical_chunk(engine, c)
             lo, hi = zoo.local_tokens(dcp, c.start), zoo.local_tokens(dcp, c.end)
             assert plane_rows[0] == (lo, hi - lo)  # the full layer: this rank's rows of the chunk

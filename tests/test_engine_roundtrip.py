@@ -41,7 +41,7 @@ def _check_stored_chunks(engine, case, tokens, tables, bounds):
     for chunk, (s, e), m in zip(chunks, bounds, masks):
         if not m:
             continue
-        # a hybrid layout's chunk is a prefix part plus window pieces (kvconnect/parts.py):
+        # a hybrid layout's chunk is a prefix part plus window pieces (kvconnect/restore/parts.py):
         # merged, they must be exactly the reference chunk
         start, end, mask, rows, data = zoo.export_logical_chunk(engine, chunk)
         plane_rows, payload = zoo.expected_chunk(case, tables, s, e)

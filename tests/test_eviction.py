@@ -11,7 +11,7 @@ import pytest
 
 import zoo
 from kvconnect import KVCacheEngine
-from kvconnect.chunk_format import ChunkHeader
+from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.errors import ConfigError
 from kvconnect.config import Config
 from kvconnect.storage import ChunkPool

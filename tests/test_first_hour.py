@@ -88,7 +88,7 @@ def test_an_absent_mooncake_master_is_a_warning():
 
 def test_a_redis_store_that_is_down_warns_once_then_per_interval(caplog):
     pytest.importorskip("redis")
-    from kvconnect.spec import ChunkKey, Fingerprint
+    from kvconnect.layout.spec import ChunkKey, Fingerprint
     from kvconnect.storage.redis_tier import RedisTier
 
     caplog.set_level(logging.WARNING, logger="kvconnect")

@@ -1,35 +1,131 @@
-"""The module layering: lower modules never import higher ones (no import cycles)."""
+"""The package layering (docs/design.md, the map): every kvconnect module imports only from
+floors below its own, so an arrow upward or a circle fails here.
+
+A unit is a package under kvconnect/ (``layout``, ``restore``, ...) or a top-level module
+(``engine``, ``config``, ...); the ``metrics*`` modules are one unit. Imports within a unit
+are its own business.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import kvconnect
 
 ROOT = Path(kvconnect.__file__).resolve().parent
+
+# Lowest first. A unit may import the units of the floors below its own, never one beside
+# or above it.
+FLOORS = (
+    {"errors", "lmcache_names", "repeat_warning", "events", "engine_stats"},  # leaves
+    {"config", "layout"},  # the one reader of the environment; what a KV cache looks like
+    {"chunks", "metrics", "transfer"},  # keys and the stored format; counters; byte movers
+    {"storage"},  # the pool and the lower tiers
+    {"restore"},  # restore points: what is stored, found and loaded
+    {"engine", "sizing"},  # the Python API every adapter calls; what a layout stores
+    {"page_store"},  # pages under engine keys, over an engine
+    {"server"},  # the node cache server
+    {"integrations"},  # engine adapters and the presets of their allocations
+    {"cli"},  # the kvconnect command
+)
+FLOOR = {unit: n for n, units in enumerate(FLOORS) for unit in units}
+FACE = "kvconnect"  # the package's __init__: the public names of the core only
+CORE_TOP = FLOOR["page_store"]
+
+def _unit(name: str) -> str:
+    """The unit of a dotted kvconnect module name (``kvconnect.restore.gate`` -> ``restore``)."""
+    parts = name.split(".")
+    if len(parts) == 1 or parts[1] == "__init__":
+        return FACE
+    head = parts[1]
+    return "metrics" if head.startswith("metrics") else head
 
 
 def _imports(module: Path) -> set[str]:
     """Every kvconnect module ``module`` imports, at runtime or for type checking."""
     tree = ast.parse(module.read_text())
+    package = list(module.relative_to(ROOT.parent).with_suffix("").parts)
+    package = package[:-1]  # a module's package; an __init__'s is its own folder
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against kvconnect/<package>
-                base = module.parent.relative_to(ROOT.parent).parts[: len(module.parent.relative_to(ROOT.parent).parts) - node.level + 1]
-                name = ".".join(base + ((node.module,) if node.module else ()))
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            found.add(name)
-            found.update(f"{name}.{a.name}" for a in node.names)
+            if node.module is None or name == "kvconnect":  # ``from . import x``: x is the module
+                found.update(f"{name}.{a.name}" for a in node.names)
+            else:
+                found.add(name)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-    return {n for n in found if n.startswith("kvconnect")}
+    return {n for n in found if n == "kvconnect" or n.startswith("kvconnect.")}
 
 
-def test_metrics_depends_on_nothing_above_it():
-    imported = set().union(*(_imports(path) for path in ROOT.glob("metrics*.py")))  # metrics.py and its parts
-    assert not {n for n in imported if n.startswith(("kvconnect.engine", "kvconnect.storage", "kvconnect.integrations",
-                                                      "kvconnect.server", "kvconnect.cli"))}, imported
+def _modules() -> list[Path]:
+    return sorted(p for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts)
 
+
+def _known_unit(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) > 1 and ((ROOT / parts[1]).is_dir() or (ROOT / f"{parts[1]}.py").exists())
+
+
+def test_every_unit_has_a_floor():
+    units = {_unit(".".join(p.relative_to(ROOT.parent).with_suffix("").parts)) for p in _modules()}
+    assert units - {FACE} <= set(FLOOR), f"units without a floor in FLOORS: {sorted(units - {FACE} - set(FLOOR))}"
+
+
+@pytest.mark.parametrize("module", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_only_from_floors_below(module: Path):
+    me = _unit(".".join(module.relative_to(ROOT.parent).with_suffix("").parts))
+    wrong = []
+    for name in sorted(_imports(module)):
+        if not _known_unit(name):
+            continue  # a compiled extension (kvconnect._cpu_kernels) or the package itself
+        other = _unit(name)
+        if other == me:
+            continue
+        if me == FACE:
+            if FLOOR[other] > CORE_TOP:
+                wrong.append(f"{name} (the package face exports the core only)")
+        elif FLOOR[other] >= FLOOR[me]:
+            wrong.append(f"{name} ({other}, floor {FLOOR[other]}, is not below {me}, floor {FLOOR[me]})")
+    assert not wrong, f"{module.relative_to(ROOT.parent)} imports upward or sideways: {wrong}"
+
+
+# Private names still imported across modules: each goes when its module is reshaped; the
+# test below fails for a new one, and the one after it for an entry nothing imports any more.
+PRIVATE_IMPORTS_LEFT = {
+    "integrations/vllm/tensors.py": {"specs._num_heads"},
+    "integrations/vllm/translate.py": {"specs._layer_spec", "tensors._check_blocks", "tensors._device_type",
+                                       "tensors._planes_of", "tensors._row_regions", "tensors._signature"},
+    "storage/mooncake_tier.py": {"mooncake_buffers._Registered"},
+}
+
+
+def _private_imports(module: Path) -> set[str]:
+    tree = ast.parse(module.read_text())
+    return {f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            for a in node.names if a.name.startswith("_") and not _is_extension(a.name)}
+
+
+def _is_extension(name: str) -> bool:
+    """``kvconnect._cpu_kernels`` and the like: compiled modules, private by their build's choice."""
+    return any(ROOT.glob(f"{name}.*.so")) or any(ROOT.glob(f"{name}.so"))
+
+
+@pytest.mark.parametrize("module", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_name_is_imported_from_another_module(module: Path):
+    left = PRIVATE_IMPORTS_LEFT.get(str(module.relative_to(ROOT)), set())
+    private = _private_imports(module) - left
+    assert not private, f"{module.relative_to(ROOT.parent)} imports private names: {sorted(private)}"
+
+
+def test_private_imports_left_still_exist():
+    gone = {f: names - _private_imports(ROOT / f) if (ROOT / f).exists() else names for f, names in PRIVATE_IMPORTS_LEFT.items()}
+    assert not any(gone.values()), f"no longer imported: remove from PRIVATE_IMPORTS_LEFT: {gone}"

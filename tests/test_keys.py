@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import zoo
 from kvconnect import DCPSpec, KVCacheEngine, TokenError
-from kvconnect.keys import KEY_BYTES, ChunkKeyer, tokens_as_int64
+from kvconnect.chunks.keys import KEY_BYTES, ChunkKeyer, tokens_as_int64
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TOKENS = (np.arange(1000, dtype=np.int64) * 7919) % 128_000
@@ -25,8 +25,8 @@ import sys
 sys.path.insert(0, {tests!r})
 import numpy as np, zoo
 from kvconnect import DCPSpec
-from kvconnect.keys import ChunkKeyer
-from kvconnect.rows import chunk_bounds
+from kvconnect.chunks.keys import ChunkKeyer
+from kvconnect.layout.rows import chunk_bounds
 case = zoo.build({name!r}, max_tokens=300)
 fp = case.layout().fingerprint
 tokens = (np.arange(1000, dtype=np.int64) * 7919) % 128_000
@@ -36,7 +36,7 @@ print(fp.hex(), " ".join(k.hex() for k in keys))
 
 
 def _keys(layout, chunk=256, tokens=TOKENS, partial=True):
-    from kvconnect.rows import chunk_bounds
+    from kvconnect.layout.rows import chunk_bounds
 
     return ChunkKeyer(layout.fingerprint, chunk).keys(tokens_as_int64(tokens), chunk_bounds(len(tokens), chunk, partial))
 
@@ -185,7 +185,7 @@ def test_namespace_chain_cannot_be_reproduced_by_tokens():
     namespaces=st.lists(st.binary(max_size=24), min_size=2, max_size=4, unique=True),
 )
 def test_namespaced_chains_are_prefix_chains_and_disjoint(tokens, chunk, namespaces):
-    from kvconnect.rows import chunk_bounds
+    from kvconnect.layout.rows import chunk_bounds
 
     keyer = ChunkKeyer(zoo.mla(max_tokens=64).layout().fingerprint, chunk)
     tok = tokens_as_int64(np.array(tokens, dtype=np.int64))

@@ -13,7 +13,7 @@ import torch
 
 import zoo
 from kvconnect import DCPSpec, GroupKind, GroupSpec, KVLayout, LayoutError
-from kvconnect.spec import RowRegions
+from kvconnect.layout.spec import RowRegions
 from kvconnect.transfer.tables import plane_table
 
 NAMES = list(zoo.ZOO)

@@ -10,8 +10,8 @@ import pytest
 
 import zoo
 from kvconnect import KVCacheEngine, metrics
-from kvconnect import chunk_format as cf
-from kvconnect.plan import max_chunk_payload_bytes
+from kvconnect.chunks import chunk_format as cf
+from kvconnect.restore.plan import max_chunk_payload_bytes
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -192,7 +192,7 @@ def test_histogram_buckets():
 
 
 def test_a_raising_tier_is_counted_as_its_error():
-    from kvconnect.spec import ChunkKey, Fingerprint
+    from kvconnect.layout.spec import ChunkKey, Fingerprint
     from kvconnect.storage import ChunkPool, StorageManager
     from kvconnect.storage.tier import LowerTier
 

@@ -13,7 +13,7 @@ import torch
 from kvconnect import Config, ConfigError, GroupSpec, KVCacheEngine, KVLayout
 from kvconnect import config as config_module
 from kvconnect.errors import StorageError
-from kvconnect.spec import Fingerprint
+from kvconnect.layout.spec import Fingerprint
 from kvconnect.storage.manager import open_tiers
 
 # the block of seed 003 ("LMCache configuration (tag v0.4.5)"), as a shell leaves it

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from kvconnect.config import Config
 from kvconnect.engine import KVCacheEngine
 from kvconnect.errors import BlockTableError, TokenError
-from kvconnect.layout import KVLayout
-from kvconnect.page_keys import PageKeyFolder, page_chunks
+from kvconnect.layout.kv_layout import KVLayout
+from kvconnect.chunks.page_keys import PageKeyFolder, page_chunks
 from kvconnect.page_store import PageStore, restorable_prefixes
-from kvconnect.spec import GroupSpec
+from kvconnect.layout.spec import GroupSpec
 
 PAGE = 4
 
@@ -200,8 +200,8 @@ def test_restorable_prefixes_match_sglang_rules(data):
 
 def test_intact_chunk_with_other_rows_under_a_page_key_is_dropped_not_loaded():
     """A well-formed chunk (valid checksum) whose rows are not this pool's page: a miss, dropped."""
-    from kvconnect import chunk_format
-    from kvconnect.chunk_format import ChunkHeader
+    from kvconnect.chunks import chunk_format
+    from kvconnect.chunks.chunk_format import ChunkHeader
 
     layout, _ = page_layout()
     store = make_store(layout)

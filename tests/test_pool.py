@@ -16,7 +16,7 @@ import torch
 
 import zoo
 from kvconnect import KVCacheEngine, transfer
-from kvconnect.chunk_format import ChunkHeader
+from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.storage import ChunkPool
 
 SLOT = 64

@@ -13,9 +13,10 @@ import json
 
 import pytest
 
-from kvconnect import presets, sizing
+from kvconnect import sizing
 from kvconnect.cli import main
-from kvconnect.spec import GroupKind
+from kvconnect.integrations import presets
+from kvconnect.layout.spec import GroupKind
 
 CHUNK = 256
 MIB = 1 << 20
@@ -53,7 +54,7 @@ def test_prefix_chunk_and_snapshot_bytes(name):
     assert len(m.state_layers) == gdn and m.state_bytes_per_layer == state
     layout = m.layout(0)
     prefix = full * 2 * kv_heads * head_dim * 2 * CHUNK  # K and V, bf16, per 256-token chunk
-    rp = sizing.restore_points(layout, CHUNK, 4096)
+    rp = sizing.restore_point_sizing(layout, CHUNK, 4096)
     assert rp.prefix_bytes_per_chunk == prefix
     assert rp.window_part_bytes == gdn * state  # the snapshot: one state page per GDN layer
     assert rp.window_part_chunks == 1
@@ -67,14 +68,14 @@ def test_the_published_numbers():
     q35, nxt = presets.preset("qwen3.5-27b"), presets.preset("qwen3-next-80b-a3b")
     assert (q35.state_bytes_per_layer, len(q35.state_layers) * q35.state_bytes_per_layer) == (3_207_168, 153_944_064)
     assert (nxt.state_bytes_per_layer, len(nxt.state_layers) * nxt.state_bytes_per_layer) == (2_146_304, 77_266_944)
-    assert sizing.restore_points(q35.layout(0), CHUNK, 4096).prefix_bytes_per_chunk == 16 * MIB
-    assert sizing.restore_points(nxt.layout(0), CHUNK, 4096).prefix_bytes_per_chunk == 6 * MIB
+    assert sizing.restore_point_sizing(q35.layout(0), CHUNK, 4096).prefix_bytes_per_chunk == 16 * MIB
+    assert sizing.restore_point_sizing(nxt.layout(0), CHUNK, 4096).prefix_bytes_per_chunk == 6 * MIB
 
 
 def test_tp_shards_heads_and_state():
     m = presets.preset("qwen3.5-27b", tp=2)
     assert m.state_bytes_per_layer == gdn_state(16, 48, 128, 128, tp=2)
-    assert sizing.restore_points(m.layout(0), CHUNK, 4096).prefix_bytes_per_chunk == 8 * MIB
+    assert sizing.restore_point_sizing(m.layout(0), CHUNK, 4096).prefix_bytes_per_chunk == 8 * MIB
     with pytest.raises(Exception, match="Gated DeltaNet"):
         presets.preset("qwen3.5-27b", tp=32)
 

@@ -21,8 +21,9 @@ import torch
 
 from kvconnect import Config, KVCacheEngine
 from kvconnect.integrations.vllm.translate import ParallelRanks, translate_kv_caches
+from kvconnect.server import make_pool
 from kvconnect.server.server import CacheServer
-from kvconnect.spec import DCPSpec
+from kvconnect.layout.spec import DCPSpec
 from test_vllm_translate import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, NB, _filled
 
 CHUNK = 32
@@ -199,7 +200,8 @@ def test_node_server_holds_one_copy_and_every_rank_reads_it_across_a_common_rese
         if True:
             config = Config(chunk_size=CHUNK, server_url=url)
             r0, r1 = _mla(0), _mla(1, seed=50)  # rank 1's blocks hold other bytes: what it loads is rank 0's
-            writer, replica = KVCacheEngine(r0.layout, config), KVCacheEngine(r1.layout, config, shared_writer=False)
+            writer = KVCacheEngine(r0.layout, config, pool_factory=make_pool)
+            replica = KVCacheEngine(r1.layout, config, shared_writer=False, pool_factory=make_pool)
             try:
                 assert replica.store(TOKENS, _tables(r1, SRC)) == 0 and replica.stats.replica_stores_left == 1
                 assert replica.lookup(TOKENS) == 0  # nothing written yet: no promise

@@ -322,6 +322,6 @@ def test_an_inconsistent_chunk_drops_only_itself(rng):
     before = case.clone()
     assert engine.retrieve(tokens, zoo.random_tables(case, n, rng)) == 0  # nothing is loaded
     assert case.first_difference(before) is None
-    # only the bad object is dropped: chunk 2's prefix part; its window rows stay (kvconnect/parts.py)
+    # only the bad object is dropped: chunk 2's prefix part; its window rows stay (kvconnect/restore/parts.py)
     assert zoo.stored_masks(engine, engine.chunks(tokens, include_partial=False)) == [0b11, 0b11, 0b10, 0b11]
     assert engine.lookup(tokens) == 128

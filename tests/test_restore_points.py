@@ -1,4 +1,4 @@
-"""Restore points (kvconnect/parts.py): window rows stored only where a request can resume.
+"""Restore points (kvconnect/restore/parts.py): window rows stored only where a request can resume.
 
 Every hit must land on a restore point made by a store (the end of the stored tokens, a
 branch point, the first chunk end past each multiple of the interval), restore exactly the
@@ -13,9 +13,10 @@ import pytest
 
 import zoo
 from kvconnect import Config, KVCacheEngine
+from kvconnect.chunks.keys import Chunk
 from kvconnect.errors import ConfigError, LayoutError
-from kvconnect.parts import PartLayout, restore_points, window_key
-from kvconnect.plan import Chunk
+from kvconnect.restore.parts import PartLayout, window_key
+from kvconnect.restore.points import restore_points
 
 # (zoo case, chunk tokens, interval tokens, prompt tokens): window shorter and longer than a
 # chunk, compressor states, recurrent state on page edges, a DCP shard
@@ -155,9 +156,9 @@ def test_bytes_per_token_shrink_with_the_interval(rng):
     assert every.stats.stored_bytes == (n // chunk) * (parts.prefix_bytes + parts.window_bytes)
     from kvconnect import sizing  # what ``kvconnect inspect`` reports for this layout and interval
 
-    rp = sizing.restore_points(case.layout(), chunk, 2048)
+    rp = sizing.restore_point_sizing(case.layout(), chunk, 2048)
     assert rp.bytes_per_token * n == sparse.stats.stored_bytes
-    assert sizing.restore_points(case.layout(), chunk, 0).bytes_per_token * n == every.stats.stored_bytes
+    assert sizing.restore_point_sizing(case.layout(), chunk, 0).bytes_per_token * n == every.stats.stored_bytes
 
 
 @pytest.mark.parametrize("drop", ["window", "prefix"])
@@ -290,6 +291,26 @@ def test_window_pieces_round_trip_through_the_disk_tier(tmp_path, rng):
         reader.close()
 
 
+def test_sizing_counts_the_engines_own_restore_points(rng):
+    """An interval that is not a chunk multiple (320 at chunk 256): the engine makes a restore
+    point at 4 of every 5 chunk ends, and ``kvconnect inspect`` (sizing) reports the bytes of
+    exactly those window parts, not one per ceil(320 / 256) chunks."""
+    from kvconnect import sizing
+
+    chunk, interval, n = 256, 320, 1280  # one period: lcm(320, 256) tokens, ending on a restore point
+    case = zoo.dsv4(max_tokens=n)
+    tokens = zoo.random_tokens(rng, n)
+    tables = zoo.random_tables(case, n, rng, keep=zoo.window_keep(case, zoo.chunk_bounds_ref(n, chunk, False)))
+    engine = _engine(case, chunk, interval, max_local_cpu_size=0.25)
+    try:
+        assert engine.store(tokens, tables) == n
+        assert engine.stats.window_parts_stored == 4
+        rp = sizing.restore_point_sizing(case.layout(), chunk, interval)
+        assert rp.bytes_per_token * n == engine.stats.stored_bytes
+    finally:
+        engine.close()
+
+
 def test_restore_points_rule():
     chunks = [Chunk(i, i * 64, (i + 1) * 64, None) for i in range(10)]
     # a store of everything into an empty cache, interval 256: the end and every 4th chunk end
@@ -341,21 +362,22 @@ def test_interval_setting():
 def test_inspect_sizes_restore_points_per_preset():
     """``kvconnect inspect``'s restore-point figures come from the real preset layouts: DeepSeek-V4-Flash
     caches a prefix token at <= 1/4 of whole chunks' bytes at the default interval."""
-    from kvconnect import presets, sizing
+    from kvconnect import sizing
+    from kvconnect.integrations import presets
 
     layout = presets.preset("deepseek-v4-flash").layout(0)
-    rp = sizing.restore_points(layout, 256, Config().restore_interval_tokens)
+    rp = sizing.restore_point_sizing(layout, 256, Config().restore_interval_tokens)
     assert rp.split and rp.window_part_chunks == 1 and rp.pieces_per_chunk > 1
     free = rp.window_free_bytes_per_chunk  # vLLM's C128 compressor state: restore window 0 at every multiple of 128
     assert rp.window_free_groups == (6,) and free == 10 << 20 and free > rp.window_bytes_per_chunk
     assert rp.prefix_bytes_per_chunk + rp.window_bytes_per_chunk + free == rp.whole_bytes_per_token * 256
     assert rp.bytes_per_token <= rp.whole_bytes_per_token / 4
     assert rp.slot_bytes == rp.prefix_bytes_per_chunk
-    whole = sizing.restore_points(layout, 256, 0)
+    whole = sizing.restore_point_sizing(layout, 256, 0)
     assert not whole.split and whole.bytes_per_token == whole.whole_bytes_per_token
-    gemma = sizing.restore_points(presets.preset("gemma-3-27b").layout(0), 256, 4096)
+    gemma = sizing.restore_point_sizing(presets.preset("gemma-3-27b").layout(0), 256, 4096)
     assert gemma.window_part_chunks == 4  # 1024-token windows over 256-token chunks
-    plain = sizing.restore_points(presets.preset("llama-3.1-8b").layout(0), 256, 4096)
+    plain = sizing.restore_point_sizing(presets.preset("llama-3.1-8b").layout(0), 256, 4096)
     assert not plain.split
 
 

@@ -1,4 +1,4 @@
-"""Row arithmetic (kvconnect.rows) and slot mapping (plan.BlockTables), property-tested
+"""Row arithmetic (kvconnect.layout.rows) and slot mapping (kvconnect.restore.plan.BlockTables), property-tested
 against brute-force references that enumerate tokens and rows one by one."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import zoo
 from kvconnect import BlockTableError, DCPSpec, GroupKind, GroupSpec, KVLayout
-from kvconnect.plan import BlockTables, max_group_rows
-from kvconnect.rows import GroupGeometry, chunk_bounds, intersect
+from kvconnect.restore.plan import BlockTables, max_group_rows
+from kvconnect.layout.rows import GroupGeometry, chunk_bounds, intersect
 
 
 @st.composite

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 import zoo
 from kvconnect import transfer
-from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments
-from kvconnect.spec import ChunkKey
+from kvconnect.chunks.keys import Chunk
+from kvconnect.layout.spec import ChunkKey
+from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments
 from kvconnect.transfer import SegmentBuilder, TransferTables, plane_table
 from test_transfer_cpu import NAMES, _random_tables
 

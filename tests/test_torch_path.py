@@ -13,8 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from kvconnect import transfer
-from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments
-from kvconnect.spec import ChunkKey
+from kvconnect.chunks.keys import Chunk
+from kvconnect.layout.spec import ChunkKey
+from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments
 from kvconnect.transfer import SegmentBuilder
 
 NAMES = ["llama-flash", "llama-hnd-flashinfer", "dsv3-mla", "dsv3-mla-ascend", "dsv32-ascend", "dsv4-flash",

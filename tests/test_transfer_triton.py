@@ -30,8 +30,9 @@ triton = pytest.importorskip("triton")
 
 import zoo  # noqa: E402
 from kvconnect import Config, GroupSpec, KVCacheEngine, TransferError, transfer  # noqa: E402
-from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments  # noqa: E402
-from kvconnect.spec import ChunkKey  # noqa: E402
+from kvconnect.chunks.keys import Chunk  # noqa: E402
+from kvconnect.layout.spec import ChunkKey  # noqa: E402
+from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments  # noqa: E402
 from kvconnect.transfer import SegmentBuilder, TransferTables, triton_route  # noqa: E402
 from kvconnect.transfer.triton_route import TritonTuning  # noqa: E402
 

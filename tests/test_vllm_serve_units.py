@@ -143,7 +143,7 @@ def test_a_zero_pool_turns_the_connector_off_with_one_warning(caplog):
     worker.register(_translation())
     try:
         (line,) = [r for r in caplog.records if r.levelno >= logging.INFO]
-        assert line.levelno == logging.WARNING and "off" in line.getMessage() and "0 chunks" in line.getMessage()
+        assert line.levelno == logging.WARNING and "stores nothing" in line.getMessage() and "0 chunks" in line.getMessage()
         assert worker.engine is None and worker.lookup(np.arange(300, dtype=np.int64)) == 0
         assert worker.stats()["enabled"] == 0
     finally:
@@ -161,7 +161,7 @@ def test_worker_summary_after_activity(caplog):
         worker.save(StepPlan())
         lines = [r.getMessage() for r in caplog.records if "since start" in r.getMessage()]
         # the pool holds the 2 chunks' prefix parts and the window piece(s) of the restore point at the
-        # saved prompt's end (the layout has a window group: kvconnect/parts.py)
+        # saved prompt's end (the layout has a window group: kvconnect/restore/parts.py)
         pooled = 2 + worker.engine.stats.window_pieces_stored
         assert worker.engine.stats.window_pieces_stored == len(worker.engine.parts.pieces)
         assert len(lines) == 1 and "1 saves (2 chunks stored" in lines[0] and f"CPU pool {pooled}/" in lines[0]

@@ -17,10 +17,10 @@ import pytest
 import zoo
 from kvconnect import KVCacheEngine
 from kvconnect.errors import LayoutError
-from kvconnect.parts import PartLayout, window_free_mask
-from kvconnect.plan import max_group_rows
-from kvconnect.rows import GroupGeometry
-from kvconnect.spec import DCPSpec, GroupSpec
+from kvconnect.restore.parts import PartLayout, window_free_mask
+from kvconnect.restore.plan import max_group_rows
+from kvconnect.layout.rows import GroupGeometry
+from kvconnect.layout.spec import DCPSpec, GroupSpec
 
 C128_STATE = zoo.DSV4_NAMES.index("c128_state")
 

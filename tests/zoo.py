@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import dsv4_cache  # noqa: E402  (the DeepSeek-V4 cache table lives with the demo)
 
 from kvconnect import Config, DCPSpec, GroupKind, GroupSpec, KVLayout  # noqa: E402
-from kvconnect.spec import RowRegions  # noqa: E402
+from kvconnect.layout.spec import RowRegions  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -586,7 +586,7 @@ def small_config(chunk_size: int, **kw) -> Config:
     """A Config for tests: a 64 MB CPU pool, 2 kernel threads, no lower tiers, and a restore
     point at every chunk end (what the hand-computed boundaries assume) made by the restore-point
     model: an interval of one chunk, so a hybrid layout's chunks are stored as prefix parts and
-    window pieces (kvconnect/parts.py; interval 0 would store whole chunks). The restore-point
+    window pieces (kvconnect/restore/parts.py; interval 0 would store whole chunks). The restore-point
     tests (tests/test_restore_points.py) set other intervals."""
     return Config(**{"chunk_size": chunk_size, "max_local_cpu_size": 64 / 1024, "num_threads": 2,
                      "restore_interval_tokens": chunk_size, **kw})
@@ -595,8 +595,8 @@ def small_config(chunk_size: int, **kw) -> Config:
 def transplant(src_engine, dst_engine, tokens) -> int:
     """Move every stored chunk of ``tokens`` from one engine's pool to another's through the
     canonical encoded form (export_chunk -> import_chunk); returns chunks moved. A hybrid
-    layout's window pieces (kvconnect/parts.py) move with their chunk and are not counted."""
-    from kvconnect.parts import window_key
+    layout's window pieces (kvconnect/restore/parts.py) move with their chunk and are not counted."""
+    from kvconnect.restore.parts import window_key
 
     chunks = src_engine.chunks(tokens, include_partial=True)
     blobs = [(c.key, src_engine.storage.export_chunk(c.key)) for c in chunks]
@@ -611,13 +611,13 @@ def random_tokens(rng: np.random.Generator, n: int, vocab: int = 32000) -> np.nd
 
 
 # ---------------------------------------------------------------------------------------
-# the two parts of a stored chunk (kvconnect/parts.py), reassembled for format checks
+# the two parts of a stored chunk (kvconnect/restore/parts.py), reassembled for format checks
 
 
 def stored_masks(engine, chunks) -> list:
     """Per chunk, the groups stored for it in either part: its prefix part's and, when every
     window piece is present, the window groups all pieces hold (None: nothing stored)."""
-    from kvconnect.parts import window_key
+    from kvconnect.restore.parts import window_key
 
     prefix = engine.storage.masks([c.key for c in chunks])
     if not engine.parts.split:
@@ -637,8 +637,8 @@ def stored_masks(engine, chunks) -> list:
 def export_logical_chunk(engine, chunk):
     """(token start, token end, group mask, plane rows, payload) of a chunk as one object: the
     prefix part and the window pieces merged plane by plane (None when nothing is stored)."""
-    from kvconnect.chunk_format import decode_header
-    from kvconnect.parts import window_key
+    from kvconnect.chunks.chunk_format import decode_header
+    from kvconnect.restore.parts import window_key
 
     keys = [chunk.key] + ([window_key(chunk.key, i) for i in range(len(engine.parts.pieces))] if engine.parts.split else [])
     objs = [engine.storage.export_chunk(k) for k in keys]
@@ -678,7 +678,7 @@ def export_logical_chunk(engine, chunk):
 
 def remove_chunk(engine, chunk) -> None:
     """Evict a chunk from the pool as one unit: its prefix part and every window piece."""
-    from kvconnect.parts import window_key
+    from kvconnect.restore.parts import window_key
 
     engine.pool.remove(chunk.key)
     for i in range(len(engine.parts.pieces)):

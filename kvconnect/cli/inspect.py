@@ -41,7 +41,7 @@ def report(args: argparse.Namespace) -> dict:
     s = sizing.of(layout, args.chunk_size)
     supported = not model.state_layers or model.snapshots_served
     per_group_restore = [s._group_bytes(g, geo.needed_rows(restore_at)) for g, geo in enumerate(layout.geometries)]
-    rp = sizing.restore_points(layout, args.chunk_size, args.restore_interval)
+    rp = sizing.restore_point_sizing(layout, args.chunk_size, args.restore_interval)
     # what the engine keeps for N tokens: with restore points (the default on a layout with window or
     # state groups) prefix parts plus a window part per restore point, in slots of the largest part
     kept = (lambda per_token: int(per_token * tokens)) if rp.split else None

@@ -7,10 +7,10 @@ import json
 import re
 from typing import Optional
 
-from .. import presets
+from ..integrations import presets
 from ..config import Config
 from ..errors import ConfigError
-from ..spec import DCPSpec
+from ..layout.spec import DCPSpec
 
 
 def add_model_args(p: argparse.ArgumentParser, config: Config) -> None:

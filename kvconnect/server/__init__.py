@@ -10,7 +10,8 @@ Modules, by who runs them:
 - ``server``: the ZMQ loop (server). ``client``: ``SharedPoolClient``, a ``ChunkPool``
   look-alike over the shared segment (engine processes).
 
-``make_pool`` is where the engine chooses between the in-process pool and the server.
+``make_pool`` is the pool factory that chooses between the in-process pool and the server
+(``KVCacheEngine(..., pool_factory=make_pool)``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from ..config import Config
-from ..spec import Fingerprint
+from ..layout.spec import Fingerprint
 from ..storage.pool import ChunkPool
+from ..storage.pool_protocol import private_pool
 
 __all__ = ["make_pool", "close_pool"]
 
@@ -39,8 +41,7 @@ def make_pool(config: Config, slot_bytes: int, *, pin_memory: bool, fingerprint:
             config.server_url, slot_bytes, token=config.server_token, timeout_s=config.remote_timeout_s,
             pin_memory=pin_memory, fingerprint=fingerprint,
         )
-    return ChunkPool(config.private_pool_bytes, slot_bytes, pin_memory=pin_memory, eviction=config.eviction,
-                     prefault=config.pool_prefault)
+    return private_pool(config, slot_bytes, pin_memory=pin_memory, fingerprint=fingerprint)
 
 
 def close_pool(pool) -> None:

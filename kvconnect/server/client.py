@@ -48,10 +48,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import zmq
 
-from ..chunk_format import ChunkHeader, compute_checksum
+from ..chunks.chunk_format import ChunkHeader, compute_checksum
 from ..errors import StorageError
 from ..repeat_warning import RepeatingWarning
-from ..spec import ChunkKey, Fingerprint
+from ..layout.spec import ChunkKey, Fingerprint
 from ..storage.pool import PoolEntry, PoolStats, SlotViews, notify_evicted
 from . import protocol
 from .index import STATS_FIELDS
@@ -76,6 +76,8 @@ class SharedEntry(PoolEntry):
 
 
 class SharedPoolClient(SlotViews):
+    shared = True  # other engines read its entries: see storage.pool_protocol.Pool
+
     def __init__(
         self,
         url: str,
@@ -268,6 +270,13 @@ class SharedPoolClient(SlotViews):
     def clear(self) -> None:
         """Drop every entry of this client's layout (every entry when no fingerprint is set)."""
         self._call("clear", [None if self.fingerprint is None else bytes(self.fingerprint)])
+
+    def demote(self, keys: Sequence[ChunkKey]) -> int:
+        """No eviction hints to the server: its LRU serves every engine's prompts. Moves none."""
+        return 0
+
+    def reinstate(self, keys: Sequence[ChunkKey]) -> None:
+        """See ``demote``: nothing was demoted."""
 
     # -- views and stats -------------------------------------------------------------
     def slot_offset(self, slot: int) -> int:

@@ -36,9 +36,9 @@ from urllib.parse import urlsplit
 import msgpack
 import numpy as np
 
-from ..chunk_format import ChunkHeader
+from ..chunks.chunk_format import ChunkHeader
 from ..errors import ConfigError, KVConnectError
-from ..spec import ChunkKey, Fingerprint
+from ..layout.spec import ChunkKey, Fingerprint
 from .shm import SegmentInfo
 
 PROTOCOL_VERSION = 1

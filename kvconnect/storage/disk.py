@@ -36,11 +36,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .. import chunk_format
-from ..chunk_format import ChunkHeader
+from ..chunks import chunk_format
+from ..chunks.chunk_format import ChunkHeader
 from ..errors import CorruptChunkError, StorageError
+from ..layout.spec import ChunkKey, Fingerprint
 from ..repeat_warning import RepeatingWarning
-from ..spec import ChunkKey, Fingerprint
 from .tier import LowerTier, StoreItem, TierStats, read_header
 
 logger = logging.getLogger(__name__)

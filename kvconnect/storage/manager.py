@@ -32,10 +32,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
-from .. import chunk_format
+from ..chunks import chunk_format
 from ..metrics import TierMeter
 from ..errors import ConfigError, CorruptChunkError
-from ..spec import ChunkKey, Fingerprint
+from ..layout.spec import ChunkKey, Fingerprint
 from .pool import ChunkPool, PoolEntry
 from .tier import LowerTier
 from .writer import WriteBehind

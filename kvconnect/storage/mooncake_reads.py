@@ -38,10 +38,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .. import chunk_format
-from ..chunk_format import ChunkHeader
+from ..chunks import chunk_format
+from ..chunks.chunk_format import ChunkHeader
 from ..errors import CorruptChunkError
-from ..spec import ChunkKey
+from ..layout.spec import ChunkKey
 from .mooncake_buffers import BATCH_KEYS, HEADER_SLOT_BYTES, view_address
 from .mooncake_codes import Meaning
 from .tier import read_header

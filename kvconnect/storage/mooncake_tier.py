@@ -49,7 +49,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..spec import ChunkKey, Fingerprint
+from ..layout.spec import ChunkKey, Fingerprint
 from .mooncake_buffers import BATCH_KEYS, HEADER_SLOT_BYTES, _Registered, view_address
 from .mooncake_codes import Meaning, Tally, meaning
 from .mooncake_config import MooncakeSpec

@@ -30,8 +30,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..chunk_format import ChunkHeader
-from ..spec import ChunkKey
+from ..chunks.chunk_format import ChunkHeader
+from ..layout.spec import ChunkKey
 from .eviction import DEFAULT_POLICY, make_policy
 from .host_memory import allocate, prefault_in_background
 
@@ -83,6 +83,8 @@ class SlotViews:
 
 
 class ChunkPool(SlotViews):
+    shared = False  # this engine's own: see pool_protocol.Pool
+
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool = False,
                  eviction: str = DEFAULT_POLICY, prefault: bool = False,
                  what: str = "max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE)") -> None:

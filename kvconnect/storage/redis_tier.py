@@ -39,10 +39,10 @@ import threading
 import urllib.parse
 from typing import Any, Callable, Optional, Sequence
 
-from .. import chunk_format
+from ..chunks import chunk_format
 from ..errors import ConfigError, StorageError
 from ..repeat_warning import RepeatingWarning
-from ..spec import ChunkKey, Fingerprint
+from ..layout.spec import ChunkKey, Fingerprint
 from .tier import Breaker, LowerTier, StoreItem, peek_mask
 
 logger = logging.getLogger(__name__)

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 
-from .. import chunk_format
-from ..chunk_format import ChunkHeader
+from ..chunks import chunk_format
+from ..chunks.chunk_format import ChunkHeader
 from ..errors import CorruptChunkError
-from ..spec import ChunkKey, Fingerprint
+from ..layout.spec import ChunkKey, Fingerprint
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ..spec import ChunkKey
+from ..layout.spec import ChunkKey
 from .pool import ChunkPool, PoolEntry
 from .tier import LowerTier, StoreItem
 

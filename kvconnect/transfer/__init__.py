@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import TransferError
-from ..layout import KVLayout
+from ..layout.kv_layout import KVLayout
 from . import torch_impl, triton_route
 from .tables import SEGMENT_COLS, SegmentBuilder, TransferTables, plane_table
 

@@ -35,7 +35,7 @@ from typing import Optional, Union
 import torch
 
 from ..errors import TransferError
-from ..layout import KVLayout
+from ..layout.kv_layout import KVLayout
 from .tables import TransferTables, plane_table
 
 try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layout import KVLayout
+from ..layout.kv_layout import KVLayout
 
 PLANE_COLS = 6
 SEGMENT_COLS = 4

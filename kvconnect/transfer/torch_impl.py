@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..layout import KVLayout
+from ..layout.kv_layout import KVLayout
 from .tables import TransferTables, plane_table
 
 _byte_views: "weakref.WeakKeyDictionary[KVLayout, list[torch.Tensor]]" = weakref.WeakKeyDictionary()

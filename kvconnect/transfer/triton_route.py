@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import TransferError
-from ..layout import KVLayout
+from ..layout.kv_layout import KVLayout
 from .tables import TransferTables, plane_table
 
 try:

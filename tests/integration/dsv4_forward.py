@@ -214,7 +214,7 @@ def main() -> None:
             result["flushed"] = worker.engine.storage.flush(timeout_s=60.0)
         result["stats"] = worker.stats()
         if worker.engine is not None:  # what the adapter's window-free rules made of the layout (engine_tables)
-            from kvconnect.plan import max_group_rows
+            from kvconnect.restore.plan import max_group_rows
 
             layout, parts = worker.engine.layout, worker.engine.parts
             rows = max_group_rows(layout, worker.engine.config.chunk_size)

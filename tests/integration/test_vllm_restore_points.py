@@ -2,7 +2,7 @@
 Gemma-3-like model: window 64 + full attention, hybrid allocator on), greedy decoding.
 
 With a restore interval of 256 tokens, a stored prompt keeps its window rows only at 256,
-512, ..., at its end and where it leaves an already stored prefix (kvconnect/parts.py).
+512, ..., at its end and where it leaves an already stored prefix (kvconnect/restore/parts.py).
 Prompts that share a prefix at, between and beyond those points, and a branching
 conversation, must load exactly the largest restore point of their shared prefix, and
 their outputs and logprobs must equal a run without the connector.

@@ -192,7 +192,7 @@ def run(config, caches, translation, buf, boundary: int, seed: int) -> dict:
         expected.update(prompt.read(layer, ratio, src, group_of, boundary))
 
     tokens = rng.integers(0, 32000, PROMPT).astype(np.int64)
-    # a restore point at every chunk end (window parts through kvconnect/parts.py), so the restore
+    # a restore point at every chunk end (window parts through kvconnect/restore/parts.py), so the restore
     # can stop at a boundary inside the stored prompt
     engine = KVCacheEngine(translation.layout, Config(chunk_size=CHUNK, max_local_cpu_size=0.5,
                                                       restore_interval_tokens=CHUNK))

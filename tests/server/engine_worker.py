@@ -16,13 +16,14 @@ import time
 
 import server_rig
 from kvconnect import Config, KVCacheEngine
+from kvconnect.server import make_pool
 from kvconnect.server.client import SharedPoolClient
 
 
 def store(url: str, name: str, chunk: int, num_tokens: int, seed: int) -> None:
     case, tokens, tables, _ = server_rig.prompt(name, chunk, num_tokens, seed)
     config = Config(chunk_size=chunk, num_threads=2, server_url=url, remote_timeout_s=5.0)
-    engine = KVCacheEngine(case.layout(), config)
+    engine = KVCacheEngine(case.layout(), config, pool_factory=make_pool)
     stored = engine.store(tokens, tables)
     connected = engine.pool.connected
     engine.close()

@@ -218,7 +218,7 @@ def live():
         client = SharedPoolClient(server.url, PAGE, timeout_s=5.0, fingerprint=FP)
         (slot,) = client.reserve(1)
         client.slot_view(slot)[:] = 0x5A
-        from kvconnect.chunk_format import ChunkHeader
+        from kvconnect.chunks.chunk_format import ChunkHeader
 
         client.commit(KEY, ChunkHeader(fingerprint=FP, key=KEY, token_start=0, token_end=64, group_mask=3,
                                        plane_rows=((0, 4),), payload_bytes=PAGE), slot)

@@ -20,9 +20,10 @@ import pytest
 import server_rig
 import zoo
 from kvconnect import Config, KVCacheEngine
-from kvconnect.chunk_format import ChunkHeader
+from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.cli import main as cli_main
 from kvconnect.errors import ConfigError
+from kvconnect.server import make_pool
 from kvconnect.server.client import SharedPoolClient
 from kvconnect.server.protocol import Limits
 from kvconnect.server.server import CacheServer
@@ -77,7 +78,8 @@ def test_two_engine_processes_share_the_pool(server_proc):
         boundary = zoo.expected_boundary(case, bounds, zoo.store_masks(case, src_tables, bounds))
         assert boundary > 0
         dst = case.clone(fill=0)
-        engine = KVCacheEngine(dst.layout(), Config(chunk_size=chunk, num_threads=2, server_url=server_proc, remote_timeout_s=5.0))
+        engine = KVCacheEngine(dst.layout(), Config(chunk_size=chunk, num_threads=2, server_url=server_proc, remote_timeout_s=5.0),
+                               pool_factory=make_pool)
         try:
             assert engine.pool.connected
             assert engine.lookup(tokens) == boundary  # the worker's close() left the shared entries alone
@@ -136,7 +138,8 @@ def test_server_killed_then_restarted(clean_env):
     with socket_dir() as d:
         url, log = f"ipc://{d}/kvc.sock", os.path.join(d, "server.log")
         proc = server_rig.start_server_process(url, log)
-        engine = KVCacheEngine(case.layout(), Config(chunk_size=chunk, num_threads=2, server_url=url, remote_timeout_s=0.5))
+        engine = KVCacheEngine(case.layout(), Config(chunk_size=chunk, num_threads=2, server_url=url, remote_timeout_s=0.5),
+                               pool_factory=make_pool)
         holder = SharedPoolClient(url, PAGE, timeout_s=0.5, fingerprint=FP)
         try:
             assert engine.store(tokens, src_tables) == 3 * chunk
@@ -161,7 +164,8 @@ def test_server_killed_then_restarted(clean_env):
             assert engine.lookup(tokens) == 0  # a new server starts empty
             assert engine.store(tokens, src_tables) == 3 * chunk
             dst = case.clone(fill=0)
-            reader = KVCacheEngine(dst.layout(), Config(chunk_size=chunk, num_threads=2, server_url=url, remote_timeout_s=2.0))
+            reader = KVCacheEngine(dst.layout(), Config(chunk_size=chunk, num_threads=2, server_url=url, remote_timeout_s=2.0),
+                                    pool_factory=make_pool)
             try:
                 expected = zoo.expected_restore(case, dst.clone(), src_tables, dst_tables, 3 * chunk)
                 assert reader.retrieve(tokens, dst_tables) == 3 * chunk
@@ -266,3 +270,11 @@ def test_make_pool_picks_the_private_pool_without_a_server_url():
     assert isinstance(pool, ChunkPool) and pool.num_slots == 256
     close_pool(pool)
     assert len(pool) == 0
+
+
+def test_an_engine_made_without_the_server_factory_refuses_a_server_url():
+    """The core never reaches the server itself: an engine with ``server_url`` set but the
+    default private pool would share nothing, so it refuses before allocating anything."""
+    case = zoo.build("llama-flash", max_tokens=64)
+    with pytest.raises(ConfigError, match="pool_factory=kvconnect.server.make_pool"):
+        KVCacheEngine(case.layout(), Config(chunk_size=64, server_url="ipc:///tmp/kvc-never-started.sock"))

@@ -70,8 +70,9 @@ def test_server_exporter(tmp_path):
 ENGINE_SCRIPT = """
 import sys, time, numpy as np, torch
 from kvconnect import GroupSpec, KVCacheEngine, KVLayout
+from kvconnect.server import make_pool
 kv = {"l0": torch.zeros(2, 8, 16, 2, 16, dtype=torch.bfloat16)}
-engine = KVCacheEngine(KVLayout.from_tensors(kv, groups=[GroupSpec(block_size=16)]))
+engine = KVCacheEngine(KVLayout.from_tensors(kv, groups=[GroupSpec(block_size=16)]), pool_factory=make_pool)
 engine.store(np.arange(64), list(range(4)))
 engine.lookup(np.arange(64))
 print("ready", flush=True)

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 import server_rig
-from kvconnect.chunk_format import ChunkHeader
+from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.cli import main as cli_main
 from kvconnect.errors import ConfigError, StorageError
 from kvconnect.server.admission import PeerPolicy, parse_peer_address

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvconnect import chunk_format
-from kvconnect.chunk_format import ChunkHeader
+from kvconnect.chunks import chunk_format
+from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.errors import StorageError
-from kvconnect.spec import ChunkKey, Fingerprint
+from kvconnect.layout.spec import ChunkKey, Fingerprint
 from kvconnect.storage import disk as disk_mod
 from kvconnect.storage.disk import DiskTier
 from kvconnect.storage.tier import StoreItem

@@ -68,7 +68,7 @@ def stored(master):
     peer = Peer("store-hybrid", master.address, str(SEGMENT), str(SEED))
     assert peer.result["connected"] and peer.result["flushed"], peer.result
     # 3 prefix parts plus the window pieces of the restore point at the prompt's end, each an object
-    # of its own in Mooncake (kvconnect/parts.py)
+    # of its own in Mooncake (kvconnect/restore/parts.py)
     assert peer.result["window_pieces"] > 0
     assert peer.result["stored"] == 3 * HYBRID_CHUNK and peer.result["written"] == 3 + peer.result["window_pieces"]
     yield peer
@@ -98,7 +98,7 @@ def test_hybrid_layout_round_trips_byte_exact_between_processes(stored, master, 
         assert engine.retrieve(tokens, dst_tables) == boundary
         assert dst.first_difference(expected) is None
         stats = _tier(engine).stats()
-        # 3 prefix parts and the window pieces of the one restore point used (kvconnect/parts.py)
+        # 3 prefix parts and the window pieces of the one restore point used (kvconnect/restore/parts.py)
         assert engine.stats.window_pieces_retrieved > 0
         assert stats.get_hits == 3 + engine.stats.window_pieces_retrieved and stats.corrupt == 0 and stats.errors == 0
         assert _tier(engine).counters["registered_bytes"] >= engine.pool.num_slots * engine.pool.slot_bytes

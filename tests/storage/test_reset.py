@@ -11,8 +11,9 @@ import pytest
 
 import kv_rig
 from kvconnect import Config, KVCacheEngine
-from kvconnect.keys import ChunkKeyer
-from kvconnect.page_keys import PageKeyFolder
+from kvconnect.chunks.keys import ChunkKeyer
+from kvconnect.chunks.page_keys import PageKeyFolder
+from kvconnect.server import make_pool
 from redis_server import RedisNode, redis_available
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server"))
@@ -89,7 +90,7 @@ def test_reset_on_a_shared_node_server_leaves_other_engines_hits():
     with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock", size_bytes=8 << 20) as server:
         url = f"ipc://{d}/kvc.sock"
         cfg = Config(chunk_size=kv_rig.CHUNK_TOKENS, num_threads=1, server_url=url, remote_timeout_s=5.0)
-        updated, old = KVCacheEngine(layout, cfg), KVCacheEngine(layout, cfg)
+        updated, old = KVCacheEngine(layout, cfg, pool_factory=make_pool), KVCacheEngine(layout, cfg, pool_factory=make_pool)
         toks = kv_rig.tokens(5, N)
         assert kv_rig.store_prompt(updated, 5, N) == N
         # commits to the node server are sent without waiting; the writer's next call orders them

@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 
 import pytest
 
-from kvconnect import chunk_format
+from kvconnect.chunks import chunk_format
 from kvconnect.errors import ConfigError
-from kvconnect.spec import ChunkKey
+from kvconnect.layout.spec import ChunkKey
 from kvconnect.storage import ChunkPool, StorageManager
 from kvconnect.storage.disk import DiskTier
 from kvconnect.storage.tier import Breaker, LowerTier, StoreItem

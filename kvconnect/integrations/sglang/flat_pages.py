@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvconnect.chunk_format import ChunkHeader
+from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.engine import KVCacheEngine
-from kvconnect.page_keys import PageKeyFolder
+from kvconnect.chunks.page_keys import PageKeyFolder
 
 logger = logging.getLogger(__name__)
 

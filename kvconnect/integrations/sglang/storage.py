@@ -10,7 +10,7 @@ tensors when ``"interface_v1"`` is not set in the extra config.
 
 Each registered pool becomes one group of a kvconnect layout (``host_pools``); one stored
 object is one page of one pool, under SGLang's page key folded with the layout fingerprint
-(``kvconnect.page_keys``) and moved by kvconnect's compiled CPU kernel (``PageStore``).
+(``kvconnect.chunks.page_keys``) and moved by kvconnect's compiled CPU kernel (``PageStore``).
 Every entry point catches failures: a tier that is down or slow, a corrupt page or a bug
 here is a miss (False / 0) and a log line, never an exception into SGLang's controller.
 
@@ -45,9 +45,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvconnect.config import Config
 from kvconnect.engine import KVCacheEngine
 from kvconnect.errors import LayoutError
-from kvconnect.layout import KVLayout
+from kvconnect.layout.kv_layout import KVLayout
 from kvconnect.page_store import PageStore, restorable_prefixes
-from kvconnect.spec import GroupSpec
+from kvconnect.server import make_pool
+from kvconnect.layout.spec import GroupSpec
 
 from .flat_pages import FlatPages
 from .host_pools import PoolPlanes, pool_planes
@@ -184,7 +185,7 @@ class KVConnectStorage(HiCacheStorage):
             config = dataclasses.replace(self.config, chunk_size=page_tokens)
             # SGLang hands over pages under its own keys and asks for them page by page: each page is
             # one whole object (its hybrid pools' restores are SGLang's own), not restore-point parts
-            engine = KVCacheEngine(layout, config, window_parts=False)
+            engine = KVCacheEngine(layout, config, window_parts=False, pool_factory=make_pool)
             self._store = PageStore(engine)
             if KV in self._groups:
                 self._flat = FlatPages(engine, self._pools[KV], self._store.page_bytes(self._groups[KV]))

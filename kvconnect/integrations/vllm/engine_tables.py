@@ -71,7 +71,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvconnect.spec import RowRegions
+from kvconnect.layout.spec import RowRegions
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 VLLM_LOGGER = "vllm.kvconnect"
 _CORE = "kvconnect"
@@ -92,13 +92,3 @@ def registration_line(layout, config, pool, storage) -> str:
             f"{human_bytes(chunk_bytes)} per {config.chunk_size}-token chunk, tiers {'+'.join(tiers)}, "
             f"CPU pool {human_bytes(pool_bytes)} ({getattr(pool, 'num_slots', 0)} chunks, {getattr(pool, 'eviction', 'shared')} "
             f"eviction)")
-
-
-def off_reason(engine: object, config) -> Optional[str]:
-    """Why a registered engine could never hit, or None. Every chunk passes through the CPU
-    pool (lower tiers are written from it and read into it), so a pool of 0 chunks is off."""
-    pool = engine.pool
-    if getattr(pool, "num_slots", 1) == 0:
-        return (f"the CPU pool holds 0 chunks of {human_bytes(pool.slot_bytes)} (local_cpu={config.local_cpu}, "
-                f"max_local_cpu_size={config.max_local_cpu_size} GB)")
-    return None

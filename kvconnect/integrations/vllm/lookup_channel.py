@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from kvconnect.errors import ConfigError
-from kvconnect.keys import MAX_NAMESPACE_BYTES, generation_bytes
+from kvconnect.chunks.keys import MAX_NAMESPACE_BYTES, generation_bytes
 
 logger = logging.getLogger(__name__)
 

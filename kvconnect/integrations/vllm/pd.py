@@ -157,7 +157,7 @@ class PDScheduler:
             return None, False  # ask later, without touching the tier
         waiting.probed = now
         needed = waiting.stored.tokens  # <= the prompt (transfer_params.mismatch)
-        generation = waiting.stored.generation  # the producer's, whatever this server's own (keys.py)
+        generation = waiting.stored.generation  # the producer's, whatever this server's own (kvconnect/chunks/keys.py)
         if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False,
                                       generation=generation) < needed and not expired:
             waiting.interval_s = max(min(2 * waiting.interval_s, max(self.poll_interval_s, MAX_POLL_INTERVAL_S)),

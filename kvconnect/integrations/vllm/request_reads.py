@@ -10,7 +10,7 @@ from typing import Any, Optional
 import msgpack
 import numpy as np
 
-from kvconnect.keys import MAX_NAMESPACE_BYTES
+from kvconnect.chunks.keys import MAX_NAMESPACE_BYTES
 
 from .metadata import BlockIds, RequestView, freeze_block_ids
 

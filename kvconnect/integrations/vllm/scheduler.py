@@ -23,7 +23,7 @@ prompt: a chunk that generated tokens complete is saved in the decode step that 
 its last token, under the key chain of prompt + outputs, so a next turn that sends the
 conversation back hits it. Token ids are read (``tokens_of``) only when a chunk completes.
 
-Key generations (keys.py): the scheduler chooses them. It starts with none (the empty
+Key generations (kvconnect/chunks/keys.py): the scheduler chooses them. It starts with none (the empty
 generation, as every engine does); ``reset_cache`` (vLLM's reset_connector) moves it to a new
 random one and tells every worker to move to the same one. A request's saves name the
 generation of the scheduler when it was admitted (a request admitted before a reset is stored
@@ -45,7 +45,7 @@ from typing import Callable, Collection, Mapping, Optional, Protocol
 
 import numpy as np
 
-from kvconnect.keys import new_generation
+from kvconnect.chunks.keys import new_generation
 
 from .metadata import SAVE_SLACK_STEPS, BlockIds, LoadJob, RequestView, SaveJob, StepPlan
 from .logs import Periodic

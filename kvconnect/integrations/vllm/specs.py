@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Any, Optional
 
 from kvconnect.errors import UnsupportedLayoutError
-from kvconnect.spec import GroupSpec
+from kvconnect.layout.spec import GroupSpec
 
 from . import engine_tables, recurrent
 from .engine_tables import EngineRelease

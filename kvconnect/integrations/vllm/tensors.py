@@ -10,7 +10,7 @@ applies this to every layer it keeps.
 | a layer whose module reports a tiled layout (``tiled_layers``: ROCm V3.2 indexer) | one opaque page per block |
 | 4-D ``[B, H, N, C]`` whose ``(H, C)`` is contiguous per token (vLLM >= 0.32, MLA ``[B, 1, N, 576]``) | one plane ``[B, N, H*C]`` |
 | 4-D ``[B, H, N, C]`` otherwise (HND)                     | one plane per head |
-| 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout_detect`` |
+| 4-D ``[B, N, H, C]``, 3-D ``[B, N, C]``, 5-D flash / FlashInfer | ``kvconnect.layout.detect`` |
 
 Views of one layer that only re-read bytes its other views cover (vLLM-Ascend A5's third
 indexer view) are stored once; a partial overlap is refused (``_distinct_views``). Registered
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from kvconnect.errors import LayoutError, UnsupportedLayoutError
-from kvconnect.spec import GroupSpec, RowRegions
-from kvconnect.views import distinct_view_indices
+from kvconnect.layout.spec import GroupSpec, RowRegions
+from kvconnect.layout.views import distinct_view_indices
 
 from . import recurrent
 from .engine_tables import EngineRelease
@@ -55,7 +55,7 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
 
 def _distinct_views(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """A layer's tensors without the views that only re-read bytes earlier tensors cover
-    (``kvconnect.views``: vLLM-Ascend A5 registers the C4 indexer as K, scale and a third view
+    (``kvconnect.layout.views``: vLLM-Ascend A5 registers the C4 indexer as K, scale and a third view
     over both). A partial overlap is refused: the connector stays off for the model."""
     try:
         kept = distinct_view_indices("", tensors)

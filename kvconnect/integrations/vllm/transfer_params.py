@@ -38,7 +38,7 @@ import blake3
 import numpy as np
 
 from kvconnect.errors import KVConnectError
-from kvconnect.keys import GENERATION_BYTES
+from kvconnect.chunks.keys import GENERATION_BYTES
 
 KEY = "kvconnect"
 VERSION = 1
@@ -61,7 +61,7 @@ class StoredPrefill:
     prompt_digest: str
     model: str = ""
     engine_id: str = ""
-    generation: bytes = b""  # the producer's key generation (keys.py): empty or GENERATION_BYTES bytes
+    generation: bytes = b""  # the producer's key generation (kvconnect/chunks/keys.py): empty or GENERATION_BYTES bytes
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` the producer returns from ``request_finished``."""

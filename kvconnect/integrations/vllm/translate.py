@@ -55,9 +55,9 @@ import numpy as np
 import torch
 
 from kvconnect.errors import BlockTableError, LayoutError, UnsupportedLayoutError
-from kvconnect.layout import KVLayout
-from kvconnect.layout_detect import split_planes
-from kvconnect.spec import DCPSpec, GroupSpec, RowRegions
+from kvconnect.layout.kv_layout import KVLayout
+from kvconnect.layout.detect import split_planes
+from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions
 
 from . import engine_tables, recurrent
 from .engine_tables import EngineRelease

@@ -42,10 +42,11 @@ import numpy as np
 
 from kvconnect.config import Config
 from kvconnect.engine import KVCacheEngine
+from kvconnect.server import make_pool
 from kvconnect.transfer.placement import pin_current_thread, plan_copy_threads
 
 from .lookup_channel import LookupServer
-from .logs import Periodic, off_reason, registration_line
+from .logs import Periodic, registration_line
 from .metadata import SAVE_SLACK_STEPS, LoadJob, SaveJob, StepPlan
 from .sleep import KVMemoryGate
 from .translate import NULL_BLOCK_ID, Translation
@@ -90,11 +91,10 @@ class KVConnectWorker:
         Raises LayoutError when the engine cannot serve the layout (e.g. a chunk size that is
         not a multiple of a page group's block size); the worker then stays off (0 hits).
         """
-        engine = KVCacheEngine(translation.layout, self.config, shared_writer=shared_writer)
-        reason = off_reason(engine, self.config)
-        if reason is not None:
+        engine = KVCacheEngine(translation.layout, self.config, shared_writer=shared_writer, pool_factory=make_pool)
+        if engine.stores_nothing:  # the engine has said why, once
             engine.close()
-            logger.warning("kvconnect: off: %s", reason)
+            logger.debug("kvconnect: off for this engine: %s", engine.stores_nothing)
             return
         placement = plan_copy_threads(self.config.num_threads, device_type=translation.layout.device.type)
         engine.store_threads, engine.load_threads = placement.store_threads, placement.load_threads

@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass
 from typing import NewType, Optional
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 ChunkKey = NewType("ChunkKey", bytes)
 """16-byte key of one chunk: a prefix hash chain over token ids, namespaced by layout."""

@@ -1,27 +1,28 @@
-"""The two parts of a stored prefix, and where restore points are made.
+"""The two parts of a stored prefix: a prefix part per chunk, window parts at restore points.
 
 A group whose rows of all of [0, P) stay needed to resume at P (full and compressed
 attention, indexers) is stored per chunk: the *prefix part* of the chunk, under the chunk's
 key. A group that needs only the rows (or state) just before P (a sliding window, a
 compressor state, a recurrent state: anything with a restore window) is stored only where a
-request can resume: the *window part* at a restore point P. A hit is the largest restore
-point P such that every prefix part of [0, P) and the window part at P are present.
+request can resume: the *window part* at a restore point P (``points.py`` says where those
+are). A hit is the largest restore point P such that every prefix part of [0, P) and the
+window part at P are present.
 
 The window part at P is made of the window rows of the chunks that hold rows of the
-window before P (one chunk when the window is at most a chunk, e.g. DeepSeek V4's; four
-for Gemma 3's 1024-token window at chunk 256). A chunk's window rows are the same whatever
-restore point needs them (rows of [max(s, e - W), e)), so they are keyed by the chunk:
-``window_key(chunk key, piece)``, a BLAKE3 hash of a domain tag, the chunk key and the piece
-number. The key is content-only and block-size-free like the chunk key it derives from,
-and never equals a chain key (chain steps are keyed BLAKE3, this is unkeyed with a tag).
-With restore points at every chunk end (interval 0) this stores exactly the rows a chunk
-stored before parts existed, in two objects.
+window before P (``gate.window_walk``: one chunk when the window is at most a chunk, e.g.
+DeepSeek V4's; four for Gemma 3's 1024-token window at chunk 256). A chunk's window rows
+are the same whatever restore point needs them (rows of [max(s, e - W), e)), so they are
+keyed by the chunk: ``window_key(chunk key, piece)``, a BLAKE3 hash of a domain tag, the
+chunk key and the piece number. The key is content-only and block-size-free like the chunk
+key it derives from, and never equals a chain key (chain steps are keyed BLAKE3, this is
+unkeyed with a tag). With restore points at every chunk end (interval 0) the parts of a
+chunk hold exactly the rows of the whole chunk, so the engine then stores it whole.
 
 A chunk's window rows are cut into *pieces* of whole planes, each at most one pool slot,
 so the pool's fixed slots are sized to the prefix part (DeepSeek-V4-Flash: ~1 MiB of the
-~16 MiB a whole chunk held) and not to the largest object. A window part is present only
+~16 MiB a whole chunk holds) and not to the largest object. A window part is present only
 when every piece is; each piece is an object of its own in every tier, with the chunk
-format's own checks (its header says ``part = PART_WINDOW``).
+format's own checks; its header's group mask holds window groups only.
 
 Window-free groups. A window group whose restore window is 0 at restore points that are
 multiples of N tokens (``GroupSpec.window_free_every``, set by an adapter per engine release
@@ -30,29 +31,19 @@ full chunk's end is then such a multiple and needs none of its rows. A restore p
 not (a partial chunk's end) needs its rows, finds them in no part (no piece's group mask has
 the group) and is never a hit: the restore falls back to an earlier point. With parts off
 (``split=False``) every group is stored whole and the rule only skips the copy at aligned points.
-
-Where restore points are made (``restore_points``), from what a store is told:
-the end of the stored tokens (the end of a prompt or of stored decode output: where the
-engine resumes), the point where the stored tokens leave a prefix already stored (a shared
-system prompt, a branching conversation), and the first chunk end at or past every multiple
-of the retention interval (``restore_interval_tokens``; 0: every chunk end).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import blake3
 import numpy as np
 
-from .layout import KVLayout
-from .plan import Chunk, max_chunk_payload_bytes, max_group_rows
-from .rows import intersect
-from .spec import ChunkKey
+from ..layout.kv_layout import KVLayout
+from ..layout.spec import ChunkKey
+from .plan import max_chunk_payload_bytes, max_group_rows
 
-PART_PREFIX = 0  # a chunk's prefix part (or, without window groups, the whole chunk)
-PART_WINDOW = 1  # one piece of a chunk's window rows
 MAX_PIECES = 16  # a chunk's window rows are cut into at most about this many pieces
 _WINDOW_DOMAIN = b"kvconnect/window-part/v1\x00"
 
@@ -68,7 +59,7 @@ class PartLayout:
     """How a layout's chunks split into a prefix part and window pieces.
 
     ``window_mask`` is 0 when the layout has no window group or parts are off
-    (``split=False``): then the prefix part is the whole chunk, as before parts existed.
+    (``split=False``): then the prefix part is the whole chunk.
     """
 
     prefix_mask: int
@@ -126,48 +117,5 @@ def window_free_mask(layout: KVLayout, chunk_tokens: int) -> int:
     """Window groups whose restore window is 0 at every full chunk's end (``GroupSpec.window_free_every``
     divides the chunk size): stored in no part. A restore point that is not such a multiple (a
     partial chunk's end) needs their rows, finds them in no part, and so is never a hit there."""
-    return sum(1 << g for g, geo in enumerate(layout.geometries)
-               if geo.window_tokens is not None and geo.window_free_every and chunk_tokens % geo.window_free_every == 0)
-
-
-def window_chunks(layout: KVLayout, window_mask: int, chunks: Sequence[Chunk], k: int) -> list[int]:
-    """Indices of the chunks (<= k) holding window rows needed to resume at ``chunks[k].end``;
-    chunk k itself always (its piece may hold no row, e.g. a state group's partial page)."""
-    boundary = chunks[k].end
-    geos = [(geo, geo.needed_rows(boundary)) for g, geo in enumerate(layout.geometries) if (window_mask >> g) & 1]
-    out = []
-    for j in range(k, -1, -1):
-        below = True
-        hit = False
-        for geo, needed in geos:
-            rows = geo.chunk_rows(chunks[j].start, chunks[j].end)
-            lo, hi = intersect(rows, needed)
-            hit = hit or hi > lo
-            below = below and rows[1] <= needed[0]
-        if hit or j == k:
-            out.append(j)
-        if below:
-            break
-    return out
-
-
-def restore_points(chunks: Sequence[Chunk], first: int, present: Sequence[bool], interval_tokens: int) -> list[int]:
-    """Indices k whose chunk end is a restore point of a store of ``chunks[first:]``.
-
-    ``present[k]``: chunk k's prefix part was stored before this store (known for k >= first).
-    Restore points: the last chunk's end; where the stored tokens leave an already stored
-    prefix (the end of the last present chunk before the first absent one, the store's own
-    start included); the first chunk end at or past every multiple of ``interval_tokens``
-    (0: every chunk end).
-    """
-    if first >= len(chunks):
-        return []
-    points = {len(chunks) - 1}
-    absent = [k for k in range(first, len(chunks)) if not present[k]]
-    if absent and absent[0] > 0:
-        points.add(absent[0] - 1)  # the branch point (for absent[0] == first: the store's start)
-    for k in range(first, len(chunks)):
-        c = chunks[k]
-        if interval_tokens == 0 or c.end // interval_tokens > c.start // interval_tokens:
-            points.add(k)
-    return sorted(points)
+    # a multiple of the chunk size is one of N when the chunk size is
+    return sum(1 << g for g, geo in enumerate(layout.geometries) if geo.window_tokens is not None and geo.window_free_at(chunk_tokens))

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int, int, int, int]:

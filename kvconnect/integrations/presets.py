@@ -39,10 +39,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .errors import ConfigError
-from .layout import KVLayout
-from .spec import DCPSpec, GroupKind, GroupSpec, RowRegions
-from .integrations.vllm.engine_tables import DSV4_C128_STATE_FREE
+from ..errors import ConfigError
+from ..layout.kv_layout import KVLayout
+from ..layout.spec import DCPSpec, GroupKind, GroupSpec, RowRegions
+from .vllm.engine_tables import DSV4_C128_STATE_FREE
 
 ENGINES = ("vllm", "vllm-ascend", "sglang")
 # Engines whose kvconnect adapter stores recurrent-state snapshots at restore points: vLLM

@@ -28,8 +28,8 @@ import msgpack
 import torch
 
 from .views import drop_aliased_views
-from .errors import LayoutError
-from .layout_detect import plane_geometry, split_planes, split_regions
+from ..errors import LayoutError
+from .detect import plane_geometry, split_planes, split_regions
 from .rows import GroupGeometry
 from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec, RowRegions
 

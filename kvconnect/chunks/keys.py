@@ -24,14 +24,26 @@ scheduler names its generation to its workers and, in P/D params, to a decode se
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 import blake3
 import numpy as np
 import torch
 
-from .errors import TokenError
-from .spec import ChunkKey, Fingerprint
+from ..errors import TokenError
+from ..layout.spec import ChunkKey, Fingerprint
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Chunk ``index`` of a token sequence: tokens [start, end), stored under ``key``."""
+
+    index: int
+    start: int
+    end: int
+    key: ChunkKey
+
 
 KEY_BYTES = 16
 MAX_NAMESPACE_BYTES = 4096

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from .errors import CorruptChunkError
-from .layout import FORMAT_VERSION
-from .spec import ChunkKey, Fingerprint
+from ..errors import CorruptChunkError
+from ..layout.kv_layout import FORMAT_VERSION
+from ..layout.spec import ChunkKey, Fingerprint
 
 MAGIC = b"KVCH"
 _FIXED = struct.Struct("<4sHH16s16sQQQIIQQ")

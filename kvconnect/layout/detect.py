@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .errors import LayoutError
+from ..errors import LayoutError
 from .spec import RowRegions
 
 HINTS = ("blocks_first", "kv_first", "kv_second", "hnd_kv_first", "hnd_kv_second", "hnd", "page")

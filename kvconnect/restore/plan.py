@@ -1,14 +1,15 @@
 """Planning: which rows of which planes a store writes and a retrieve reads.
 
 Pure bookkeeping over the layout, the block tables and the chunk index; no byte moves
-here. The engine calls, in order:
+here. In the order a store and a retrieve use it:
 
-    tables = BlockTables.of(layout, block_ids)        # validated per-group block ids
-    plans  = plan_store(layout, chunks, tables)       # per chunk: rows per group, present?
-    P      = restorable_boundary(layout, chunks, masks)   # the restore gate
-    loads  = plan_retrieve(layout, chunks, entries, P, tables)
+    tables = BlockTables.of(layout, block_ids)         # validated per-group block ids
+    plans  = plan_store(layout, chunks, tables)        # per chunk: rows per group, present?
+    store_segments(layout, plans, offsets)             # -> segments for one gather
+    retrieve_part_segments(layout, chunks, parts, P, tables)   # -> segments for one scatter
 
-and feeds the resulting segments to ``kvconnect.transfer``.
+P comes from the restore gate (``gate.restorable_boundary``); the segments go to
+``kvconnect.transfer``.
 """
 
 from __future__ import annotations
@@ -19,19 +20,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .errors import BlockTableError, CorruptChunkError, LayoutError
-from .layout import KVLayout
-from .rows import RowRange, intersect
-from .spec import ChunkKey
-from .transfer.tables import SegmentBuilder
-
-
-@dataclass(frozen=True)
-class Chunk:
-    index: int
-    start: int
-    end: int
-    key: ChunkKey
+from ..chunks.keys import Chunk
+from ..errors import BlockTableError, CorruptChunkError, LayoutError
+from ..layout.kv_layout import KVLayout
+from ..layout.rows import RowRange, intersect
+from ..layout.spec import ChunkKey
+from ..transfer.tables import SegmentBuilder
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,54 +212,6 @@ def store_segments(layout: KVLayout, plans: Sequence[StorePlan], buffer_offsets:
         plane_off = np.cumsum(plane_bytes) - plane_bytes
         builder.add_segments(arrays.index, plane_n, group_offsets[arrays.group], base + plane_off)
     return builder
-
-
-# ---------------------------------------------------------------------------------------
-# the restore gate
-
-
-def restorable_boundary(layout: KVLayout, chunks: Sequence[Chunk], masks: Sequence[Optional[int]], *, present_below: int = 0) -> int:
-    """Largest chunk end P at which every group can be restored from stored chunks, else 0.
-
-    Full/compressed groups need every chunk of [0, P) stored with their bit (so a hit never
-    extends past a chunk that is not stored, even one holding none of this rank's rows of
-    them, e.g. a DCP rank's share of a short chunk); a windowed group needs
-    its rows in every chunk that holds rows of [P - W, P); page/state groups also need P on
-    a row edge. Chunks ending at or below ``present_below`` are already in the engine.
-    """
-    all_groups = (1 << layout.num_groups) - 1
-    geos = layout.geometries
-    full = [g for g, geo in enumerate(geos) if geo.window_tokens is None]
-    windowed = [g for g, geo in enumerate(geos) if geo.window_tokens is not None]
-    full_bits = sum(1 << g for g in full)
-    eff = [all_groups if c.end <= present_below else (m if m is not None else 0) for c, m in zip(chunks, masks)]
-    full_ok, running = [], True
-    for m in eff:
-        running = running and (m & full_bits) == full_bits
-        full_ok.append(running)
-    for k in range(len(chunks) - 1, -1, -1):
-        if not full_ok[k]:
-            continue
-        boundary = chunks[k].end
-        if boundary <= present_below and present_below:
-            return boundary
-        if not all(geo.boundary_ok(boundary) for geo in geos):
-            continue
-        if all(_window_present(geos[g], g, chunks, eff, k, boundary) for g in windowed):
-            return boundary
-    return 0
-
-
-def _window_present(geo, g: int, chunks: Sequence[Chunk], eff: Sequence[int], k: int, boundary: int) -> bool:
-    needed = geo.needed_rows(boundary)
-    for j in range(k, -1, -1):
-        rows = geo.chunk_rows(chunks[j].start, chunks[j].end)
-        if rows[1] <= needed[0] and rows[1] > rows[0]:
-            break
-        lo, hi = intersect(rows, needed)
-        if hi > lo and not (eff[j] >> g) & 1:
-            return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ whole prefix. kvconnect stores such a page as one chunk of ``page_tokens`` token
 so the layout fingerprint (model, dtypes, row bytes, shard) and the page size decide which
 deployments share a page: two deployments that must not share never do, whatever the engine
 put in its keys. The engine's key is length-checked and hashed as given (a hex string as its
-UTF-8 bytes); the domain tag keeps these keys apart from token-chain keys (keys.py).
+UTF-8 bytes); the domain tag keeps these keys apart from token-chain keys (kvconnect/chunks/keys.py).
 
 ``page_chunks`` gives the ``Chunk`` objects ``KVCacheEngine.store_chunks`` /
 ``lookup_chunks`` / ``retrieve_chunks`` take: chunk i covers tokens
@@ -24,10 +24,10 @@ from typing import Sequence, Union
 
 import blake3
 
-from .errors import TokenError
+from ..errors import TokenError
+from ..layout.spec import ChunkKey, Fingerprint
 from .keys import KEY_BYTES, Namespace, namespace_bytes
-from .plan import Chunk
-from .spec import ChunkKey, Fingerprint
+from .keys import Chunk
 
 MAX_PAGE_KEY_BYTES = 1024
 _DOMAIN = b"kvconnect-page-keys\x00"
@@ -43,7 +43,7 @@ class PageKeyFolder:
             raise TokenError(f"page_tokens must be a positive int, got {page_tokens!r}")
         ns = namespace_bytes(namespace)
         seed = _DOMAIN + bytes(fingerprint) + page_tokens.to_bytes(8, "little") + len(ns).to_bytes(4, "little") + ns
-        if generation:  # an engine's reset generation (keys.py): empty before any reset
+        if generation:  # an engine's reset generation (kvconnect/chunks/keys.py): empty before any reset
             seed += b"\x02" + len(generation).to_bytes(4, "little") + bytes(generation)
         self.page_tokens = page_tokens
         self._key = blake3.blake3(seed).digest()

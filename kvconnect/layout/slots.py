@@ -16,7 +16,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .errors import BlockTableError
+from ..errors import BlockTableError
 
 
 def block_ids_from_slot_mapping(slot_mapping: Union[torch.Tensor, Sequence[int]], block_size: int) -> list[int]:

@@ -1,0 +1,49 @@
+"""Where restore points are made: the retention rule, in one place.
+
+A restore point is a token position at which a request can resume from the cache. A store
+makes one at the end of the tokens it stores (the end of a prompt or of stored decode
+output: where the engine resumes), one where the stored tokens leave a prefix already
+stored (a shared system prompt, a branching conversation), and one at the first chunk end
+at or past every multiple of the retention interval (``restore_interval_tokens``).
+
+Interval 0 puts a restore point at every chunk end: every group's rows are then stored in
+every chunk anyway, so the engine keeps each chunk whole (``splits_window_groups``).
+``KVCacheEngine``, ``kvconnect.sizing`` (what ``kvconnect inspect`` reports) and
+``benchmarks/trace_replay.py`` all ask these functions, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..chunks.keys import Chunk
+
+
+def splits_window_groups(interval_tokens: int, *, window_parts: bool = True) -> bool:
+    """Whether window groups are stored apart from each chunk (only at restore points):
+    not at interval 0, nor when the caller keeps chunks whole (``window_parts=False``)."""
+    return window_parts and interval_tokens > 0
+
+
+def is_interval_point(chunk: Chunk, interval_tokens: int) -> bool:
+    """Whether ``chunk``'s end is the first chunk end at or past a multiple of the interval
+    (every chunk end at interval 0)."""
+    return interval_tokens == 0 or chunk.end // interval_tokens > chunk.start // interval_tokens
+
+
+def restore_points(chunks: Sequence[Chunk], first: int, present: Sequence[bool], interval_tokens: int) -> list[int]:
+    """Indices k whose chunk end is a restore point of a store of ``chunks[first:]``.
+
+    ``present[k]``: chunk k's prefix part was stored before this store (known for k >= first).
+    Restore points: the last chunk's end; where the stored tokens leave an already stored
+    prefix (the end of the last present chunk before the first absent one, the store's own
+    start included); every interval point (``is_interval_point``).
+    """
+    if first >= len(chunks):
+        return []
+    points = {len(chunks) - 1}
+    absent = [k for k in range(first, len(chunks)) if not present[k]]
+    if absent and absent[0] > 0:
+        points.add(absent[0] - 1)  # the branch point (for absent[0] == first: the store's start)
+    points.update(k for k in range(first, len(chunks)) if is_interval_point(chunks[k], interval_tokens))
+    return sorted(points)
