@@ -127,7 +127,7 @@ def test_data_parallel_ranks_each_answer_their_own_lookups(rig, tmp_path, scheme
     elif scheme == "tcp":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            extra = {"lookup_url": f"tcp://127.0.0.1:{s.getsockname()[1]}"}
+            extra = {"lookup_url": f"tcp://127.0.0.1:{s.getsockname()[1]}", "lookup_token": "dp-test-token"}  # tcp: a token
     else:  # no address given: derived from the engine id both ranks share
         extra = {}
     # vLLM's DP engine cores start side by side: both ranks' workers bind before a scheduler connects
