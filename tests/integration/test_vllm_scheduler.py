@@ -147,6 +147,16 @@ def test_data_parallel_ranks_each_answer_their_own_lookups(rig, tmp_path, scheme
         r.assert_no_leak()
 
 
+def test_a_tcp_lookup_channel_without_a_token_stops_the_engine_at_start(rig):
+    from kvconnect.errors import ConfigError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ConfigError, match="KVCONNECT_LOOKUP_TOKEN"):
+        rig(extra={"lookup_url": url})
+
+
 @pytest.mark.parametrize("length, expected", [(63, 0), (64, 63), (65, 64), (127, 64), (128, 127), (129, 128), (80, 64)])
 def test_prompt_lengths_around_one_chunk(rig, length, expected):
     """The documented rule: the stored chunk-aligned prefix, but never the prompt's last token."""
