@@ -22,6 +22,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_REMOTE_TIMEOUT_S     | remote_timeout_s     | float | 1.0     | bound on every remote-tier call |
 | KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
+| KVCONNECT_LOOKUP_TOKEN         | lookup_token         | str   | none    | vLLM: shared secret of the scheduler <-> worker lookup channel; required for a ``tcp://`` ``lookup_url`` (docs/vllm.md, "Lookup channel") |
 | KVCONNECT_CUDA_TRANSFER        | cuda_transfer        | str   | kernel  | CUDA route: ``kernel`` (zero-copy) or ``staged`` (device ring + copy engines; docs/gpu.md) |
 | KVCONNECT_TRANSFER_ROUTE       | transfer_route       | str   | auto    | transfer backend for any device: ``auto`` (per device, docs/gpu.md), ``compiled`` (the CPU/CUDA kernel; CUDA's variant from KVCONNECT_CUDA_TRANSFER), ``triton``, ``torch`` |
 | KVCONNECT_METRICS_PORT         | metrics_port         | int   | 0       | Prometheus exporter port of an engine's process (0: off; docs/operations.md) |
@@ -141,6 +142,7 @@ class Config:
     remote_timeout_s: float = 1.0
     server_url: Optional[str] = None
     server_token: Optional[str] = None
+    lookup_token: Optional[str] = None
     cuda_transfer: str = "kernel"
     transfer_route: str = "auto"
     metrics_port: int = 0

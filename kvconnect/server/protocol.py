@@ -101,17 +101,24 @@ def seal(body: bytes, token: Optional[bytes], *, reply: bool) -> bytes:
     return body + _tag(token, _REPLY_LABEL if reply else _REQUEST_LABEL, body)
 
 
+def unseal(frame: bytes, token: Optional[bytes], *, reply: bool) -> bytes:
+    """``frame``'s body once its tag matches (``hmac.compare_digest``); AuthError otherwise.
+    Without a token the frame is the body."""
+    if token is None:
+        return frame
+    if len(frame) < TAG_BYTES:
+        raise AuthError("frame too short to carry its authentication tag")
+    body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
+    if not hmac.compare_digest(_tag(token, _REPLY_LABEL if reply else _REQUEST_LABEL, body), tag):
+        raise AuthError("bad authentication tag")
+    return body
+
+
 def open_frame(frame: bytes, token: Optional[bytes], limits: Limits, *, reply: bool) -> Any:
     """Size check, tag check (before decoding), bounded decode, nesting check."""
     if len(frame) > limits.max_frame_bytes + (TAG_BYTES if token is not None else 0):
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {limits.max_frame_bytes}-byte limit")
-    body = frame
-    if token is not None:
-        if len(frame) < TAG_BYTES:
-            raise AuthError("frame too short to carry its authentication tag")
-        body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
-        if not hmac.compare_digest(_tag(token, _REPLY_LABEL if reply else _REQUEST_LABEL, body), tag):
-            raise AuthError("bad authentication tag")
+    body = unseal(frame, token, reply=reply)
     try:
         obj = msgpack.unpackb(
             body, raw=False, use_list=True, strict_map_key=True,

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import mmap
 import os
+import pwd
 import re
 import struct
 import sys
@@ -46,6 +47,18 @@ DATA_OFFSET = 4096  # header page; data pages start page-aligned
 _NAME = re.compile(r"^kvconnect-[0-9a-f]{32}$")
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we skip
 _PREFAULT_STEP_BYTES = 256 << 20
+
+
+def _owner(path: str) -> str:
+    """``uid N (name)`` of the file at ``path``, for an error message."""
+    try:
+        uid = os.lstat(path).st_uid
+    except OSError:
+        return "an unknown user"
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def segment_name(url: str) -> str:
@@ -88,7 +101,14 @@ class Segment:
             os.unlink(path)  # a crashed predecessor's segment; its clients keep their mapping
         except FileNotFoundError:
             pass
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except PermissionError as exc:  # /dev/shm is sticky: only the file's owner (or root) may remove it
+            raise ConfigError(f"cannot replace shared segment {path}: {_owner(path)} owns it, this server runs as "
+                              f"uid {os.geteuid()}; remove it as that user or root, or serve another URL") from exc
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except FileExistsError as exc:  # made between our unlink and open: by someone else
+            raise ConfigError(f"shared segment {path} was created again by {_owner(path)} while this server "
+                              "replaced it: is another server starting on the same URL?") from exc
         try:
             try:
                 os.posix_fallocate(fd, 0, info.total_bytes)

@@ -127,7 +127,7 @@ def test_data_parallel_ranks_each_answer_their_own_lookups(rig, tmp_path, scheme
     elif scheme == "tcp":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            extra = {"lookup_url": f"tcp://127.0.0.1:{s.getsockname()[1]}"}
+            extra = {"lookup_url": f"tcp://127.0.0.1:{s.getsockname()[1]}", "lookup_token": "dp-test-token"}  # tcp: a token
     else:  # no address given: derived from the engine id both ranks share
         extra = {}
     # vLLM's DP engine cores start side by side: both ranks' workers bind before a scheduler connects
@@ -145,6 +145,16 @@ def test_data_parallel_ranks_each_answer_their_own_lookups(rig, tmp_path, scheme
         r.run()
         assert _first_compute(r, mine) == 128 and _first_compute(r, other) == 0
         r.assert_no_leak()
+
+
+def test_a_tcp_lookup_channel_without_a_token_stops_the_engine_at_start(rig):
+    from kvconnect.errors import ConfigError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ConfigError, match="KVCONNECT_LOOKUP_TOKEN"):
+        rig(extra={"lookup_url": url})
 
 
 @pytest.mark.parametrize("length, expected", [(63, 0), (64, 63), (65, 64), (127, 64), (128, 127), (129, 128), (80, 64)])

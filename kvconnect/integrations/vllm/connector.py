@@ -11,8 +11,8 @@ vLLM builds one instance in the scheduler process (role SCHEDULER) and one per w
 ``LMCACHE_*`` / ``KVCONNECT_*`` variables, overridden by the same keys (YAML spelling) in
 ``kv_connector_extra_config``, plus two adapter keys: ``lookup_url`` (ipc:// or loopback
 tcp:// prefix of the lookup channel; default derived from the engine id; data-parallel rank
-r > 0 uses ``<url>-dp<r>`` / the port block after lower ranks' workers) and
-``lookup_timeout_s`` (default 1.0).
+r > 0 uses ``<url>-dp<r>`` / the port block after lower ranks' workers; a tcp:// one needs
+``lookup_token``, see lookup_channel) and ``lookup_timeout_s`` (default 1.0).
 
 Nothing is patched in vLLM. Calls from vLLM never raise for cache trouble: a failed
 lookup is a miss, a failed load is reported so vLLM recomputes, a failed save is counted.
@@ -101,7 +101,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             ranks = translate.parallel_ranks(vllm_config, in_worker=False)
             client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
-                                  timeout_s=float(adapter.get("lookup_timeout_s", 1.0)))
+                                  timeout_s=float(adapter.get("lookup_timeout_s", 1.0)), token=config.lookup_token)
             self._scheduler = KVConnectScheduler(client, chunk_tokens=config.chunk_size,
                                                  save_unfull_chunk=config.save_unfull_chunk,
                                                  save_decode_cache=config.save_decode_cache,

@@ -5,8 +5,8 @@ scheduler holds one DEALER per worker, asks them all and takes the minimum, beca
 is only real if every rank holds its shard. A worker that does not answer within the
 timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong answer.
 
-    server = LookupServer(address, handler)     # worker: handler.lookup/stats/clear
-    client = LookupClient(addresses, timeout_s) # scheduler
+    server = LookupServer(address, handler, token=None)     # worker: handler.lookup/stats/clear
+    client = LookupClient(addresses, timeout_s, token=None) # scheduler
     client.lookup(tokens, namespace=b"", generation=None) -> int # min over workers, 0 on any failure
     client.stats() -> list[dict | None]; client.clear(generation=None) -> bool
     server.close(); client.close()
@@ -19,10 +19,20 @@ own), ``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin}``
 16-byte generation every worker moves to, chosen by the scheduler; absent: a random one per
 worker); replies ``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
 
-Addresses: ``ipc://`` paths (the default; the socket file is made owner-only) or
-``tcp://`` on a loopback host. ``dp_rank_base(base, dp_rank, workers)`` derives a data-parallel
-rank's prefix (each DP rank is a separate engine with its own scheduler and workers), then
-``rank_address(prefix, i)`` worker i's address.
+Addresses: ``ipc://`` paths (the default) or ``tcp://`` on a loopback host.
+``dp_rank_base(base, dp_rank, workers)`` derives a data-parallel rank's prefix (each DP rank
+is a separate engine with its own scheduler and workers), then ``rank_address(prefix, i)``
+worker i's address.
+
+Who may talk on it: a lookup is a probe of what is cached and ``clear`` resets every worker,
+so only the engine's own processes may (issue 31; the node server's rule, reused from
+``kvconnect.server.admission`` and ``protocol``). On ``ipc://`` the socket file is born
+owner-only (umask 077 around the bind, no window with a wider mode) and both ends check the
+other's uid from ``SO_PEERCRED`` on every frame: a frame of another uid is dropped
+unanswered. On ``tcp://`` nothing names the peer, so a token is required (``lookup_token``,
+KVCONNECT_LOOKUP_TOKEN; refused at start without one) and every frame carries its
+HMAC-SHA256, checked before decoding; a frame with a bad tag is dropped unanswered. A token
+set on ``ipc://`` is checked as well.
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ import zmq
 
 from kvconnect.errors import ConfigError
 from kvconnect.chunks.keys import MAX_NAMESPACE_BYTES, generation_bytes
+from kvconnect.server.admission import Gate, PeerPolicy
+from kvconnect.server.protocol import AuthError, TAG_BYTES, seal, token_bytes, unseal
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +76,29 @@ def check_address(address: str) -> str:
         if parts.hostname in _LOOPBACK and parts.port:
             return address
     raise ConfigError(f"lookup channel address {address!r} must be ipc://PATH or tcp://127.0.0.1:PORT (loopback only)")
+
+
+def check_token(address: str, token: Optional[str]) -> Optional[bytes]:
+    """The HMAC key of ``token`` (None: no token); ConfigError for a tcp:// address without
+    one, because any local user can reach a loopback port and nothing names who did."""
+    key = token_bytes(token)
+    if key is None and address.startswith("tcp://"):
+        raise ConfigError(f"lookup channel address {address!r} is tcp://: a token (lookup_token in "
+                          "kv_connector_extra_config, or KVCONNECT_LOOKUP_TOKEN) is required; or use ipc://")
+    return key
+
+
+def _refuse_foreign_file(path: str) -> None:
+    """Remove a socket file a dead process of ours left; ConfigError when another user owns it
+    (in a sticky directory such as /tmp we could not remove it, and must not serve beside it)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"lookup channel socket {path} exists and belongs to uid {st.st_uid}, not to this "
+                          f"process's uid {os.geteuid()}: remove it as that user, or set another lookup_url")
+    os.unlink(path)  # left by a process of ours that died; the engine id makes the name ours
 
 
 def rank_address(base: str, index: int) -> str:
@@ -113,19 +148,32 @@ def _generation(msg: dict) -> Optional[bytes]:
 class LookupServer:
     """Answers lookups for one worker on a background thread until ``close()``."""
 
-    def __init__(self, address: str, handler: LookupHandler) -> None:
+    def __init__(self, address: str, handler: LookupHandler, *, token: Optional[str] = None) -> None:
         self.address = check_address(address)
+        self._token = check_token(address, token)
         self._handler = handler
+        self._ipc_path = address[len("ipc://"):] if address.startswith("ipc://") else None
+        self._gate = Gate(PeerPolicy(), ipc=self._ipc_path is not None)  # the default policy: our uid only
+        self.num_refused = 0  # frames dropped unanswered: a foreign peer or a bad token
+        if self._ipc_path:
+            _refuse_foreign_file(self._ipc_path)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._ipc_path = address[len("ipc://"):] if address.startswith("ipc://") else None
-        if self._ipc_path and os.path.exists(self._ipc_path):
-            os.unlink(self._ipc_path)  # left by a process that died; the engine id makes it ours
-        self._sock.bind(self.address)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + TAG_BYTES)
+        # the umask is the process's: kept for the bind only, so the file never has a wider mode
+        old_umask = os.umask(0o077) if self._ipc_path else None
+        try:
+            self._sock.bind(self.address)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise ConfigError(f"cannot bind the lookup channel at {self.address}: {exc}") from exc
+        finally:
+            if old_umask is not None:
+                os.umask(old_umask)
         if self._ipc_path:
-            os.chmod(self._ipc_path, 0o600)
+            PeerPolicy().apply_to(self._ipc_path)  # 0600: the x bit a socket file never needs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvconnect-lookup", daemon=True)
         self._thread.start()
@@ -135,7 +183,7 @@ class LookupServer:
             try:
                 if not self._sock.poll(_POLL_MS):
                     continue
-                frames = self._sock.recv_multipart()
+                frames = self._sock.recv_multipart(copy=False)  # not copied: a frame's properties name its peer
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
@@ -143,15 +191,30 @@ class LookupServer:
                 continue
             if len(frames) != 2:
                 continue  # not a DEALER request: ignore
-            identity, raw = frames
+            if self._gate.principal(frames[-1]) is None:
+                self._refuse("a peer of another uid (SO_PEERCRED)")
+                continue
+            identity, raw = frames[0].bytes, frames[1].bytes
             try:
-                reply = self._answer(_unpack(raw))
+                body = unseal(raw, self._token, reply=False)
+            except AuthError:
+                self._refuse("a bad or missing token")
+                continue
+            try:
+                reply = self._answer(_unpack(body))
             except Exception as exc:  # malformed input must never stop the server
                 reply = {"id": -1, "ok": False, "error": type(exc).__name__}
             try:
-                self._sock.send_multipart([identity, msgpack.packb(reply)])
+                self._sock.send_multipart([identity, seal(msgpack.packb(reply), self._token, reply=True)])
             except zmq.ZMQError:
                 logger.warning("kvconnect: lookup channel reply failed", exc_info=True)
+
+    def _refuse(self, why: str) -> None:
+        """Drop a frame unanswered (no oracle for the sender), logged sparingly."""
+        self.num_refused += 1
+        if self.num_refused in (1, 10, 100, 1000, 10000):
+            logger.warning("kvconnect: lookup channel %s dropped %d frames unanswered (latest: %s)",
+                           self.address, self.num_refused, why)
 
     def _answer(self, msg: dict) -> dict:
         op, rid = msg.get("op"), msg["id"]
@@ -189,12 +252,17 @@ class LookupServer:
 class LookupClient:
     """Asks every worker; thread-safe; never raises for a worker's failure or silence."""
 
-    def __init__(self, addresses: Sequence[str], timeout_s: float = 1.0) -> None:
+    def __init__(self, addresses: Sequence[str], timeout_s: float = 1.0, *, token: Optional[str] = None) -> None:
         if not addresses:
             raise ConfigError("the lookup channel needs at least one worker address")
         if timeout_s <= 0:
             raise ConfigError(f"lookup timeout must be > 0 s, got {timeout_s}")
         self.addresses = [check_address(a) for a in addresses]
+        for address in self.addresses:
+            check_token(address, token)
+        self._token = token_bytes(token)
+        # a worker's socket file is its own uid's: a reply from another uid is a squatter's
+        self._gates = [Gate(PeerPolicy(), ipc=a.startswith("ipc://")) for a in self.addresses]
         self.timeout_s = timeout_s
         self.num_timeouts = 0
         self.num_errors = 0
@@ -216,7 +284,7 @@ class LookupClient:
         """One reply per worker (None: no answer in time, or an error reply)."""
         with self._lock:
             rid = next(self._ids)
-            payload = msgpack.packb({**msg, "id": rid})
+            payload = seal(msgpack.packb({**msg, "id": rid}), self._token, reply=False)
             replies: list[Optional[dict]] = [None] * len(self._socks)
             for sock in self._socks:
                 try:
@@ -237,7 +305,10 @@ class LookupClient:
                     sock = self._socks[i]
                     while sock in ready and sock.poll(0):
                         try:
-                            reply = _unpack(sock.recv(zmq.NOBLOCK))
+                            frame = sock.recv(zmq.NOBLOCK, copy=False)
+                            if self._gates[i].principal(frame) is None:
+                                raise AuthError("a reply from a peer of another uid")
+                            reply = _unpack(unseal(frame.bytes, self._token, reply=True))
                         except Exception:
                             self.num_errors += 1
                             continue

@@ -76,7 +76,7 @@ class KVConnectWorker:
         self._failed_loads: set[str] = set()
         self._error_blocks: set[int] = set()
         self.memory = KVMemoryGate()  # closed while vLLM's sleep mode has released the KV memory (sleep.py)
-        self.server = LookupServer(channel_address, self) if channel_address else None
+        self.server = LookupServer(channel_address, self, token=config.lookup_token) if channel_address else None
         self.summary = Periodic(config.log_interval_s, self._log_summary)
 
     # -- setup -------------------------------------------------------------------------
