@@ -39,7 +39,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import metrics, transfer
+from . import transfer
+from .metrics.prometheus import register_engine, start_exporter, unregister
+from .metrics.recorders import OpLog
 from .events import ChunkEventLog
 from .config import Config
 from .engine_stats import EngineStats
@@ -101,9 +103,9 @@ class KVCacheEngine(StorePath, RestorePoints):
         self.shared_writer = shared_writer
         self.stats = EngineStats()
         self._stats_lock = threading.Lock()
-        self.ops = metrics.OpLog()  # store/retrieve latency and per-operation sizes
-        self.metrics_instance = metrics.register_engine(self)  # Prometheus: kvconnect.metrics
-        metrics.start_exporter(self.config)  # opt-in (KVCONNECT_METRICS_PORT), once per process
+        self.ops = OpLog()  # store/retrieve latency and per-operation sizes
+        self.metrics_instance = register_engine(self)  # Prometheus: kvconnect.metrics
+        start_exporter(self.config)  # opt-in (KVCONNECT_METRICS_PORT), once per process
         # CPU kernel threads per direction; an adapter may set them from where the engine computes
         # (kvconnect.transfer.placement): a store runs beside the engine, a load blocks its step
         self.store_threads = self.config.num_threads
@@ -364,7 +366,7 @@ class KVCacheEngine(StorePath, RestorePoints):
 
     def close(self) -> None:
         """Flush queued lower-tier writes, stop their threads, close the tiers, empty the pool."""
-        metrics.unregister(self.metrics_instance)
+        unregister(self.metrics_instance)
         self.storage.close()
         close_pool(self.pool)
 

@@ -32,7 +32,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 from .. import chunk_format
-from ..metrics import TierMeter
+from ..metrics.recorders import TierMeter
 from ..errors import CorruptChunkError
 from ..spec import ChunkKey, Fingerprint
 from .pool import ChunkPool, PoolEntry

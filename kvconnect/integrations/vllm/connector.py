@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvconnect.config import Config
 from kvconnect.errors import LayoutError
 
-from kvconnect.metrics import ReportGate
+from kvconnect.metrics.vllm import ReportGate
 
 from . import kv_events, logs, pd, recurrent, roles, stats, translate
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
