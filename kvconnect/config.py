@@ -14,7 +14,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | LMCACHE_MAX_LOCAL_DISK_SIZE    | max_local_disk_size  | float | 0.0     | disk tier size, GB |
 | KVCONNECT_LOCAL_DISK_FSYNC     | local_disk_fsync     | bool  | false   | fsync each disk-tier file before its rename (survives power loss) |
 | LMCACHE_REMOTE_URL             | remote_url           | str   | none    | remote tier (``redis://``, ``rediss://``, ``unix://``, ``redis-cluster://``, or ``mooncakestore://HOST:PORT``: a Mooncake master) |
-| MOONCAKE_CONFIG_PATH           | mooncake_config_path | str   | none    | Mooncake client settings (JSON, Mooncake's own keys; kvconnect/storage/mooncake_config.py) |
+| MOONCAKE_CONFIG_PATH           | mooncake_config_path | str   | none    | Mooncake client settings (JSON, Mooncake's own keys; kvconnect/storage/mooncake/config.py) |
 | LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
 | LMCACHE_SAVE_DECODE_CACHE      | save_decode_cache    | bool  | false   | engine adapters also store the chunks generated tokens complete |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
@@ -47,7 +47,7 @@ meaning maps (``min_retrieve_tokens``, ``cache_policy``, ``lookup_timeout_ms``,
 ``extra_config``) and otherwise warned about once, naming what kvconnect does instead.
 
 Variables kvconnect does not read but sets for a library it loads: when a Mooncake tier
-connects, ``kvconnect/storage/mooncake_config.py`` gives Mooncake's native client its own
+connects, ``kvconnect/storage/mooncake/config.py`` gives Mooncake's native client its own
 ``MC_TCP_BIND_ADDRESS`` (loopback unless the master's host is an address), ``MC_LOG_LEVEL``
 (WARNING) and ``MC_RPC_TIMEOUT_MS`` (from ``remote_timeout_s``), each only where the operator
 has not set it (``os.environ.setdefault``): those are Mooncake's settings, not kvconnect's.

@@ -90,7 +90,7 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
 
 def _mooncake_holder(args: argparse.Namespace, config: Config):
     """The node's Mooncake segment holder when LMCACHE_REMOTE_URL names a Mooncake master."""
-    from ..storage.mooncake_config import DEFAULT_SEGMENT_BYTES, is_mooncake_url, make_spec, read_config_file
+    from ..storage.mooncake.config import DEFAULT_SEGMENT_BYTES, is_mooncake_url, make_spec, read_config_file
 
     if not is_mooncake_url(config.remote_url):
         if args.mooncake_segment_gb:

@@ -68,8 +68,8 @@ def open_tiers(config: "Config", fingerprint: Fingerprint, *, writes_shared: boo
             tiers.append(DiskTier(config.local_disk, fingerprint, config.max_local_disk_bytes, fsync=config.local_disk_fsync,
                                   follow_writer=not writes_shared))
     if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
-        from .mooncake_config import make_spec
-        from .mooncake_tier import MooncakeTier
+        from .mooncake.config import make_spec
+        from .mooncake.tier import MooncakeTier
 
         spec = make_spec(config.remote_url, config.mooncake_config_path, has_node_server=bool(config.server_url))
         tiers.append(MooncakeTier(spec, fingerprint, timeout_s=config.remote_timeout_s))

@@ -1,4 +1,4 @@
-"""The one table of what a Mooncake return code means (kvconnect/storage/mooncake_codes.py).
+"""The one table of what a Mooncake return code means (kvconnect/storage/mooncake/codes.py).
 
 Pure: the codes are Mooncake 0.3.13's ``ErrorCode`` values; the tests against a real master
 (test_mooncake.py, test_mooncake_faults.py) meet them for real: -704 (evicted or never
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnect.storage.mooncake_codes import Meaning, Tally, meaning
+from kvconnect.storage.mooncake.codes import Meaning, Tally, meaning
 
 
 @pytest.mark.parametrize("code,expected", [

@@ -1,6 +1,6 @@
 """The Mooncake tier's read path, a mixin of ``MooncakeTier``: verified reads into pool slots.
 
-``MooncakeReads`` is not a tier of its own: it is the read half of ``mooncake_tier.MooncakeTier``
+``MooncakeReads`` is not a tier of its own: it is the read half of ``tier.MooncakeTier``
 (which inherits it), split out to keep one concept per module, and it uses the tier's state
 and helpers (``_link``, ``_read_lock``, ``_read_scratch``, ``_registered``, ``_judge``,
 ``_go_on``, ``_remember``, ``_remove``, ``_bump``, ``object_keys``, ``timeout_s``, and
@@ -11,7 +11,7 @@ Verification. ``read_into`` reads header and payload in one call and checks them
 a value written by something else, a damaged one, or a header of one write over the
 payload of another is a miss, counted as ``corrupt``, and removed. Only bytes that were
 read and failed these checks are ever removed; a return code never removes anything
-(``mooncake_codes`` decides what each code means), with one exception: the two objects
+(``codes`` decides what each code means), with one exception: the two objects
 are evicted independently, so a read that finds one part of a chunk absent removes the
 other part (counted in ``parts_missing``), and lookups stop offering the chunk.
 
@@ -29,15 +29,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .. import chunk_format
-from ..chunk_format import ChunkHeader
-from ..errors import CorruptChunkError
-from ..spec import ChunkKey
-from .mooncake_buffers import BATCH_KEYS, HEADER_SLOT_BYTES, view_address
-from .mooncake_codes import Meaning
-from .tier import read_header
+from ... import chunk_format
+from ...chunk_format import ChunkHeader
+from ...errors import CorruptChunkError
+from ...spec import ChunkKey
+from .buffers import BATCH_KEYS, HEADER_SLOT_BYTES, view_address
+from .codes import Meaning
+from ..tier import read_header
 
-logger = logging.getLogger("kvconnect.storage.mooncake_tier")  # the name these reads have always logged under
+logger = logging.getLogger("kvconnect.storage.mooncake.tier")  # the name these reads have always logged under
 
 
 class MooncakeReads:
