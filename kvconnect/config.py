@@ -74,7 +74,7 @@ GB = 1 << 30
 _TRUE = {"1", "true"}  # LMCache's _to_bool: these are true, every other word false
 _FALSE = {"0", "false", ""}
 CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
-TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.route_backend
+TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.dispatch.route_backend
 EVICTION_POLICIES = ("s3fifo", "arc", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
 
 

@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import transfer
+from .transfer import dispatch
 from .metrics.prometheus import register_engine, start_exporter, unregister
 from .metrics.recorders import OpLog
 from .events import ChunkEventLog
@@ -86,8 +86,8 @@ class KVCacheEngine(StorePath, RestorePoints):
         self.layout = layout = _named(layout, self.config.model_name)
         check_chunk_size(layout, self.config.chunk_size)
         if backend is None:  # an explicit backend wins over KVCONNECT_TRANSFER_ROUTE
-            backend = transfer.route_backend(layout, self.config.transfer_route)
-        transfer.prepare(layout, backend)  # fail now, not on the first store; the Triton route compiles here
+            backend = dispatch.route_backend(layout, self.config.transfer_route)
+        dispatch.prepare(layout, backend)  # fail now, not on the first store; the Triton route compiles here
         self.backend = backend
         self._cuda_tuning = route_tuning(self.config.cuda_transfer)
         self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)
@@ -356,12 +356,12 @@ class KVCacheEngine(StorePath, RestorePoints):
     # -- pool transfers (also PageStore's) --------------------------------------------
     def gather_to_pool(self, tables) -> None:
         """Planes -> pool slots, on the store's threads and route."""
-        transfer.gather(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
+        dispatch.gather(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
                         cuda_tuning=self._cuda_tuning)
 
     def scatter_from_pool(self, tables) -> None:
         """Pool slots -> planes, on the load's threads and route."""
-        transfer.scatter(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.load_threads,
+        dispatch.scatter(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.load_threads,
                          cuda_tuning=self._cuda_tuning)
 
     def close(self) -> None:

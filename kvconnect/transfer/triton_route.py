@@ -5,7 +5,7 @@ through triton-ascend, and the CPU through Triton's interpreter).
 
 direction: ``"gather"`` (store: planes -> buffer) or ``"scatter"`` (load: buffer -> planes).
 tables:    the same TransferTables the CPU and CUDA kernels take, validated by the caller
-           (``kvconnect.transfer.validate``, every slot) before anything reaches a kernel.
+           (``tables.validate``, every slot) before anything reaches a kernel.
 buffer:    1-D contiguous uint8: on the planes' device, or host memory.
 
 Two ways between device and host:
