@@ -61,12 +61,12 @@ import difflib
 import json
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from . import lmcache_names
 from .errors import ConfigError
+from .throttled_warning import OnceWarnings
 
 logger = logging.getLogger(__name__)
 
@@ -223,17 +223,7 @@ class Config:
         return cls.from_dict(overrides, source="environment", base=config, environment=True)
 
 
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def warn_once(topic: str, message: str, *args: Any) -> None:
-    """Log ``message`` at WARNING the first time ``topic`` comes up in this process."""
-    with _warned_lock:
-        if topic in _warned:
-            return
-        _warned.add(topic)
-    logger.warning(message, *args)
+warn_once = OnceWarnings(logger.warning).warn  # (topic, message, *args): each topic once per process
 
 
 def _warn_unknown(key: str, name: str, source: str) -> None:

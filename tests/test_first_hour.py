@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvconnect.cli import main as cli_main
-from kvconnect.repeat_warning import RepeatingWarning
+from kvconnect.throttled_warning import RepeatingWarning
 from kvconnect.server.client import SharedPoolClient
 from kvconnect.storage.mooncake import config as mooncake_config
 from kvconnect.storage.mooncake.config import connect_store

@@ -30,6 +30,7 @@ triton = pytest.importorskip("triton")
 
 import zoo  # noqa: E402
 from kvconnect import Config, GroupSpec, KVCacheEngine, TransferError  # noqa: E402
+from kvconnect.throttled_warning import OnceWarnings  # noqa: E402
 from kvconnect.transfer import dispatch  # noqa: E402
 from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments  # noqa: E402
 from kvconnect.spec import ChunkKey  # noqa: E402
@@ -568,7 +569,7 @@ def test_npu_dispatch_takes_triton_only_where_triton_ascend_is_importable(monkey
 
     layout = NpuLayout()
     layout.device = type("D", (), {"type": "npu"})()
-    monkeypatch.setattr(dispatch.route_health(), "logged_fallback", set())
+    monkeypatch.setattr(dispatch.route_health(), "fallbacks", OnceWarnings(dispatch.logger.warning))
     monkeypatch.setattr(triton_route, "available", lambda device_type: False)
     with caplog.at_level("WARNING"):
         assert dispatch.backend_for(layout) == "torch"

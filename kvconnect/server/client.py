@@ -42,7 +42,7 @@ import zmq
 
 from ..chunk_format import ChunkHeader
 from ..errors import StorageError
-from ..repeat_warning import RepeatingWarning
+from ..throttled_warning import RepeatingWarning
 from ..spec import ChunkKey, Fingerprint
 from ..storage.pool import PoolEntry, PoolStats, SlotViews, notify_evicted
 from . import protocol

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import TransferError
 from ..layout import KVLayout
+from ..throttled_warning import OnceWarnings
 from . import torch_impl, triton_route
 from .kernels import cpu_kernels, cuda_kernels
 from .tables import TransferTables, plane_table, validate
@@ -48,12 +49,10 @@ class RouteHealth:
 
     triton_failed: dict[str, str] = field(default_factory=dict)  # device type -> "stage: reason" of the first failure
     triton_warm: set[str] = field(default_factory=set)  # kernels compiled and checked (prepare)
-    logged_fallback: set[str] = field(default_factory=set)  # torch-path fallbacks already warned about
+    fallbacks: OnceWarnings = field(default_factory=lambda: OnceWarnings(logger.warning))  # one line per device type
 
     def fallback(self, device: str, why: str) -> str:
-        if device not in self.logged_fallback:
-            self.logged_fallback.add(device)
-            logger.warning("kvconnect: %s planes take the torch transfer path (%s)", device, why)
+        self.fallbacks.warn(device, "kvconnect: %s planes take the torch transfer path (%s)", device, why)
         return "torch"
 
     def give_up_triton(self, device_type: str, exc: "triton_route.TritonRouteError") -> None:

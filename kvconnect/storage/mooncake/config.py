@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from ...repeat_warning import RepeatingWarning
+from ...throttled_warning import RepeatingWarning
 from ...errors import ConfigError, StorageError
 from ..host_memory import check_fits_host
 
