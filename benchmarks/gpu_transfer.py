@@ -57,6 +57,7 @@ from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_sto
 from kvconnect.spec import ChunkKey  # noqa: E402
 from kvconnect.transfer import cuda as cuda_path  # noqa: E402
 from kvconnect.transfer import triton_route  # noqa: E402
+from kvconnect.transfer.kernels import cuda_kernels  # noqa: E402
 from kvconnect.transfer.torch_impl import byte_views  # noqa: E402
 
 CHUNK = 256
@@ -254,7 +255,7 @@ def fixed_overhead(buf: torch.Tensor, repeats: int) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e6
 
-    k = cuda_path._cuda_kernels
+    k = cuda_kernels()
     return {
         "transfer.gather": per_call(lambda: dispatch.gather(layout, tables, buf)),
         "cuda.run": per_call(lambda: cuda_path.run("gather", layout, tables, buf)),
@@ -508,7 +509,7 @@ def main() -> None:
         raise SystemExit("no CUDA device (use --dry-run to check the setup without one)")
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
-          f"kvconnect CUDA runtime {cuda_path._cuda_kernels.cuda_runtime_version}, tuning {cuda_path.DEFAULT_TUNING}", flush=True)
+          f"kvconnect CUDA runtime {cuda_kernels().cuda_runtime_version}, tuning {cuda_path.DEFAULT_TUNING}", flush=True)
     limit = memcpy_limit(1 << 30, args.repeats)
     print(f"pinned memcpy limit (1 GiB): D2H {limit['d2h']:.2f} GB/s, H2D {limit['h2d']:.2f} GB/s, both at once {limit['bidir']:.2f} GB/s", flush=True)
 

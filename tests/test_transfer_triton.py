@@ -35,7 +35,7 @@ from kvconnect.transfer import dispatch  # noqa: E402
 from kvconnect.plan import BlockTables, Chunk, max_chunk_payload_bytes, plan_store, store_segments  # noqa: E402
 from kvconnect.spec import ChunkKey  # noqa: E402
 from kvconnect.transfer.tables import SegmentBuilder, TransferTables  # noqa: E402
-from kvconnect.transfer import triton_route  # noqa: E402
+from kvconnect.transfer import staging, triton_route  # noqa: E402
 from kvconnect.transfer.triton_route import TritonTuning  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -206,9 +206,9 @@ def test_staged_ring_is_bounded_by_the_pieces_not_the_batch(rng):
     plan = triton_route.staged_plan(layout, tables, nbytes, True, STAGED)
     assert len(plan["piece_bytes"]) > 3 * STAGED.staging_slots  # every slot is reused several times
     assert plan["piece_bytes"].max() <= STAGED.max_piece_bytes
-    triton_route._rings.clear()
+    staging.device_resources().rings.clear()
     check_gather(case, layout, tables, nbytes, rng, STAGED)
-    (ring,) = triton_route._rings[layout.device]
+    (ring,) = staging.device_resources().rings[layout.device]
     assert ring.numel() <= STAGED.staging_slots * STAGED.max_piece_bytes < nbytes // 4
 
 
@@ -282,7 +282,7 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
 
     monkeypatch.setattr(triton_route, "_kernels",
                         lambda: type("K", (), {"ops_kernel": Launch(), "CHUNK_BYTES": kernels.CHUNK_BYTES})())
-    monkeypatch.setattr(triton_route, "_copy_streams", {})
+    monkeypatch.setattr(staging.device_resources(), "copy_streams", {})
     copies = []
     real_copy = torch.Tensor.copy_
     to_buffer = direction == "gather"
@@ -449,8 +449,8 @@ def test_no_address_outside_the_planes_and_the_buffer_is_dereferenced(name, tuni
     tables, nbytes = builder.build(), offset
     guard = 64
     rings = []
-    real_acquire = triton_route._acquire_ring
-    monkeypatch.setattr(triton_route, "_acquire_ring", lambda d, n: rings.append(real_acquire(d, n)) or rings[-1])
+    real_acquire = staging.device_resources().acquire_ring
+    monkeypatch.setattr(staging.device_resources(), "acquire_ring", lambda d, n: rings.append(real_acquire(d, n)) or rings[-1])
     recorder = _Recorder(interp._interpreter)
     monkeypatch.setattr(interp, "_interpreter", recorder)
     buffers = []  # kept alive: their ranges are checked below
