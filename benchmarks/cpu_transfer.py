@@ -22,8 +22,9 @@ from tqdm import tqdm
 
 from layouts import LAYOUTS, full_block_tables
 
-from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout, transfer
+from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout
 from kvconnect.restore.plan import BlockTables, plan_store, retrieve_segments, store_segments
+from kvconnect.transfer import dispatch
 
 
 def best_of(fn, repeats: int) -> float:
@@ -44,7 +45,7 @@ def bench_layout(name: str, num_tokens: int, threads: int, repeats: int, chunk_t
     tables = BlockTables.of(layout, full_block_tables(layout, num_tokens))
     chunks = engine.chunks(np.arange(num_tokens), include_partial=False)
     plans = plan_store(layout, chunks, tables)
-    slot_bytes = engine.max_chunk_bytes
+    slot_bytes = max(p.payload_bytes for p in plans)  # whole-chunk plans: with split parts the engine's slot holds a part
     buffer = torch.zeros(slot_bytes * len(plans), dtype=torch.uint8)
     offsets = [i * slot_bytes for i in range(len(plans))]
     store_tables = store_segments(layout, plans, offsets).build()
@@ -58,11 +59,11 @@ def bench_layout(name: str, num_tokens: int, threads: int, repeats: int, chunk_t
     out = {"layout": name, "planes": len(layout.planes), "MB": nbytes / 1e6, "load_MB": load_bytes / 1e6,
            "segments": len(store_tables.segments)}
     out["memcpy"] = nbytes / best_of(lambda: dst.copy_(src), repeats) / 1e9
-    out["store"] = nbytes / best_of(lambda: transfer.gather(layout, store_tables, buffer, backend="cpu", num_threads=threads), repeats) / 1e9
-    out["load"] = load_bytes / best_of(lambda: transfer.scatter(layout, load_tables, buffer, backend="cpu", num_threads=threads), repeats) / 1e9
+    out["store"] = nbytes / best_of(lambda: dispatch.gather(layout, store_tables, buffer, backend="cpu", num_threads=threads), repeats) / 1e9
+    out["load"] = load_bytes / best_of(lambda: dispatch.scatter(layout, load_tables, buffer, backend="cpu", num_threads=threads), repeats) / 1e9
     torch_repeats = max(1, repeats // 2)
-    out["torch_store"] = nbytes / best_of(lambda: transfer.gather(layout, store_tables, buffer, backend="torch"), torch_repeats) / 1e9
-    out["torch_load"] = load_bytes / best_of(lambda: transfer.scatter(layout, load_tables, buffer, backend="torch"), torch_repeats) / 1e9
+    out["torch_store"] = nbytes / best_of(lambda: dispatch.gather(layout, store_tables, buffer, backend="torch"), torch_repeats) / 1e9
+    out["torch_load"] = load_bytes / best_of(lambda: dispatch.scatter(layout, load_tables, buffer, backend="torch"), torch_repeats) / 1e9
     return out
 
 

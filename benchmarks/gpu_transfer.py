@@ -48,13 +48,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import dsv4_cache  # noqa: E402
 
-from kvconnect import GroupSpec, KVLayout, transfer  # noqa: E402
+from kvconnect import GroupSpec, KVLayout  # noqa: E402
 from kvconnect.chunks.chunk_format import ChunkHeader  # noqa: E402
 from kvconnect.chunks.keys import Chunk  # noqa: E402
 from kvconnect.layout.spec import ChunkKey  # noqa: E402
 from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, retrieve_segments, store_segments  # noqa: E402
+from kvconnect.transfer import dispatch  # noqa: E402
+from kvconnect.transfer.tables import SegmentBuilder, plane_table  # noqa: E402
 from kvconnect.transfer import cuda as cuda_path  # noqa: E402
 from kvconnect.transfer import triton_route  # noqa: E402
+from kvconnect.transfer.kernels import cuda_kernels  # noqa: E402
 from kvconnect.transfer.torch_impl import byte_views  # noqa: E402
 
 CHUNK = 256
@@ -219,7 +222,7 @@ def kernel_ceiling(buf: torch.Tensor, repeats: int, tuning=None) -> dict:
     nbytes = 1 << 30
     t = torch.empty(1, 1, nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
     layout = KVLayout.from_tensors({"x": t}, groups=[GroupSpec(block_size=1)])
-    builder = transfer.SegmentBuilder()
+    builder = SegmentBuilder()
     so = builder.add_slots(np.zeros(1, np.int64))
     builder.add_segments(np.array([0]), np.array([1]), np.array([so]), np.array([0]))
     tables = builder.build()
@@ -236,11 +239,11 @@ def fixed_overhead(buf: torch.Tensor, repeats: int) -> dict:
     """Microseconds of a 16-byte transfer: what every call costs besides its bytes."""
     t = torch.empty(4, 1, 16, dtype=torch.uint8, device="cuda")
     layout = KVLayout.from_tensors({"x": t}, groups=[GroupSpec(block_size=1)])
-    builder = transfer.SegmentBuilder()
+    builder = SegmentBuilder()
     so = builder.add_slots(np.array([2], np.int64))
     builder.add_segments(np.array([0]), np.array([1]), np.array([so]), np.array([0]))
     tables = builder.build()
-    planes = transfer.plane_table(layout)
+    planes = plane_table(layout)
     n = 20 * repeats
 
     def per_call(fn):
@@ -252,9 +255,9 @@ def fixed_overhead(buf: torch.Tensor, repeats: int) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e6
 
-    k = cuda_path._cuda_kernels
+    k = cuda_kernels()
     return {
-        "transfer.gather": per_call(lambda: transfer.gather(layout, tables, buf)),
+        "transfer.gather": per_call(lambda: dispatch.gather(layout, tables, buf)),
         "cuda.run": per_call(lambda: cuda_path.run("gather", layout, tables, buf)),
         "C++ call": per_call(lambda: k.gather(planes, tables.segments, tables.slots, buf.data_ptr(), buf.numel(), 0, 0, True)),
         "C++ queued (no wait)": per_call(lambda: k.gather(planes, tables.segments, tables.slots, buf.data_ptr(), buf.numel(), 0, 0, False)),
@@ -330,11 +333,11 @@ class Route:
             self.queue = lambda d, layout, tables, buf, stream=None: cuda_path.run_async(d, layout, tables, buf, stream, tuning=tuning)
         elif name in TRITON_ROUTES:
             tuning = TRITON_ROUTES[name]
-            self.call = lambda d, layout, tables, buf, stream=None: getattr(transfer, d)(
+            self.call = lambda d, layout, tables, buf, stream=None: getattr(dispatch, d)(
                 layout, tables, buf, backend="triton", triton_tuning=tuning)
             self.queue = None
         elif name == "torch":
-            self.call = lambda d, layout, tables, buf, stream=None: getattr(transfer, d)(layout, tables, buf, backend="torch")
+            self.call = lambda d, layout, tables, buf, stream=None: getattr(dispatch, d)(layout, tables, buf, backend="torch")
             self.queue = None
         else:
             raise SystemExit(f"unknown route {name!r} (one of {', '.join(ALL_ROUTES)})")
@@ -431,7 +434,7 @@ def dry_run(names: list, routes: list) -> None:
         randomize(layout)
         job = Job(layout, CHUNK, block_ids(layout, CHUNK, torch.Generator().manual_seed(0)), 0)
         want = torch.zeros(job.span_bytes, dtype=torch.uint8)
-        transfer.gather(layout, job.store, want, backend="torch")
+        dispatch.gather(layout, job.store, want, backend="torch")
         for rname in runnable:
             route = Route(rname)
             got = torch.zeros_like(want)
@@ -440,7 +443,7 @@ def dry_run(names: list, routes: list) -> None:
             route.call("scatter", layout, job.store, got)  # writes back the very bytes it read
             seconds = time.perf_counter() - t0
             again = torch.zeros_like(want)
-            transfer.gather(layout, job.store, again, backend="torch")
+            dispatch.gather(layout, job.store, again, backend="torch")
             ok = torch.equal(got, want) and torch.equal(again, want)
             print(f"  {name:<12} {len(layout.planes):>4} planes {job.store_bytes / 1e6:7.2f} MB  {rname:<14} "
                   f"{'bytes equal the torch path' if ok else 'BYTES DIFFER'} ({seconds:.1f} s on CPU, not a measurement)")
@@ -506,7 +509,7 @@ def main() -> None:
         raise SystemExit("no CUDA device (use --dry-run to check the setup without one)")
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
-          f"kvconnect CUDA runtime {cuda_path._cuda_kernels.cuda_runtime_version}, tuning {cuda_path.DEFAULT_TUNING}", flush=True)
+          f"kvconnect CUDA runtime {cuda_kernels().cuda_runtime_version}, tuning {cuda_path.DEFAULT_TUNING}", flush=True)
     limit = memcpy_limit(1 << 30, args.repeats)
     print(f"pinned memcpy limit (1 GiB): D2H {limit['d2h']:.2f} GB/s, H2D {limit['h2d']:.2f} GB/s, both at once {limit['bidir']:.2f} GB/s", flush=True)
 

@@ -117,7 +117,7 @@ def wait_tier(engine: KVCacheEngine, timeout_s: float = 60.0) -> None:
 
 def bench_mooncake_raw(mc: MooncakeForBench, num_objects: int, object_bytes: int, args) -> dict:
     """Mooncake's zero-copy batch calls on the same object count and sizes as one prompt."""
-    from kvconnect.storage.mooncake_config import MooncakeSpec, import_store
+    from kvconnect.storage.mooncake.config import MooncakeSpec, import_store
 
     store = import_store(MooncakeSpec(master_address=mc.master.address))()
     if store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", mc.master.address) != 0:

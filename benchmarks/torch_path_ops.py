@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_transfer as gt  # noqa: E402
 
-from kvconnect import transfer  # noqa: E402
+from kvconnect.transfer import dispatch  # noqa: E402
 
 gt.DEVICE = "cpu"
 
@@ -72,8 +72,8 @@ def main() -> None:
         buf = torch.zeros(job.span_bytes, dtype=torch.uint8)
         name = "dsv4_packed" if packed else "dsv4_flash"
         for direction, tables in (("store", job.store), ("retrieve", job.load)):
-            fn = (lambda t=tables: transfer.gather(layout, t, buf, backend="torch")) if direction == "store" else \
-                 (lambda t=tables: transfer.scatter(layout, t, buf, backend="torch"))
+            fn = (lambda t=tables: dispatch.gather(layout, t, buf, backend="torch")) if direction == "store" else \
+                 (lambda t=tables: dispatch.scatter(layout, t, buf, backend="torch"))
             c, seconds = count(fn)
             key = f"{name} {direction}"
             results[key] = {"planes": len(layout.planes), "segments": int(len(tables.segments)),

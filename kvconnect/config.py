@@ -14,7 +14,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | LMCACHE_MAX_LOCAL_DISK_SIZE    | max_local_disk_size  | float | 0.0     | disk tier size, GB |
 | KVCONNECT_LOCAL_DISK_FSYNC     | local_disk_fsync     | bool  | false   | fsync each disk-tier file before its rename (survives power loss) |
 | LMCACHE_REMOTE_URL             | remote_url           | str   | none    | remote tier (``redis://``, ``rediss://``, ``unix://``, ``redis-cluster://``, or ``mooncakestore://HOST:PORT``: a Mooncake master) |
-| MOONCAKE_CONFIG_PATH           | mooncake_config_path | str   | none    | Mooncake client settings (JSON, Mooncake's own keys; kvconnect/storage/mooncake_config.py) |
+| MOONCAKE_CONFIG_PATH           | mooncake_config_path | str   | none    | Mooncake client settings (JSON, Mooncake's own keys; kvconnect/storage/mooncake/config.py) |
 | LMCACHE_SAVE_UNFULL_CHUNK      | save_unfull_chunk    | bool  | false   | also store a prompt's partial last chunk |
 | LMCACHE_SAVE_DECODE_CACHE      | save_decode_cache    | bool  | false   | engine adapters also store the chunks generated tokens complete |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
@@ -50,7 +50,7 @@ meaning maps (``min_retrieve_tokens``, ``cache_policy``, ``lookup_timeout_ms``,
 ``extra_config``) and otherwise warned about once, naming what kvconnect does instead.
 
 Variables kvconnect does not read but sets for a library it loads: when a Mooncake tier
-connects, ``kvconnect/storage/mooncake_config.py`` gives Mooncake's native client its own
+connects, ``kvconnect/storage/mooncake/config.py`` gives Mooncake's native client its own
 ``MC_TCP_BIND_ADDRESS`` (loopback unless the master's host is an address), ``MC_LOG_LEVEL``
 (WARNING) and ``MC_RPC_TIMEOUT_MS`` (from ``remote_timeout_s``), each only where the operator
 has not set it (``os.environ.setdefault``): those are Mooncake's settings, not kvconnect's.
@@ -65,12 +65,12 @@ import json
 import logging
 import math
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from . import lmcache_names
 from .errors import ConfigError
+from .throttled_warning import OnceWarnings
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ GB = 1 << 30
 _TRUE = {"1", "true"}  # LMCache's _to_bool: these are true, every other word false
 _FALSE = {"0", "false", ""}
 CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
-TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.route_backend
+TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.dispatch.route_backend
 EVICTION_POLICIES = ("s3fifo", "arc", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
 
 MAX_SIZE_GB = float(1 << 20)  # 1 PiB: a size past it is a typo, never a host's memory or disk
@@ -247,17 +247,7 @@ class Config:
         return cls.from_dict(overrides, source="environment", base=config, environment=True)
 
 
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def warn_once(topic: str, message: str, *args: Any) -> None:
-    """Log ``message`` at WARNING the first time ``topic`` comes up in this process."""
-    with _warned_lock:
-        if topic in _warned:
-            return
-        _warned.add(topic)
-    logger.warning(message, *args)
+warn_once = OnceWarnings(logger.warning).warn  # (topic, message, *args): each topic once per process
 
 
 def _warn_unknown(key: str, name: str, source: str) -> None:

@@ -38,8 +38,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import metrics, transfer
 from .chunks.keys import Chunk, ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
+from .metrics.prometheus import register_engine, start_exporter, unregister
+from .metrics.recorders import OpLog
+from .transfer import dispatch
 from .config import Config
 from .engine_stats import Counters
 from .errors import ConfigError, TokenError
@@ -96,8 +98,8 @@ class KVCacheEngine:
         _check_shared_identity(layout, self.config)
         check_chunk_size(layout, self.config.chunk_size)
         if backend is None:  # an explicit backend wins over KVCONNECT_TRANSFER_ROUTE
-            backend = transfer.route_backend(layout, self.config.transfer_route)
-        transfer.prepare(layout, backend)  # fail now, not on the first store; the Triton route compiles here
+            backend = dispatch.route_backend(layout, self.config.transfer_route)
+        dispatch.prepare(layout, backend)  # fail now, not on the first store; the Triton route compiles here
         self.backend = backend
         self._cuda_tuning = route_tuning(self.config.cuda_transfer)
         self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)
@@ -114,9 +116,9 @@ class KVCacheEngine:
         self.shared_writer = shared_writer
         self.counters = Counters()
         self.stats = self.counters.stats
-        self.ops = metrics.OpLog()  # store/retrieve latency and per-operation sizes
-        self.metrics_instance = metrics.register_engine(self)  # Prometheus: kvconnect.metrics
-        metrics.start_exporter(self.config)  # opt-in (KVCONNECT_METRICS_PORT), once per process
+        self.ops = OpLog()  # store/retrieve latency and per-operation sizes
+        self.metrics_instance = register_engine(self)  # Prometheus: kvconnect.metrics
+        start_exporter(self.config)  # opt-in (KVCONNECT_METRICS_PORT), once per process
         # CPU kernel threads per direction; an adapter may set them from where the engine computes
         # (kvconnect.transfer.placement): a store runs beside the engine, a load blocks its step
         self.store_threads = self.config.num_threads
@@ -300,17 +302,17 @@ class KVCacheEngine:
     # -- pool transfers (also PageStore's) --------------------------------------------
     def gather_to_pool(self, tables) -> None:
         """Planes -> pool slots, on the store's threads and route."""
-        transfer.gather(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
+        dispatch.gather(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
                         cuda_tuning=self._cuda_tuning)
 
     def scatter_from_pool(self, tables) -> None:
         """Pool slots -> planes, on the load's threads and route."""
-        transfer.scatter(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.load_threads,
+        dispatch.scatter(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.load_threads,
                          cuda_tuning=self._cuda_tuning)
 
     def close(self) -> None:
         """Flush queued lower-tier writes, stop their threads, close the tiers, empty the pool."""
-        metrics.unregister(self.metrics_instance)
+        unregister(self.metrics_instance)
         self.storage.close()
         self.pool.close()  # a private pool is emptied; a shared one keeps the other engines' entries
 

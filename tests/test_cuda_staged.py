@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect import transfer
+from kvconnect.transfer import dispatch
 from kvconnect.transfer import cuda as cuda_path
 from test_cuda_transfer import (  # noqa: F401  (gen is a fixture)
     ZOO,
@@ -75,7 +75,7 @@ def test_streams_events_and_a_growing_ring(gen):
     layout = case.layout()
     tables, nbytes = planned_tables(layout, 1024, gen)
     ref = pinned(nbytes, gen)
-    transfer.gather(layout, tables, ref, backend="torch")
+    dispatch.gather(layout, tables, ref, backend="torch")
     side = torch.cuda.Stream()
     for tuning in (STAGED["tiny"], STAGED["default"], cuda_path.KernelTuning(staged=True, max_piece_bytes=32 << 20)):
         buf = pinned(nbytes, gen)
@@ -93,7 +93,7 @@ def test_streams_events_and_a_growing_ring(gen):
     torch.cuda.synchronize()
     restored = case.snapshot()
     case.restore(before)
-    transfer.scatter(layout, tables, ref, backend="torch")
+    dispatch.scatter(layout, tables, ref, backend="torch")
     assert all(torch.equal(a, b) for a, b in zip(restored, case.snapshot()))
 
 

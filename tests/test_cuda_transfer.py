@@ -17,11 +17,12 @@ import pytest
 import torch
 
 import zoo
-from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout, TransferError, transfer
+from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout, TransferError
+from kvconnect.transfer import dispatch
 from kvconnect.chunks.keys import Chunk
-from kvconnect.layout.spec import ChunkKey
 from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments
-from kvconnect.transfer import SegmentBuilder, TransferTables
+from kvconnect.layout.spec import ChunkKey
+from kvconnect.transfer.tables import SegmentBuilder, TransferTables
 from kvconnect.transfer import cuda as cuda_path
 
 try:
@@ -240,10 +241,10 @@ def check_gather(layout: KVLayout, tables: TransferTables, nbytes: int, gen, *, 
     ref = base.clone()
     buf = base[offset:]
     if stream is None and tuning is None:
-        transfer.gather(layout, tables, buf)
+        dispatch.gather(layout, tables, buf)
     else:
         cuda_path.run("gather", layout, tables, buf, stream, tuning=tuning)
-    transfer.gather(layout, tables, ref[offset:], backend="torch")
+    dispatch.gather(layout, tables, ref[offset:], backend="torch")
     assert torch.equal(base, ref), f"{int((base != ref).sum())} bytes differ from the torch oracle"
 
 
@@ -252,13 +253,13 @@ def check_scatter(case: Case, layout: KVLayout, tables: TransferTables, nbytes: 
     buf = pinned(nbytes + offset, gen)[offset:]
     before = case.snapshot()
     if stream is None and tuning is None:
-        transfer.scatter(layout, tables, buf)
+        dispatch.scatter(layout, tables, buf)
     else:
         cuda_path.run("scatter", layout, tables, buf, stream, tuning=tuning)
     torch.cuda.synchronize()
     got = case.snapshot()
     case.restore(before)
-    transfer.scatter(layout, tables, buf, backend="torch")
+    dispatch.scatter(layout, tables, buf, backend="torch")
     want = case.snapshot()
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"backing {i}: {int((g != w).sum())} bytes differ from the torch oracle"
@@ -317,7 +318,7 @@ def test_planned_store_and_load_match_the_oracle(name, gen):
     case = ZOO[name]()
     case.randomize(gen)
     layout = case.layout()
-    assert transfer.backend_for(layout) == "cuda"
+    assert dispatch.backend_for(layout) == "cuda"
     tables, nbytes = planned_tables(layout, 768, gen)
     check_gather(layout, tables, nbytes, gen)
     check_scatter(case, layout, tables, nbytes, gen)
@@ -374,7 +375,7 @@ def test_async_on_a_caller_stream_returns_an_event(gen):
     layout = case.layout()
     tables, nbytes = planned_tables(layout, 1024, gen)
     ref = pinned(nbytes, gen)
-    transfer.gather(layout, tables, ref, backend="torch")
+    dispatch.gather(layout, tables, ref, backend="torch")
     side = torch.cuda.Stream()
     for stream in (side, side.cuda_stream):
         buf = pinned(nbytes, gen)
@@ -403,7 +404,7 @@ def test_concurrent_callers_on_their_own_streams(tuning, gen):
     refs = []
     for tables, nbytes in jobs:
         ref = pinned(nbytes, gen)
-        transfer.gather(layout, tables, ref, backend="torch")
+        dispatch.gather(layout, tables, ref, backend="torch")
         refs.append(ref)
     outs = [pinned(nbytes, gen) for _, nbytes in jobs]
     errors = []
@@ -434,9 +435,9 @@ def test_device_buffer_and_uva_alias(tuning, gen):
     layout = case.layout()
     tables, nbytes = planned_tables(layout, 512, gen)
     dev = torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE)
-    transfer.gather(layout, tables, dev, cuda_tuning=tuning)
+    dispatch.gather(layout, tables, dev, cuda_tuning=tuning)
     ref = pinned(nbytes, gen)
-    transfer.gather(layout, tables, ref, backend="torch")
+    dispatch.gather(layout, tables, ref, backend="torch")
     assert torch.equal(dev.cpu(), ref)
     host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
     if _cuda_kernels.unified_addressing(torch.cuda.current_device()):
@@ -455,13 +456,13 @@ def test_bad_input_is_refused_before_anything_moves(gen):
     bad = TransferTables(tables.segments.copy(), tables.slots.copy())
     bad.slots[-1] = layout.planes[0].num_slots  # one past the end
     with pytest.raises(TransferError, match="slot"):
-        transfer.scatter(layout, bad, buf)
+        dispatch.scatter(layout, bad, buf)
     with pytest.raises(TransferError, match="buffer"):
-        transfer.scatter(layout, tables, buf[: nbytes - 1])
+        dispatch.scatter(layout, tables, buf[: nbytes - 1])
     with pytest.raises(TransferError, match="pinned"):
-        transfer.scatter(layout, tables, torch.zeros(nbytes, dtype=torch.uint8))  # pageable
+        dispatch.scatter(layout, tables, torch.zeros(nbytes, dtype=torch.uint8))  # pageable
     with pytest.raises(TransferError, match="uint8"):
-        transfer.scatter(layout, tables, buf.view(torch.int16))
+        dispatch.scatter(layout, tables, buf.view(torch.int16))
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(case.snapshot(), before))
 

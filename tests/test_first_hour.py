@@ -10,10 +10,10 @@ import time
 import pytest
 
 from kvconnect.cli import main as cli_main
-from kvconnect.repeat_warning import RepeatingWarning
+from kvconnect.throttled_warning import RepeatingWarning
 from kvconnect.server.client import SharedPoolClient
-from kvconnect.storage import mooncake_config
-from kvconnect.storage.mooncake_config import connect_store
+from kvconnect.storage.mooncake import config as mooncake_config
+from kvconnect.storage.mooncake.config import connect_store
 
 from server.server_rig import server_thread, socket_dir
 

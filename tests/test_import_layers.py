@@ -2,8 +2,8 @@
 floors below its own, so an arrow upward or a circle fails here.
 
 A unit is a package under kvconnect/ (``layout``, ``restore``, ...) or a top-level module
-(``engine``, ``config``, ...); the ``metrics*`` modules are one unit. Imports within a unit
-are its own business.
+(``engine``, ``config``, ...). Imports within a unit are its own business. No module imports
+another's private (``_``) names.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(kvconnect.__file__).resolve().parent
 # Lowest first. A unit may import the units of the floors below its own, never one beside
 # or above it.
 FLOORS = (
-    {"errors", "lmcache_names", "repeat_warning", "events", "engine_stats"},  # leaves
+    {"errors", "lmcache_names", "throttled_warning", "events", "engine_stats"},  # leaves
     {"config", "layout"},  # the one reader of the environment; what a KV cache looks like
     {"chunks", "metrics", "transfer"},  # keys and the stored format; counters; byte movers
     {"storage"},  # the pool and the lower tiers
@@ -40,8 +40,7 @@ def _unit(name: str) -> str:
     parts = name.split(".")
     if len(parts) == 1 or parts[1] == "__init__":
         return FACE
-    head = parts[1]
-    return "metrics" if head.startswith("metrics") else head
+    return parts[1]
 
 
 def _imports(module: Path) -> set[str]:
@@ -98,34 +97,20 @@ def test_imports_only_from_floors_below(module: Path):
     assert not wrong, f"{module.relative_to(ROOT.parent)} imports upward or sideways: {wrong}"
 
 
-# Private names still imported across modules: each goes when its module is reshaped; the
-# test below fails for a new one, and the one after it for an entry nothing imports any more.
-PRIVATE_IMPORTS_LEFT = {
-    "integrations/vllm/tensors.py": {"specs._num_heads"},
-    "integrations/vllm/translate.py": {"specs._layer_spec", "tensors._check_blocks", "tensors._device_type",
-                                       "tensors._planes_of", "tensors._row_regions", "tensors._signature"},
-    "storage/mooncake_tier.py": {"mooncake_buffers._Registered"},
-}
-
-
 def _private_imports(module: Path) -> set[str]:
     tree = ast.parse(module.read_text())
     return {f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-            for a in node.names if a.name.startswith("_") and not _is_extension(a.name)}
+            for a in node.names if a.name.startswith("_") and not _is_extension(node, a.name)}
 
 
-def _is_extension(name: str) -> bool:
-    """``kvconnect._cpu_kernels`` and the like: compiled modules, private by their build's choice."""
-    return any(ROOT.glob(f"{name}.*.so")) or any(ROOT.glob(f"{name}.so"))
+def _is_extension(node: ast.ImportFrom, name: str) -> bool:
+    """``from .. import _cpu_kernels`` and the like: a compiled module of the package (no Python
+    source in the tree, built or not), private by its build's choice."""
+    from_package = node.module in (None, "kvconnect")
+    return from_package and not (ROOT / f"{name}.py").exists() and not (ROOT / name).is_dir()
 
 
 @pytest.mark.parametrize("module", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_private_name_is_imported_from_another_module(module: Path):
-    left = PRIVATE_IMPORTS_LEFT.get(str(module.relative_to(ROOT)), set())
-    private = _private_imports(module) - left
+    private = _private_imports(module)
     assert not private, f"{module.relative_to(ROOT.parent)} imports private names: {sorted(private)}"
-
-
-def test_private_imports_left_still_exist():
-    gone = {f: names - _private_imports(ROOT / f) if (ROOT / f).exists() else names for f, names in PRIVATE_IMPORTS_LEFT.items()}
-    assert not any(gone.values()), f"no longer imported: remove from PRIVATE_IMPORTS_LEFT: {gone}"

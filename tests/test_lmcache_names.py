@@ -21,6 +21,7 @@ import pytest
 from kvconnect import Config
 from kvconnect import config as config_module
 from kvconnect import lmcache_names
+from kvconnect.throttled_warning import OnceWarnings
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_CACHE = Path.home() / ".cache" / "kvconnect-ci"  # where .ci/setup.sh puts the wheels
@@ -127,7 +128,7 @@ def test_every_extra_config_key_has_an_answer(key):
 def test_each_ignored_name_is_warned_once_with_its_answer(monkeypatch, caplog):
     """As a variable and as a YAML key: no error, one warning naming it and what kvconnect does."""
     caplog.set_level(logging.WARNING, logger="kvconnect")
-    monkeypatch.setattr(config_module, "_warned", set())
+    monkeypatch.setattr(config_module, "warn_once", OnceWarnings(config_module.logger.warning).warn)
     ignored = sorted({n for n in CONFIG_KEYS if n in lmcache_names.INSTEAD})
     env = {f"LMCACHE_{n.upper()}": "1" for n in ignored}
     assert Config.from_env(env) == Config.from_env({})

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 import zoo
-from kvconnect import KVCacheEngine, metrics
+from kvconnect import KVCacheEngine
+from kvconnect.metrics.catalogue import Figures, LATENCY_BUCKETS_S
+from kvconnect.metrics.figures import engine_figures, storage_figures
+from kvconnect.metrics.prometheus import collector, prometheus_text, register_engine, start_exporter
+from kvconnect.metrics.recorders import LatencyHistogram, OpLog
+from kvconnect.metrics.sglang import sglang_storage_metrics
+from kvconnect.metrics.vllm import merge_payloads, payload_figures, PayloadDeltas, vllm_payload
 from kvconnect.chunks import chunk_format as cf
 from kvconnect.restore.plan import max_chunk_payload_bytes
 
@@ -46,7 +52,7 @@ def test_scripted_sequence(tmp_path, rng):
         assert engine.store(prompts[0], tables) == 2 * CHUNK
         assert engine.lookup(prompts[0]) == 2 * CHUNK
         assert engine.retrieve(prompts[0], zoo.random_tables(case, 2 * CHUNK, rng)) == 2 * CHUNK
-        f = metrics.engine_figures(engine)
+        f = engine_figures(engine)
         assert f.get("kvconnect_stored_chunks_total") == 2
         assert f.get("kvconnect_stored_bytes_total") == 2 * chunk_bytes
         assert (f.get("kvconnect_lookups_total"), f.get("kvconnect_lookup_requested_tokens_total"),
@@ -64,7 +70,7 @@ def test_scripted_sequence(tmp_path, rng):
         for p in prompts[1:]:
             engine.store(p, zoo.random_tables(case, 2 * CHUNK, rng))
             assert engine.storage.flush(10.0)  # each prompt reaches the disk before the next evicts it
-        f = metrics.engine_figures(engine)
+        f = engine_figures(engine)
         assert f.get("kvconnect_pool_evictions_total") == 4
         assert f.get("kvconnect_pool_used_bytes") == 4 * chunk_bytes
         assert f.get("kvconnect_tier_used_bytes", "disk") > 8 * chunk_bytes
@@ -78,7 +84,7 @@ def test_scripted_sequence(tmp_path, rng):
         # prompt 0 was evicted: served by the disk tier
         hits_before = f.get("kvconnect_tier_hits_total", "disk")
         assert engine.lookup(prompts[0]) == 2 * CHUNK
-        f = metrics.engine_figures(engine)
+        f = engine_figures(engine)
         assert f.get("kvconnect_tier_hits_total", "disk") == hits_before + 2
         assert f.get("kvconnect_tier_misses_total", "cpu") >= 2
         assert sum(f.get("kvconnect_tier_seconds", "disk", "masks")[0]) >= 1
@@ -96,11 +102,11 @@ def test_scripted_sequence(tmp_path, rng):
         finally:
             src.close()
         assert engine.retrieve(bad, zoo.random_tables(case, CHUNK, rng)) == 0
-        f = metrics.engine_figures(engine)
+        f = engine_figures(engine)
         assert f.get("kvconnect_corrupt_chunks_dropped_total") == 1
 
         # the same figures in the Prometheus text, under this engine's instance label
-        text = metrics.prometheus_text()
+        text = prometheus_text()
         inst = engine.metrics_instance
         assert _scrape_value(text, "kvconnect_stored_chunks_total", instance=inst) == 4 * 2
         assert _scrape_value(text, "kvconnect_pool_evictions_total", instance=inst) >= 4
@@ -109,7 +115,7 @@ def test_scripted_sequence(tmp_path, rng):
         assert _scrape_value(text, "kvconnect_retrieve_seconds_count", instance=inst) == 1
     finally:
         engine.close()
-    assert inst not in metrics.collector().instances()
+    assert inst not in collector().instances()
 
 
 def test_several_engines_one_process_one_registration():
@@ -118,11 +124,11 @@ def test_several_engines_one_process_one_registration():
     registry = prometheus_client.CollectorRegistry()
     engines = [KVCacheEngine(case.layout(), zoo.small_config(CHUNK)) for _ in range(3)]
     try:
-        names = [metrics.register_engine(e, registry=registry) for e in engines]
-        names.append(metrics.register_engine(engines[0], "prefill", registry=registry))
-        names.append(metrics.register_engine(engines[1], "prefill", registry=registry))
+        names = [register_engine(e, registry=registry) for e in engines]
+        names.append(register_engine(engines[0], "prefill", registry=registry))
+        names.append(register_engine(engines[1], "prefill", registry=registry))
         assert len(set(names)) == 5 and "prefill" in names
-        text = metrics.prometheus_text(registry)
+        text = prometheus_text(registry)
         assert text.count("kvconnect_lookups_total{") == 5
         assert text.count("# TYPE kvconnect_lookups_total counter") == 1
     finally:
@@ -133,49 +139,49 @@ def test_several_engines_one_process_one_registration():
 def test_vllm_payload_cumulative_per_rank():
     """Workers' and intervals' payloads merge by rank; the hook adds only what grew."""
     def figs(lookups, depth, counts):
-        f = metrics.Figures()
+        f = Figures()
         f.set("kvconnect_lookups_total", lookups)
         f.set("kvconnect_write_queue_depth", depth, "disk")
         f.set("kvconnect_store_seconds", (tuple(counts), 0.1))
         return f
 
-    n = len(metrics.LATENCY_BUCKETS_S) + 1
+    n = len(LATENCY_BUCKETS_S) + 1
     one = [1] + [0] * (n - 1)
-    deltas = metrics.PayloadDeltas()
-    p = metrics.merge_payloads(metrics.vllm_payload("0", figs(3, 2, one)), metrics.vllm_payload("1", figs(4, 1, one)))
+    deltas = PayloadDeltas()
+    p = merge_payloads(vllm_payload("0", figs(3, 2, one)), vllm_payload("1", figs(4, 1, one)))
     incs, gauges, hists = deltas.update(p)
     assert incs[("kvconnect_lookups_total", ())] == 7
     assert gauges[("kvconnect_write_queue_depth", ("disk",))] == 3
     assert hists[("kvconnect_store_seconds", ())][0] == 2
     # an interval where rank 0 reported twice (merged: latest wins) and rank 1 not at all
-    p = metrics.merge_payloads(metrics.vllm_payload("0", figs(5, 0, one)), metrics.vllm_payload("0", figs(6, 0, [2] + [0] * (n - 1))))
+    p = merge_payloads(vllm_payload("0", figs(5, 0, one)), vllm_payload("0", figs(6, 0, [2] + [0] * (n - 1))))
     incs, gauges, hists = deltas.update(p)
     assert incs == {("kvconnect_lookups_total", ()): 3}
     assert hists[("kvconnect_store_seconds", ())][0] == 1
     # rank 1 restarted: its counter starts over
-    incs, _, _ = deltas.update(metrics.vllm_payload("1", figs(2, 0, one)))
+    incs, _, _ = deltas.update(vllm_payload("1", figs(2, 0, one)))
     assert incs[("kvconnect_lookups_total", ())] == 2
-    assert metrics.payload_figures(p).get("kvconnect_lookups_total") == 6
+    assert payload_figures(p).get("kvconnect_lookups_total") == 6
 
 
 def test_sglang_storage_metrics_shape():
-    ops = metrics.OpLog()
+    ops = OpLog()
     ops.retrieved(4, 4_000_000, 0.002)
     ops.stored(2, 1_000_000, 0.001)
     ops.stored(0, 0, 0.001)  # nothing written: not an operation SGLang counts
-    m = metrics.sglang_storage_metrics(ops, pages_per_chunk=4)
+    m = sglang_storage_metrics(ops, pages_per_chunk=4)
     fields = {f.name for f in dataclasses.fields(m)}
     assert {"prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"} <= fields
     assert m.prefetch_pgs == [16] and m.backup_pgs == [8]
     assert m.prefetch_bandwidth == pytest.approx([2.0]) and m.backup_bandwidth == pytest.approx([1.0])
-    again = metrics.sglang_storage_metrics(ops)  # drained, as SGLang's backends do
+    again = sglang_storage_metrics(ops)  # drained, as SGLang's backends do
     assert again.prefetch_pgs == [] and again.backup_pgs == []
 
 
 def test_exporter_is_opt_in_and_loopback(monkeypatch):
     from kvconnect.config import Config
 
-    assert metrics.start_exporter(Config()) is None
+    assert start_exporter(Config()) is None
     assert Config().metrics_host == "127.0.0.1"
     assert Config.from_env({"KVCONNECT_METRICS_PORT": "9464"}).metrics_port == 9464
     with pytest.raises(Exception):
@@ -183,12 +189,12 @@ def test_exporter_is_opt_in_and_loopback(monkeypatch):
 
 
 def test_histogram_buckets():
-    h = metrics.LatencyHistogram()
+    h = LatencyHistogram()
     for s in (0.00005, 0.003, 100.0):
         h.observe(s)
     counts, total = h.snapshot()
     assert counts[0] == 1 and counts[-1] == 1 and sum(counts) == 3 and total == pytest.approx(100.00305)
-    assert np.argmax(counts[1:-1]) + 1 == metrics.LATENCY_BUCKETS_S.index(0.005)
+    assert np.argmax(counts[1:-1]) + 1 == LATENCY_BUCKETS_S.index(0.005)
 
 
 def test_a_raising_tier_is_counted_as_its_error():
@@ -215,7 +221,7 @@ def test_a_raising_tier_is_counted_as_its_error():
     manager = StorageManager(ChunkPool(1 << 16, 1024), fp, [Broken(fp)])
     try:
         assert manager.masks([ChunkKey(bytes(16)), ChunkKey(bytes(range(16)))]) == [None, None]
-        f = metrics.storage_figures(manager)
+        f = storage_figures(manager)
         assert f.get("kvconnect_tier_errors_total", "broken") == 1
         assert f.get("kvconnect_tier_misses_total", "cpu") == 2
         assert f.get("kvconnect_tier_hits_total", "broken") == 0  # it never answered

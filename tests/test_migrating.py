@@ -15,6 +15,7 @@ from kvconnect import config as config_module
 from kvconnect.errors import StorageError
 from kvconnect.layout.spec import Fingerprint
 from kvconnect.storage.manager import open_tiers
+from kvconnect.throttled_warning import OnceWarnings
 
 # the block of seed 003 ("LMCache configuration (tag v0.4.5)"), as a shell leaves it
 SEED_003_ENV = {
@@ -32,7 +33,7 @@ SEED_003_ENV = {
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test sees the once-per-process warnings again."""
-    monkeypatch.setattr(config_module, "_warned", set())
+    monkeypatch.setattr(config_module, "warn_once", OnceWarnings(config_module.logger.warning).warn)
 
 
 def warnings_of(caplog) -> str:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import zoo
-from kvconnect import KVCacheEngine, transfer
+from kvconnect import KVCacheEngine
+from kvconnect.transfer import dispatch
 from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.storage import ChunkPool
 
@@ -244,7 +245,7 @@ def test_eviction_during_retrieve_keeps_the_pinned_entry(rng, monkeypatch):
     w = Pressure(rng)
     engine = w.engine
     assert engine.store(w.prompts[0], w.src[0][0]) == N
-    real_scatter = transfer.scatter
+    real_scatter = dispatch.scatter
     calls = []
 
     def interfering_scatter(*args, **kwargs):
@@ -255,7 +256,7 @@ def test_eviction_during_retrieve_keeps_the_pinned_entry(rng, monkeypatch):
         assert engine.store(w.prompts[0], w.src[0][1]) <= N  # version 1 under the same keys, if room
         return real_scatter(*args, **kwargs)
 
-    monkeypatch.setattr(transfer, "scatter", interfering_scatter)
+    monkeypatch.setattr(dispatch, "scatter", interfering_scatter)
     w.clear_dst(0)
     assert engine.retrieve(w.prompts[0], w.dst[0]) == N
     assert calls == [1]
@@ -263,7 +264,7 @@ def test_eviction_during_retrieve_keeps_the_pinned_entry(rng, monkeypatch):
         got = w._rows(w.dst[0], j)
         assert all(torch.equal(a, b) for a, b in zip(got, w.versions[0][j][0])), f"chunk {j} is not the pinned version"
     assert engine.pool.stats().extra["pinned"] == 0
-    monkeypatch.setattr(transfer, "scatter", real_scatter)
+    monkeypatch.setattr(dispatch, "scatter", real_scatter)
     engine.pool.clear()
     assert engine.pool.stats().used_slots == 0
 

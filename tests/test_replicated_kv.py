@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from kvconnect import Config, KVCacheEngine
-from kvconnect.integrations.vllm.translate import ParallelRanks, translate_kv_caches
+from kvconnect.integrations.vllm.translate import translate_kv_caches
+from kvconnect.integrations.vllm.ranks import ParallelRanks
 from kvconnect.server import make_pool
 from kvconnect.server.server import CacheServer
 from kvconnect.layout.spec import DCPSpec

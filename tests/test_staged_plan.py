@@ -20,11 +20,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import zoo
-from kvconnect import transfer
+from kvconnect.transfer import dispatch
 from kvconnect.chunks.keys import Chunk
-from kvconnect.layout.spec import ChunkKey
 from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments
-from kvconnect.transfer import SegmentBuilder, TransferTables, plane_table
+from kvconnect.layout.spec import ChunkKey
+from kvconnect.transfer.tables import SegmentBuilder, TransferTables, plane_table
 from test_transfer_cpu import NAMES, _random_tables
 
 _cpu_kernels = pytest.importorskip("kvconnect._cpu_kernels")
@@ -86,7 +86,7 @@ def execute(plan: dict, buffer: torch.Tensor, to_buffer: bool, largest: int) -> 
 def check_gather(case, tables: TransferTables, nbytes: int, shape) -> dict:
     layout = case.layout()
     want = torch.full((nbytes + 32,), 0xEE, dtype=torch.uint8)
-    transfer.gather(layout, tables, want, backend="cpu")
+    dispatch.gather(layout, tables, want, backend="cpu")
     got = torch.full_like(want, 0xEE)
     plan = staged_plan(layout, tables, got.numel(), True, shape)
     before = case.snapshot()
@@ -98,7 +98,7 @@ def check_gather(case, tables: TransferTables, nbytes: int, shape) -> dict:
 
 def check_scatter(case, tables: TransferTables, buffer: torch.Tensor, shape) -> dict:
     want = case.clone()
-    transfer.scatter(want.layout(), tables, buffer, backend="cpu")
+    dispatch.scatter(want.layout(), tables, buffer, backend="cpu")
     got = case.clone()
     plan = staged_plan(got.layout(), tables, buffer.numel(), False, shape)
     buffer_before = buffer.clone()

@@ -12,18 +12,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
-from kvconnect import transfer
+from kvconnect.transfer import dispatch
+from kvconnect.transfer.kernels import cpu_kernels
 from kvconnect.chunks.keys import Chunk
-from kvconnect.layout.spec import ChunkKey
 from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments
-from kvconnect.transfer import SegmentBuilder
+from kvconnect.layout.spec import ChunkKey
+from kvconnect.transfer.tables import SegmentBuilder
 
 NAMES = ["llama-flash", "llama-hnd-flashinfer", "dsv3-mla", "dsv3-mla-ascend", "dsv32-ascend", "dsv4-flash",
          "dsv4-flash-packed", "gemma3-swa", "state-hybrid", "vllm-cpu", "dsv3-mla-dcp", "mla-swa-dcp"]
 _NO_LAUNCH = {"view", "_unsafe_view", "slice", "as_strided", "set_", "select", "reshape", "alias", "lift_fresh", "empty",
               "detach", "unsqueeze", "expand"}
 
-needs_cpu_kernel = pytest.mark.skipif(transfer._cpu_kernels is None, reason="kvconnect._cpu_kernels is not built")
+needs_cpu_kernel = pytest.mark.skipif(cpu_kernels() is None, reason="kvconnect._cpu_kernels is not built")
 
 
 class _Ops(TorchDispatchMode):
@@ -65,13 +66,13 @@ def _scattered(layout, rng):
 def _both_ways(case, layout, tables, nbytes, rng):
     got = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
     want = got.clone()
-    transfer.gather(layout, tables, got, backend="torch")
-    transfer.gather(layout, tables, want, backend="cpu")
+    dispatch.gather(layout, tables, got, backend="torch")
+    dispatch.gather(layout, tables, want, backend="cpu")
     assert torch.equal(got, want), f"{int((got != want).sum())} buffer bytes differ from the CPU kernel"
     buffer = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
     a, b = case.clone(), case.clone()
-    transfer.scatter(a.layout(), tables, buffer, backend="torch")
-    transfer.scatter(b.layout(), tables, buffer, backend="cpu")
+    dispatch.scatter(a.layout(), tables, buffer, backend="torch")
+    dispatch.scatter(b.layout(), tables, buffer, backend="cpu")
     assert a.first_difference(b) is None
 
 
@@ -93,10 +94,10 @@ def test_device_ops_per_batch_follow_the_planes_not_the_segments(name, rng):
         case, layout, tables, nbytes = _planned(name, rng, num_chunks)
         planes_used = len(np.unique(tables.segments[:, 0]))
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
-        transfer.gather(layout, tables, buffer, backend="torch")  # byte views built outside the count
+        dispatch.gather(layout, tables, buffer, backend="torch")  # byte views built outside the count
         for direction in ("gather", "scatter"):
             with _Ops() as ops:
-                getattr(transfer, direction)(layout, tables, buffer, backend="torch")
+                getattr(dispatch, direction)(layout, tables, buffer, backend="torch")
             assert ops.launches() <= 3 * planes_used + 3, (direction, dict(ops.ops))
             counts[num_chunks, direction] = ops.launches()
         if num_chunks == 4:

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import zoo
-from kvconnect import TransferError, transfer
-from kvconnect.transfer import SegmentBuilder, TransferTables
+from kvconnect import TransferError
+from kvconnect.transfer import dispatch
+from kvconnect.transfer.tables import SegmentBuilder, TransferTables
 
 NAMES = ["llama-flash", "llama-hnd-flashinfer", "dsv3-mla-ascend", "dsv32-ascend", "dsv4-flash", "dsv4-flash-packed",
          "vllm-cpu", "state-hybrid"]
@@ -74,7 +75,7 @@ def test_gather_matches_reference(name, rng):
     for backend in BACKENDS:
         for threads in (1, 2, 4):
             buffer = torch.full_like(expected, 0xEE)
-            transfer.gather(layout, tables, buffer, backend=backend, num_threads=threads)
+            dispatch.gather(layout, tables, buffer, backend=backend, num_threads=threads)
             assert torch.equal(buffer, expected), f"{backend} x{threads}"
     assert case.same_bytes(before)
 
@@ -92,7 +93,7 @@ def test_scatter_matches_reference(name, rng):
     for backend in BACKENDS:
         for threads in (1, 3):
             dst = src.clone()
-            transfer.scatter(dst.layout(), tables, buffer, backend=backend, num_threads=threads)
+            dispatch.scatter(dst.layout(), tables, buffer, backend=backend, num_threads=threads)
             assert dst.first_difference(expected) is None, f"{backend} x{threads}"
     assert torch.equal(buffer, buffer_before)
 
@@ -104,11 +105,11 @@ def test_gather_scatter_round_trip_all_threads(rng):
     tables, used = _random_tables(layout, rng, unique_slots=True, num_segments=60, max_rows=200)
     assert tables.num_rows > 2000
     buffer = torch.zeros(used, dtype=torch.uint8)
-    transfer.gather(layout, tables, buffer, num_threads=4)
+    dispatch.gather(layout, tables, buffer, num_threads=4)
     zeroed = case.clone(fill=0)
-    transfer.scatter(zeroed.layout(), tables, buffer, num_threads=4)
+    dispatch.scatter(zeroed.layout(), tables, buffer, num_threads=4)
     again = torch.zeros_like(buffer)
-    transfer.gather(zeroed.layout(), tables, again, backend="torch")
+    dispatch.gather(zeroed.layout(), tables, again, backend="torch")
     assert torch.equal(again, buffer)
     assert tables.payload_bytes(layout) == int(sum(n * layout.planes[p].row_bytes for p, n, _, _ in tables.segments.tolist()))
 
@@ -120,8 +121,8 @@ def test_empty_tables_are_a_no_op():
     empty = SegmentBuilder().build()
     for backend in BACKENDS:
         buf = torch.full((16,), 7, dtype=torch.uint8)
-        transfer.gather(layout, empty, buf, backend=backend)
-        transfer.scatter(layout, empty, buf, backend=backend)
+        dispatch.gather(layout, empty, buf, backend=backend)
+        dispatch.scatter(layout, empty, buf, backend=backend)
         assert torch.equal(buf, torch.full((16,), 7, dtype=torch.uint8))
     assert case.same_bytes(before)
 
@@ -163,7 +164,7 @@ def test_bad_tables_raise_and_touch_nothing(backend, direction):
     layout = case.layout()
     row_bytes = layout.planes[0].row_bytes
     cache_before = case.snapshot()
-    fn = getattr(transfer, direction)
+    fn = getattr(dispatch, direction)
     for what, tables in _bad_tables(layout).items():
         buffer = torch.full((64 * row_bytes,), 0x3C, dtype=torch.uint8)
         with pytest.raises(TransferError):
@@ -186,7 +187,7 @@ def test_bad_buffers_raise(backend):
         torch.zeros(2 * n, dtype=torch.uint8)[::2],
         np.zeros(n, dtype=np.uint8),
     ):
-        for fn in (transfer.gather, transfer.scatter):
+        for fn in (dispatch.gather, dispatch.scatter):
             with pytest.raises(TransferError):
                 fn(layout, tables, buffer, backend=backend)
     assert case.same_bytes(before)
@@ -194,11 +195,11 @@ def test_bad_buffers_raise(backend):
 
 def test_backend_selection():
     layout = zoo.build("llama-flash", max_tokens=100).layout()
-    assert transfer.backend_for(layout) == "cpu"
-    assert transfer.backend_for(layout, "torch") == "torch"
+    assert dispatch.backend_for(layout) == "cpu"
+    assert dispatch.backend_for(layout, "torch") == "torch"
     for bad in ("cuda", "npu", "CPU"):
         with pytest.raises(TransferError):
-            transfer.backend_for(layout, bad)
+            dispatch.backend_for(layout, bad)
 
 
 def test_a_cuda_route_is_refused_by_name():

@@ -29,11 +29,14 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 import zoo  # noqa: E402
-from kvconnect import Config, GroupSpec, KVCacheEngine, TransferError, transfer  # noqa: E402
+from kvconnect import Config, GroupSpec, KVCacheEngine, TransferError  # noqa: E402
+from kvconnect.throttled_warning import OnceWarnings  # noqa: E402
+from kvconnect.transfer import dispatch  # noqa: E402
 from kvconnect.chunks.keys import Chunk  # noqa: E402
-from kvconnect.layout.spec import ChunkKey  # noqa: E402
 from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments  # noqa: E402
-from kvconnect.transfer import SegmentBuilder, TransferTables, triton_route  # noqa: E402
+from kvconnect.layout.spec import ChunkKey  # noqa: E402
+from kvconnect.transfer.tables import SegmentBuilder, TransferTables  # noqa: E402
+from kvconnect.transfer import staging, triton_route  # noqa: E402
 from kvconnect.transfer.triton_route import TritonTuning  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -112,9 +115,9 @@ def check_gather(case, layout, tables, nbytes, rng, tuning, offset: int = 0):
     base = torch.from_numpy(rng.integers(0, 256, nbytes + offset, dtype=np.uint8))
     ref = base.clone()
     before = case.snapshot()
-    transfer.gather(layout, tables, base[offset:], backend="triton", triton_tuning=tuning)
-    transfer.gather(layout, tables, ref[offset:], backend="torch")
-    assert transfer.triton_failure(layout.device.type) is None  # the Triton route ran, not the fallback
+    dispatch.gather(layout, tables, base[offset:], backend="triton", triton_tuning=tuning)
+    dispatch.gather(layout, tables, ref[offset:], backend="torch")
+    assert dispatch.triton_failure(layout.device.type) is None  # the Triton route ran, not the fallback
     assert torch.equal(base, ref), f"{int((base != ref).sum())} buffer bytes differ from the torch oracle"
     assert case.same_bytes(before), "a gather wrote into the cache"
 
@@ -123,9 +126,9 @@ def check_scatter(case, tables, nbytes, rng, tuning, offset: int = 0):
     buffer = torch.from_numpy(rng.integers(0, 256, nbytes + offset, dtype=np.uint8))[offset:]
     kept = buffer.clone()
     got, want = case.clone(), case.clone()
-    transfer.scatter(got.layout(), tables, buffer, backend="triton", triton_tuning=tuning)
-    transfer.scatter(want.layout(), tables, buffer, backend="torch")
-    assert transfer.triton_failure("cpu") is None  # the Triton route ran, not the fallback
+    dispatch.scatter(got.layout(), tables, buffer, backend="triton", triton_tuning=tuning)
+    dispatch.scatter(want.layout(), tables, buffer, backend="torch")
+    assert dispatch.triton_failure("cpu") is None  # the Triton route ran, not the fallback
     assert got.first_difference(want) is None  # every byte, targeted rows or not
     assert not got.same_bytes(case), "nothing was written"
     assert torch.equal(buffer, kept), "a scatter wrote into the buffer"
@@ -204,9 +207,9 @@ def test_staged_ring_is_bounded_by_the_pieces_not_the_batch(rng):
     plan = triton_route.staged_plan(layout, tables, nbytes, True, STAGED)
     assert len(plan["piece_bytes"]) > 3 * STAGED.staging_slots  # every slot is reused several times
     assert plan["piece_bytes"].max() <= STAGED.max_piece_bytes
-    triton_route._rings.clear()
+    staging.device_resources().rings.clear()
     check_gather(case, layout, tables, nbytes, rng, STAGED)
-    (ring,) = triton_route._rings[layout.device]
+    (ring,) = staging.device_resources().rings[layout.device]
     assert ring.numel() <= STAGED.staging_slots * STAGED.max_piece_bytes < nbytes // 4
 
 
@@ -280,7 +283,7 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
 
     monkeypatch.setattr(triton_route, "_kernels",
                         lambda: type("K", (), {"ops_kernel": Launch(), "CHUNK_BYTES": kernels.CHUNK_BYTES})())
-    monkeypatch.setattr(triton_route, "_copy_streams", {})
+    monkeypatch.setattr(staging.device_resources(), "copy_streams", {})
     copies = []
     real_copy = torch.Tensor.copy_
     to_buffer = direction == "gather"
@@ -312,11 +315,11 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
     assert len(reuse_waits) >= num_pieces - K  # a drained-wait before every reuse of a slot
     assert fake.log[-1][:2] == ("wait", "compute")  # the caller's stream waits for the last copy
     if to_buffer:
-        transfer.gather(layout, tables, want, backend="torch")
+        dispatch.gather(layout, tables, want, backend="torch")
         assert torch.equal(buffer, want)
     else:
         expected = case.clone()
-        transfer.scatter(expected.layout(), tables, buffer, backend="torch")
+        dispatch.scatter(expected.layout(), tables, buffer, backend="torch")
         assert scattered.first_difference(expected) is None
         assert torch.equal(buffer, kept)
 
@@ -324,7 +327,7 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
 @cpu_only
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
 def test_bad_tables_are_refused_before_launch(direction):
-    """The shared validation (transfer.validate): the same TransferError as the other kernels."""
+    """The shared validation (tables.validate): the same TransferError as the other kernels."""
     from test_transfer_cpu import _bad_tables
 
     case = _case("dsv3-mla")
@@ -335,13 +338,13 @@ def test_bad_tables_are_refused_before_launch(direction):
         for what, tables in _bad_tables(layout).items():
             buffer = torch.full((64 * row_bytes,), 0x3C, dtype=torch.uint8)
             with pytest.raises(TransferError):
-                getattr(transfer, direction)(layout, tables, buffer, backend="triton", triton_tuning=tuning)
+                getattr(dispatch, direction)(layout, tables, buffer, backend="triton", triton_tuning=tuning)
             assert torch.equal(buffer, torch.full_like(buffer, 0x3C)), what
             assert case.same_bytes(before), what
     good = TransferTables(np.array([[0, 2, 0, 0]], np.int64), np.array([0, 1], np.int64))
     for buffer in (torch.zeros(4 * row_bytes, dtype=torch.int8), torch.zeros(8 * row_bytes, dtype=torch.uint8)[::2]):
         with pytest.raises(TransferError):
-            getattr(transfer, direction)(layout, good, buffer, backend="triton")
+            getattr(dispatch, direction)(layout, good, buffer, backend="triton")
     assert case.same_bytes(before)
 
 
@@ -351,14 +354,14 @@ def test_tuning_and_route_are_checked():
         with pytest.raises(TransferError):
             TritonTuning(**bad)
     layout = _case("llama-flash").layout()
-    assert transfer.backend_for(layout, "triton") == "triton"
-    assert transfer.route_backend(layout, "auto") is None
-    assert transfer.route_backend(layout, "compiled") == "cpu"
-    assert transfer.route_backend(layout, "triton") == "triton"
+    assert dispatch.backend_for(layout, "triton") == "triton"
+    assert dispatch.route_backend(layout, "auto") is None
+    assert dispatch.route_backend(layout, "compiled") == "cpu"
+    assert dispatch.route_backend(layout, "triton") == "triton"
     with pytest.raises(TransferError):
-        transfer.route_backend(layout, "dma")
+        dispatch.route_backend(layout, "dma")
     empty = SegmentBuilder().build()
-    transfer.gather(layout, empty, torch.zeros(4, dtype=torch.uint8), backend="triton")
+    dispatch.gather(layout, empty, torch.zeros(4, dtype=torch.uint8), backend="triton")
 
 
 @cpu_only
@@ -447,8 +450,8 @@ def test_no_address_outside_the_planes_and_the_buffer_is_dereferenced(name, tuni
     tables, nbytes = builder.build(), offset
     guard = 64
     rings = []
-    real_acquire = triton_route._acquire_ring
-    monkeypatch.setattr(triton_route, "_acquire_ring", lambda d, n: rings.append(real_acquire(d, n)) or rings[-1])
+    real_acquire = staging.device_resources().acquire_ring
+    monkeypatch.setattr(staging.device_resources(), "acquire_ring", lambda d, n: rings.append(real_acquire(d, n)) or rings[-1])
     recorder = _Recorder(interp._interpreter)
     monkeypatch.setattr(interp, "_interpreter", recorder)
     buffers = []  # kept alive: their ranges are checked below
@@ -457,7 +460,7 @@ def test_no_address_outside_the_planes_and_the_buffer_is_dereferenced(name, tuni
         kept = backing.clone()
         buffers.append(backing)
         buffer = backing[guard : guard + nbytes]
-        getattr(transfer, direction)(layout, tables, buffer, backend="triton", triton_tuning=TUNINGS[tuning])
+        getattr(dispatch, direction)(layout, tables, buffer, backend="triton", triton_tuning=TUNINGS[tuning])
         assert torch.equal(backing[:guard], kept[:guard]) and torch.equal(backing[-guard:], kept[-guard:])
     monkeypatch.undo()
     allowed = (_plane_extents(layout) + [(r.data_ptr(), r.data_ptr() + r.numel()) for r in rings]
@@ -512,8 +515,8 @@ class _Failing:
 
 
 def _fresh_route_state(monkeypatch):
-    monkeypatch.setattr(transfer, "_triton_failed", {})
-    monkeypatch.setattr(transfer, "_triton_warm", set())
+    monkeypatch.setattr(dispatch.route_health(), "triton_failed", {})
+    monkeypatch.setattr(dispatch.route_health(), "triton_warm", set())
 
 
 @cpu_only
@@ -548,7 +551,7 @@ def test_a_failing_kernel_means_one_warning_and_the_torch_path(when, rng, monkey
     assert len(warnings) == 1, warnings
     stage = "warm-up compile" if when == "compile" else "launch"
     assert f"at the {stage} stage" in warnings[0] and str(exc)[:20] in warnings[0], warnings[0]
-    assert transfer.triton_failure("cpu").startswith(stage)
+    assert dispatch.triton_failure("cpu").startswith(stage)
     calls = failing.calls
     want_case = case.clone(fill=0)
     want = KVCacheEngine(want_case.layout(), zoo.small_config(chunk, transfer_route="torch"))
@@ -567,16 +570,16 @@ def test_npu_dispatch_takes_triton_only_where_triton_ascend_is_importable(monkey
 
     layout = NpuLayout()
     layout.device = type("D", (), {"type": "npu"})()
-    monkeypatch.setattr(transfer, "_logged_fallback", set())
+    monkeypatch.setattr(dispatch.route_health(), "fallbacks", OnceWarnings(dispatch.logger.warning))
     monkeypatch.setattr(triton_route, "available", lambda device_type: False)
     with caplog.at_level("WARNING"):
-        assert transfer.backend_for(layout) == "torch"
-        assert transfer.backend_for(layout) == "torch"
+        assert dispatch.backend_for(layout) == "torch"
+        assert dispatch.backend_for(layout) == "torch"
     assert sum("torch transfer path" in r.message for r in caplog.records) == 1  # logged once
     monkeypatch.setattr(triton_route, "available", lambda device_type: device_type == "npu")
-    assert transfer.backend_for(layout) == "triton"
+    assert dispatch.backend_for(layout) == "triton"
     with pytest.raises(TransferError):
-        transfer.route_backend(layout, "compiled")
+        dispatch.route_backend(layout, "compiled")
 
 
 def _compiled_kernels():
@@ -664,11 +667,11 @@ def test_gpu_planned_chunks_match_the_oracle(name, tuning, rng):
     t = TritonTuning() if tuning == "auto" else TritonTuning(staged=True, first_piece_bytes=4096, max_piece_bytes=16384)
     host = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8)).pin_memory()
     ref = host.clone().pin_memory()
-    transfer.gather(layout, tables, host, backend="triton", triton_tuning=t)
-    transfer.gather(layout, tables, ref, backend="torch")
+    dispatch.gather(layout, tables, host, backend="triton", triton_tuning=t)
+    dispatch.gather(layout, tables, ref, backend="torch")
     assert torch.equal(host, ref)
     got, want = _cuda_case(case), _cuda_case(case)
-    transfer.scatter(got.layout(), tables, host, backend="triton", triton_tuning=t)
-    transfer.scatter(want.layout(), tables, host, backend="torch")
+    dispatch.scatter(got.layout(), tables, host, backend="triton", triton_tuning=t)
+    dispatch.scatter(want.layout(), tables, host, backend="torch")
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(got.backings, want.backings))

@@ -19,7 +19,8 @@ import torch
 from kvconnect import Config, KVCacheEngine
 from kvconnect.errors import UnsupportedLayoutError
 from kvconnect.integrations.vllm import recurrent
-from kvconnect.integrations.vllm.translate import group_spec_of, translate_kv_caches
+from kvconnect.integrations.vllm.translate import translate_kv_caches
+from kvconnect.integrations.vllm.specs import group_spec_of
 from kvconnect.layout.spec import GroupKind
 
 from test_vllm_translate import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec

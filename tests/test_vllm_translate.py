@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from kvconnect import BlockTableError, Config, GroupSpec, KVCacheEngine, LayoutError
-from kvconnect.integrations.vllm import engine_tables, translate
-from kvconnect.integrations.vllm.translate import UnsupportedLayoutError, group_spec_of, translate_kv_caches
+from kvconnect.integrations.vllm import engine_tables, request_reads, tensors, translate
+from kvconnect.errors import UnsupportedLayoutError
+from kvconnect.integrations.vllm.specs import group_spec_of
+from kvconnect.integrations.vllm.translate import translate_kv_caches
 
 
 # --- vLLM look-alikes (names matter; fields as in vllm/v1/kv_cache_interface.py) ----------
@@ -391,12 +393,12 @@ LORA = SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql"
     ({"lora_request": object()}, False),  # an adapter without a name cannot be told apart
 ])
 def test_request_view_is_cacheable_only_when_tokens_and_namespace_decide_the_kv(extra, cacheable):
-    view = translate.request_view(_request(**extra))
+    view = request_reads.request_view(_request(**extra))
     assert view.cacheable is cacheable and view.num_tokens == 4
 
 
 def test_request_namespace_is_lora_and_salt():
-    ns = lambda **kw: translate.request_view(_request(**kw)).namespace  # noqa: E731
+    ns = lambda **kw: request_reads.request_view(_request(**kw)).namespace  # noqa: E731
     assert ns() == b""  # plain requests keep the keys they always had
     variants = [ns(cache_salt="a"), ns(cache_salt="b"), ns(lora_request=LORA), ns(lora_request=LORA, cache_salt="a"),
                 ns(lora_request=SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/other")),
@@ -411,9 +413,9 @@ def test_current_block_ids_prefer_the_scheduler_block_state():
     state = SimpleNamespace(get_block_ids=lambda r: ([1, 0, 3], [4]) if r == "a" else None)
     manager = SimpleNamespace(get_block_ids=lambda r: ([9], [9]))
     out = SimpleNamespace(kv_connector_block_state=state)
-    assert translate.current_block_ids(out, manager, "a") == ((1, 0, 3), (4,))
-    assert translate.current_block_ids(out, manager, "b") == ((9,), (9,))
-    assert translate.current_block_ids(SimpleNamespace(), None, "a") is None
+    assert request_reads.current_block_ids(out, manager, "a") == ((1, 0, 3), (4,))
+    assert request_reads.current_block_ids(out, manager, "b") == ((9,), (9,))
+    assert request_reads.current_block_ids(SimpleNamespace(), None, "a") is None
 
 
 def test_block_outermost_packed_views_round_trip():
@@ -590,7 +592,7 @@ def test_tiled_indexer_is_stored_as_whole_pages():
     config = KVCacheConfig(NB, [KVCacheGroupSpec(["attn", "idx"], UniformTypeKVCacheSpecs(16, {"attn": mla, "idx": idx}))])
     module = SimpleNamespace(uses_shuffled_layout=True)
     vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"idx": module, "attn": object()}))
-    assert translate.tiled_layers(vllm_config, ["attn", "idx"]) == ["idx"]
+    assert tensors.tiled_layers(vllm_config, ["attn", "idx"]) == ["idx"]
     t = translate_kv_caches(config, caches, tiled_layers=["idx"])
     assert [(p.layer_name, p.is_page, p.row_bytes) for p in t.layout.planes] == [("attn", False, 1152), ("idx", True, 16 * 132)]
     assert t.source_groups == (0, 0)

@@ -88,7 +88,7 @@ def report(args: argparse.Namespace) -> dict:
 
 def mooncake_report(config: Config, tier_bytes: int) -> Optional[dict]:
     """Who holds the Mooncake segment and how much, for a ``mooncakestore://`` remote_url."""
-    from ..storage.mooncake_config import is_mooncake_url, make_spec
+    from ..storage.mooncake.config import is_mooncake_url, make_spec
 
     if not is_mooncake_url(config.remote_url):
         return None

@@ -11,7 +11,9 @@ import sys
 import threading
 from typing import Optional
 
-from .. import metrics
+from ..metrics.catalogue import Figures
+from ..metrics.figures import server_figures
+from ..metrics.prometheus import collector, start_exporter
 from ..config import GB, Config
 
 DEFAULT_URL = "ipc:///tmp/kvconnect.sock"
@@ -82,8 +84,8 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
         server.lease_s, server.index.eviction, ", token required" if server.token else "",
     )
     if args.metrics_port:
-        metrics.collector().add(lambda: _server_figures(server), "server")
-        metrics.start_exporter(dataclasses.replace(config, metrics_port=args.metrics_port))
+        collector().add(lambda: _server_figures(server), "server")
+        start_exporter(dataclasses.replace(config, metrics_port=args.metrics_port))
     if holder is not None:
         h = holder.status()
         print(f"kvconnect server holds a {h['segment_bytes'] / GB:.2f} GB Mooncake segment for master {h['master']} "
@@ -100,7 +102,7 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
 
 def _mooncake_holder(args: argparse.Namespace, config: Config):
     """The node's Mooncake segment holder when LMCACHE_REMOTE_URL names a Mooncake master."""
-    from ..storage.mooncake_config import DEFAULT_SEGMENT_BYTES, is_mooncake_url, make_spec, read_config_file
+    from ..storage.mooncake.config import DEFAULT_SEGMENT_BYTES, is_mooncake_url, make_spec, read_config_file
 
     if not is_mooncake_url(config.remote_url):
         if args.mooncake_segment_gb:
@@ -120,12 +122,12 @@ def _mooncake_holder(args: argparse.Namespace, config: Config):
     return MooncakeHolder(spec.with_segment(segment))
 
 
-def _server_figures(server) -> Optional[metrics.Figures]:
+def _server_figures(server) -> Optional[Figures]:
     from ..server.index import STATS_FIELDS
 
     for _ in range(3):  # read from the exporter's thread while the server loop runs: retry a torn read
         try:
-            return metrics.server_figures(dict(zip(STATS_FIELDS, server.index.stats(None))))
+            return server_figures(dict(zip(STATS_FIELDS, server.index.stats(None))))
         except RuntimeError:
             continue
     return None

@@ -17,7 +17,7 @@ from ..chunks.keys import Chunk
 from ..engine_stats import Counters
 from ..errors import CorruptChunkError
 from ..layout.kv_layout import KVLayout
-from ..metrics_recorders import OpLog
+from ..metrics.recorders import OpLog
 from ..storage.manager import StorageManager
 from .plan import BlockTables, StoredPart, retrieve_part_segments
 

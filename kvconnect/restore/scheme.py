@@ -25,7 +25,7 @@ from ..chunks.keys import Chunk
 from ..engine_stats import Counters
 from ..events import ChunkEventLog
 from ..layout.kv_layout import KVLayout
-from ..metrics_recorders import OpLog
+from ..metrics.recorders import OpLog
 from ..storage.manager import StorageManager
 from .parts import PartLayout
 from .plan import BlockTables

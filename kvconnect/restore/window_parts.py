@@ -25,7 +25,7 @@ from ..chunks.keys import Chunk
 from ..engine_stats import Counters
 from ..errors import LayoutError
 from ..layout.kv_layout import KVLayout
-from ..metrics_recorders import OpLog
+from ..metrics.recorders import OpLog
 from ..storage.manager import StorageManager
 from .gate import restorable_boundary, window_chunks
 from .parts import PartLayout, window_key

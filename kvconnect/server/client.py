@@ -50,8 +50,8 @@ import zmq
 
 from ..chunks.chunk_format import ChunkHeader, compute_checksum
 from ..errors import StorageError
-from ..repeat_warning import RepeatingWarning
 from ..layout.spec import ChunkKey, Fingerprint
+from ..throttled_warning import RepeatingWarning
 from ..storage.pool import PoolEntry, PoolStats, SlotViews, notify_evicted
 from . import protocol
 from .index import STATS_FIELDS

@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from ..storage.mooncake_config import MooncakeSpec
-from ..storage.mooncake_link import MooncakeLink
+from ..storage.mooncake.config import MooncakeSpec
+from ..storage.mooncake.link import MooncakeLink
 
 logger = logging.getLogger(__name__)
 

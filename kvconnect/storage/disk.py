@@ -40,7 +40,7 @@ from ..chunks import chunk_format
 from ..chunks.chunk_format import ChunkHeader
 from ..errors import CorruptChunkError, StorageError
 from ..layout.spec import ChunkKey, Fingerprint
-from ..repeat_warning import RepeatingWarning
+from ..throttled_warning import RepeatingWarning
 from .tier import LowerTier, StoreItem, TierStats, read_header
 
 logger = logging.getLogger(__name__)

@@ -33,9 +33,9 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 from ..chunks import chunk_format
-from ..metrics import TierMeter
 from ..errors import ConfigError, CorruptChunkError
 from ..layout.spec import ChunkKey, Fingerprint
+from ..metrics.recorders import TierMeter
 from .pool import ChunkPool, PoolEntry
 from .tier import LowerTier
 from .writer import WriteBehind
@@ -77,8 +77,8 @@ def open_tiers(config: "Config", fingerprint: Fingerprint, *, writes_shared: boo
                     "its free space")
             tiers.append(tier)
     if config.remote_url and config.remote_url.lower().startswith("mooncakestore://"):
-        from .mooncake_config import make_spec
-        from .mooncake_tier import MooncakeTier
+        from .mooncake.config import make_spec
+        from .mooncake.tier import MooncakeTier
 
         spec = make_spec(config.remote_url, config.mooncake_config_path, has_node_server=bool(config.server_url))
         tiers.append(MooncakeTier(spec, fingerprint, timeout_s=config.remote_timeout_s))

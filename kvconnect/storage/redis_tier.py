@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..chunks import chunk_format
 from ..errors import ConfigError, StorageError
-from ..repeat_warning import RepeatingWarning
 from ..layout.spec import ChunkKey, Fingerprint
+from ..throttled_warning import OnceWarnings, RepeatingWarning
 from .tier import Breaker, LowerTier, StoreItem, peek_mask
 
 logger = logging.getLogger(__name__)
@@ -63,16 +63,7 @@ _LMCACHE_SCHEMES = {  # LMCache remote schemes kvconnect has no connector for: w
 }
 
 
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _warn_once(message: str) -> None:
-    with _warned_lock:
-        if message in _warned:
-            return
-        _warned.add(message)
-    logger.warning(message)
+_once = OnceWarnings(logger.warning)
 
 
 def _import_redis():
@@ -204,10 +195,11 @@ class RedisTier(LowerTier):
             return "unknown: no maxmemory-policy in CONFIG GET"
         if limit == "0" or policy == "noeviction" or policy.startswith("volatile-"):
             finding = f"never-evicts: maxmemory={limit} maxmemory-policy={policy}"
-            _warn_once(f"kvconnect: the Redis store at {self.url_for_logs} never evicts kvconnect's keys "
+            message = (f"kvconnect: the Redis store at {self.url_for_logs} never evicts kvconnect's keys "
                        f"(maxmemory {limit}, maxmemory-policy {policy}; kvconnect sets no TTL): once full, "
                        "every write fails and old key generations stay forever. Set maxmemory and "
                        "maxmemory-policy allkeys-lru (or allkeys-lfu).")
+            _once.warn(message, message)
             return finding
         return "ok"
 

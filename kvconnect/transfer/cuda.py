@@ -36,12 +36,8 @@ import torch
 
 from ..errors import TransferError
 from ..layout.kv_layout import KVLayout
+from .kernels import cuda_kernels
 from .tables import TransferTables, plane_table
-
-try:
-    from .. import _cuda_kernels
-except ImportError:  # built only where nvcc was found
-    _cuda_kernels = None
 
 StreamLike = Union[None, int, "torch.cuda.Stream"]
 
@@ -100,7 +96,8 @@ def route_tuning(route: str) -> Optional[KernelTuning]:
 
 def available() -> bool:
     """True when the extension is built and a CUDA device is visible to it."""
-    return _cuda_kernels is not None and _cuda_kernels.device_count() > 0
+    kernels = cuda_kernels()
+    return kernels is not None and kernels.device_count() > 0
 
 
 def _device_index(layout: KVLayout) -> int:
@@ -139,7 +136,8 @@ def _stream_handle(stream: StreamLike, device_index: int, need_object: bool) -> 
 
 def _launch(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, stream: StreamLike,
             synchronize: bool, tuning: Optional[KernelTuning]) -> tuple[int, "torch.cuda.Stream"]:
-    if _cuda_kernels is None:
+    kernels = cuda_kernels()
+    if kernels is None:
         raise TransferError("kvconnect._cuda_kernels is not built (install with nvcc on PATH or KVCONNECT_BUILD_CUDA=1)")
     if direction not in ("gather", "scatter"):
         raise TransferError(f"direction must be 'gather' or 'scatter', got {direction!r}")
@@ -147,7 +145,7 @@ def _launch(direction: str, layout: KVLayout, tables: TransferTables, buffer: to
     _check_buffer(buffer, device_index)
     handle, stream_obj = _stream_handle(stream, device_index, need_object=not synchronize)
     t = tuning or DEFAULT_TUNING
-    fn = _cuda_kernels.gather if direction == "gather" else _cuda_kernels.scatter
+    fn = kernels.gather if direction == "gather" else kernels.scatter
     try:
         num_ops = fn(plane_table(layout), tables.segments, tables.slots, buffer.data_ptr(), buffer.numel(), device_index,
                      handle, synchronize, t.threads_per_block, t.blocks_per_sm, t.max_op_bytes, t.unroll,

@@ -11,7 +11,9 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from ..errors import TransferError
 from ..layout.kv_layout import KVLayout
 
 PLANE_COLS = 6
@@ -76,3 +78,35 @@ class SegmentBuilder:
         segments = np.concatenate(self._segments).astype(np.int64) if self._segments else np.zeros((0, SEGMENT_COLS), np.int64)
         slots = np.concatenate(self._slots) if self._slots else np.zeros(0, np.int64)
         return TransferTables(np.ascontiguousarray(segments), np.ascontiguousarray(slots))
+
+
+def validate(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, exact_slots: bool) -> None:
+    """Raise TransferError unless every index of the transfer lies inside its plane and the buffer."""
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise TransferError(f"buffer must be a 1-D uint8 tensor, got {getattr(buffer, 'dtype', type(buffer))}")
+    if not buffer.is_contiguous():
+        raise TransferError("buffer must be contiguous")
+    seg, slots = tables.segments, tables.slots
+    if seg.dtype != np.int64 or seg.ndim != 2 or seg.shape[1] != SEGMENT_COLS or slots.dtype != np.int64 or slots.ndim != 1:
+        raise TransferError("segments must be int64 [S, 4] and slots int64 [N]")
+    if not len(seg):
+        return
+    planes, num_rows, slot_off, buf_off = seg.T
+    if planes.min() < 0 or planes.max() >= len(layout.planes):
+        raise TransferError(f"segment plane index out of [0, {len(layout.planes)})")
+    if num_rows.min() < 0 or slot_off.min() < 0 or (slot_off + num_rows).max() > len(slots):
+        raise TransferError("segment slot range outside the slot table")
+    table = plane_table(layout)
+    ends = buf_off + num_rows * table[planes, 3]
+    if buf_off.min() < 0 or ends.max() > buffer.numel():
+        raise TransferError(f"segment bytes outside the {buffer.numel()}-byte buffer")
+    if exact_slots:  # the compiled kernels re-check every slot on the host in C++
+        seg_of_row = np.repeat(np.arange(len(seg)), num_rows)
+        first_row = np.cumsum(num_rows) - num_rows
+        idx = np.repeat(slot_off - first_row, num_rows) + np.arange(len(seg_of_row))
+        row_slots = slots[idx]
+        limit = table[planes[seg_of_row], 5]
+        bad = (row_slots < 0) | (row_slots >= limit)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TransferError(f"slot {int(row_slots[i])} out of [0, {int(limit[i])}) for plane {layout.planes[planes[seg_of_row[i]]].name}")

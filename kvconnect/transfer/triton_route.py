@@ -5,7 +5,7 @@ through triton-ascend, and the CPU through Triton's interpreter).
 
 direction: ``"gather"`` (store: planes -> buffer) or ``"scatter"`` (load: buffer -> planes).
 tables:    the same TransferTables the CPU and CUDA kernels take, validated by the caller
-           (``kvconnect.transfer.validate``, every slot) before anything reaches a kernel.
+           (``tables.validate``, every slot) before anything reaches a kernel.
 buffer:    1-D contiguous uint8: on the planes' device, or host memory.
 
 Two ways between device and host:
@@ -30,7 +30,6 @@ Which device runs which: docs/gpu.md ("Triton route").
 from __future__ import annotations
 
 import importlib.util
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -40,12 +39,9 @@ import torch
 
 from ..errors import TransferError
 from ..layout.kv_layout import KVLayout
+from .kernels import cpu_kernels
+from .staging import device_resources
 from .tables import TransferTables, plane_table
-
-try:
-    from .. import _cpu_kernels
-except ImportError:  # the staged planner lives there
-    _cpu_kernels = None
 
 __all__ = ["TritonTuning", "TritonRouteError", "available", "interpreted", "run", "warm_up", "DEFAULT_TUNING"]
 
@@ -172,11 +168,7 @@ def _kernels():
 # device resources
 
 
-_plane_tables: "weakref.WeakKeyDictionary[KVLayout, torch.Tensor]" = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-_rings: dict = {}  # device -> idle staging rings (uint8 device tensors)
-_copy_streams: dict = {}  # device -> the side stream of the staged copies
-_MAX_IDLE_RINGS = 4
+_plane_tables: "weakref.WeakKeyDictionary[KVLayout, torch.Tensor]" = weakref.WeakKeyDictionary()  # each layout's plane table on its device
 
 
 def _device_planes(layout: KVLayout) -> torch.Tensor:
@@ -196,22 +188,6 @@ def _upload(device: torch.device, *arrays: np.ndarray) -> list:
         out.append(packed[at : at + f.size].view(a.shape))
         at += f.size
     return out
-
-
-def _acquire_ring(device: torch.device, nbytes: int) -> torch.Tensor:
-    with _lock:
-        idle = _rings.setdefault(device, [])
-        for i, ring in enumerate(idle):
-            if ring.numel() >= nbytes:
-                return idle.pop(i)
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _release_ring(device: torch.device, ring: torch.Tensor) -> None:
-    with _lock:
-        idle = _rings.setdefault(device, [])
-        if len(idle) < _MAX_IDLE_RINGS:
-            idle.append(ring)
 
 
 def _device_module(device: torch.device):
@@ -345,10 +321,11 @@ def _run_direct(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, 
 
 def staged_plan(layout: KVLayout, tables: TransferTables, buffer_bytes: int, to_buffer: bool, t: TritonTuning) -> dict:
     """The CUDA staged route's plan of these tables (csrc/staged_plan.h), as its executor gets it."""
-    if _cpu_kernels is None:
+    kernels = cpu_kernels()  # the staged planner lives there
+    if kernels is None:
         raise TransferError("the staged Triton route plans with kvconnect._cpu_kernels, which is not built")
     try:
-        return _cpu_kernels.staged_plan(plane_table(layout), tables.segments, tables.slots, buffer_bytes, to_buffer,
+        return kernels.staged_plan(plane_table(layout), tables.segments, tables.slots, buffer_bytes, to_buffer,
                                         t.max_op_bytes, t.first_piece_bytes, t.max_piece_bytes, t.merge_gap_bytes)
     except (IndexError, ValueError) as exc:
         raise TransferError(str(exc)) from exc
@@ -363,13 +340,14 @@ def _run_staged(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, 
         return
     slots = t.staging_slots
     slot_bytes = int(-(-int(piece_bytes.max()) // 256) * 256)
-    ring = _acquire_ring(device, slots * slot_bytes)
+    resources = device_resources()
+    ring = resources.acquire_ring(device, slots * slot_bytes)
     try:
         _execute(plan, ring, slot_bytes, buffer, to_buffer, t, device, mod)
     finally:
         if mod is not None:
             mod.current_stream().synchronize()  # the ring is free again only once its copies are done
-        _release_ring(device, ring)
+        resources.release_ring(device, ring)
 
 
 def _execute(plan: dict, ring: torch.Tensor, slot_bytes: int, buffer: torch.Tensor, to_buffer: bool, t: TritonTuning,
@@ -412,10 +390,7 @@ def _execute(plan: dict, ring: torch.Tensor, slot_bytes: int, buffer: torch.Tens
                 gather_or_scatter(k)
         return
     compute = mod.current_stream()
-    with _lock:
-        side = _copy_streams.get(device)
-        if side is None:
-            side = _copy_streams[device] = mod.Stream(device)
+    side = device_resources().copy_stream(device, mod)
     start = mod.Event()
     start.record(compute)
     side.wait_event(start)  # copies come after the work queued before this call

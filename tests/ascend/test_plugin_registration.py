@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import harness
-from kvconnect.integrations.vllm.translate import UnsupportedLayoutError
+from kvconnect.errors import UnsupportedLayoutError
 
 
 def _vllm_config(case, tmp_path):

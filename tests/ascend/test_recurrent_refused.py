@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import harness
+from kvconnect.errors import UnsupportedLayoutError
 from kvconnect.integrations.vllm import engine_tables, translate
 
 
@@ -46,7 +47,7 @@ def test_translate_refuses_the_model_and_the_release_row_names_the_release(case)
     release = engine_tables.release_of(list(case.specs.values()))
     assert release is engine_tables.VLLM_ASCEND_0_23
     assert "vLLM-Ascend 0.23" in release.recurrent_refusal and "MambaSpec" in release.recurrent_refusal
-    with pytest.raises(translate.UnsupportedLayoutError, match="MambaSpec.*vLLM-Ascend 0.23"):
+    with pytest.raises(UnsupportedLayoutError, match="MambaSpec.*vLLM-Ascend 0.23"):
         translate.translate_kv_caches(case.kv_cache_config, case.kv_caches, model_name="tiny-qwen35")
     # the newer Ascend row refuses too (not verified either); vLLM's own row stores snapshots (issue 28)
     assert engine_tables.VLLM_ASCEND_MAIN.recurrent_refusal is not None

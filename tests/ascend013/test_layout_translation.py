@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import harness013 as h
+from kvconnect.errors import UnsupportedLayoutError
 from kvconnect.integrations.vllm import engine_tables, translate
 
 C4, C128 = "model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"
@@ -64,7 +65,7 @@ def test_the_0_23_row_refuses_these_tensors():
     import pytest
 
     case = h.deepseek_v4()
-    with pytest.raises(translate.UnsupportedLayoutError, match="Compress4AttentionSpec is not supported|fewer than"):
+    with pytest.raises(UnsupportedLayoutError, match="Compress4AttentionSpec is not supported|fewer than"):
         translate.translate_kv_caches(case.kv_cache_config, case.kv_caches, release=engine_tables.VLLM_ASCEND_0_23)
 
 

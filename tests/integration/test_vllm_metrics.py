@@ -112,14 +112,15 @@ def test_stats_classes_with_vllms_own_types():
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-    from kvconnect import metrics
+    from kvconnect.metrics.catalogue import Figures
+    from kvconnect.metrics.vllm import vllm_payload
     from kvconnect.integrations.vllm import KVConnectConnector
 
     def payload(rank, hits, depth):
-        f = metrics.Figures()
+        f = Figures()
         f.set("kvconnect_lookup_hit_tokens_total", hits)
         f.set("kvconnect_write_queue_depth", depth, "disk")
-        return metrics.vllm_payload(rank, f)
+        return vllm_payload(rank, f)
 
     a = KVConnectConnector.build_kv_connector_stats(payload("0", 64, 1))
     b = KVConnectConnector.build_kv_connector_stats(payload("1", 128, 2))

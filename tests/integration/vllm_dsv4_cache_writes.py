@@ -240,7 +240,7 @@ OPS = ("fused_qnorm_rope_kv_insert_cpu", "compress_norm_rope_store_cpu", "compre
 
 
 def main() -> None:
-    from kvconnect.integrations.vllm import engine_tables, translate
+    from kvconnect.integrations.vllm import engine_tables, tensors, translate
 
     _ops()  # loads vllm._C
     missing = [op for op in OPS if not hasattr(torch.ops._C, op)]
@@ -250,7 +250,7 @@ def main() -> None:
 
     vc, config, caches, _, _ = build(num_blocks=800)
     buf = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
-    names = translate.attention_backend_names(vc, list(caches))
+    names = tensors.attention_backend_names(vc, list(caches))
     result = {"layers": sorted(caches)}
     fixed = translate.translate_kv_caches(config, caches, backend_names=names, model_name="dsv4-cache-writes")
     result["planes"] = [[p.layer_name, p.row_bytes, p.row_stride_bytes, p.region_index, p.num_regions]

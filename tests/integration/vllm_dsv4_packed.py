@@ -310,7 +310,7 @@ def round_trip(config, caches, translation, buf, num_tokens: int, seed: int) -> 
     return out
 
 def main() -> None:
-    from kvconnect.integrations.vllm import translate
+    from kvconnect.integrations.vllm import tensors, translate
 
     vc, config, caches, layout, kernel = build(num_blocks=800)
     out = {"layout": layout.name, "kernel_block_sizes": kernel, "num_blocks": config.num_blocks, "groups": [],
@@ -338,7 +338,7 @@ def main() -> None:
     buf = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
 
     # the connector's registration path: backend names from the forward context, then translate
-    names = translate.attention_backend_names(vc, list(caches))
+    names = tensors.attention_backend_names(vc, list(caches))
     translation = translate.translate_kv_caches(config, caches, backend_names=names, model_name="vllm-dsv4-packed")
     out["backend_names"] = sorted(set(names.values()))
     out["release"] = translation.release

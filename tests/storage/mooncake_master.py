@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 from redis_server import free_port
+from service_process import START_TIMEOUT_S, ServiceProcess
 
 MASTER = shutil.which("mooncake_master")
-START_TIMEOUT_S = 20.0
 # what every Mooncake client a test starts needs: loopback only, quiet logs, and each RPC to a
 # stalled master answered (-901) within 2 s rather than Mooncake's 30 s (the product sets this
 # from remote_timeout_s; the tests fix it, since one process holds tiers of several timeouts)
@@ -50,12 +48,12 @@ def _listening(port: int) -> bool:
         return False
 
 
-class MooncakeMaster:
+class MooncakeMaster(ServiceProcess):
+    name = "mooncake_master"
+
     def __init__(self, workdir: Path, *, port: Optional[int] = None) -> None:
-        self.workdir = Path(workdir)
-        self.port = port or free_port()
+        super().__init__(workdir, port or free_port())
         self.metrics_port = free_port()
-        self.proc: Optional[subprocess.Popen] = None
 
     @property
     def address(self) -> str:
@@ -65,52 +63,15 @@ class MooncakeMaster:
     def url(self) -> str:
         return f"mooncakestore://{self.address}"
 
-    def start(self) -> "MooncakeMaster":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / f"master-{self.port}.log", "ab")
-        self.proc = subprocess.Popen(
-            [MASTER, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--metrics_host=127.0.0.1",
-             f"--metrics_port={self.metrics_port}", "--logtostderr"],
-            stdout=log, stderr=log)
-        log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _listening(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                text = (self.workdir / f"master-{self.port}.log").read_text(errors="replace")[-2000:]
-                self.stop()
-                raise RuntimeError(f"mooncake_master on port {self.port} did not start:\n{text}")
-            time.sleep(0.02)
-        return self
+    def argv(self) -> list[str]:
+        return [MASTER, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}", "--logtostderr"]
 
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+    def log_path(self) -> Path:
+        return self.workdir / f"master-{self.port}.log"
 
-    def pause(self) -> None:
-        """SIGSTOP: the master accepts connections but never answers (a stalled master)."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)  # a paused master cannot exit on SIGTERM
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-    def __enter__(self) -> "MooncakeMaster":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def ready(self) -> bool:
+        return _listening(self.port)
 
 
 def client_env(**extra: str) -> dict:

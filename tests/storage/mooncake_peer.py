@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     mode, master = argv[0], argv[1]
     if mode == "hold":
         from kvconnect.server.mooncake_holder import MooncakeHolder
-        from kvconnect.storage.mooncake_config import MooncakeSpec
+        from kvconnect.storage.mooncake.config import MooncakeSpec
 
         holder = MooncakeHolder(MooncakeSpec(master_address=master, global_segment_bytes=int(argv[2])))
         print(json.dumps({"ready": holder.wait_connected(60)}), flush=True)
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
             engine.close()
         return 0
     if mode == "remove":
-        from kvconnect.storage.mooncake_config import MooncakeSpec, import_store
+        from kvconnect.storage.mooncake.config import MooncakeSpec, import_store
 
         store = import_store(MooncakeSpec(master_address=master))()
         assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == 0
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     if mode == "put-foreign":
         import numpy as np
 
-        from kvconnect.storage.mooncake_config import MooncakeSpec, import_store
+        from kvconnect.storage.mooncake.config import MooncakeSpec, import_store
 
         store = import_store(MooncakeSpec(master_address=master))()
         assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == 0

@@ -15,16 +15,16 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Optional
 
+from service_process import START_TIMEOUT_S, ServiceProcess
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
-START_TIMEOUT_S = 20.0
 
 
 def redis_available() -> Optional[str]:
@@ -72,15 +72,15 @@ def _ping(port: Optional[int] = None, unix_socket: Optional[str] = None, timeout
         return False
 
 
-class RedisNode:
+class RedisNode(ServiceProcess):
     """One redis-server on a free loopback port (and a unix socket), restartable on the same port."""
 
+    name = "redis-server"
+
     def __init__(self, workdir: Path, *, port: Optional[int] = None, extra_args: tuple[str, ...] = ()) -> None:
-        self.workdir = Path(workdir)
-        self.port = port or free_port(cluster="--cluster-enabled" in extra_args)
+        super().__init__(workdir, port or free_port(cluster="--cluster-enabled" in extra_args))
         self.unix_socket = str(self.workdir / f"redis-{self.port}.sock")
         self.extra_args = extra_args
-        self.proc: Optional[subprocess.Popen] = None
 
     @property
     def url(self) -> str:
@@ -90,63 +90,32 @@ class RedisNode:
     def unix_url(self) -> str:
         return f"unix://{self.unix_socket}?db=0"
 
-    def start(self) -> "RedisNode":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [
+    def argv(self) -> list[str]:
+        return [
             REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(self.workdir), "--unixsocket", self.unix_socket, "--unixsocketperm", "700",
-            "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.workdir / f"redis-{self.port}.log"),
+            "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.log_path()),
             *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ping(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = (self.workdir / f"redis-{self.port}.log").read_text(errors="replace")[-2000:]
-                self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
-            time.sleep(0.02)
-        return self
 
-    def kill(self) -> None:
-        """SIGKILL: the store vanishes mid-operation (no flush, sockets reset)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+    def log_path(self) -> Path:
+        return self.workdir / f"redis-{self.port}.log"
 
-    def pause(self) -> None:
-        """SIGSTOP: the store accepts connections but never answers (a stalled store)."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+    def spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # it writes its logfile
 
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
+    def ready(self) -> bool:
+        return _ping(self.port)
 
     def restart(self) -> "RedisNode":
         self.kill()
         return self.start()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)  # a paused server cannot exit on SIGTERM
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
     def cli(self, *args: str) -> str:
         out = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
                              capture_output=True, text=True, timeout=30)
         return out.stdout
 
-    def __enter__(self) -> "RedisNode":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def _slot_ranges(node: RedisNode) -> list[tuple[str, str]]:

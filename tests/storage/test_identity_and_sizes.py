@@ -21,7 +21,7 @@ from kvconnect import KVCacheEngine
 from kvconnect.config import Config
 from kvconnect.errors import ConfigError
 from kvconnect.storage import host_memory
-from kvconnect.storage.mooncake_config import make_spec, parse_bytes
+from kvconnect.storage.mooncake.config import make_spec, parse_bytes
 
 CASE = "llama-flash"
 CHUNK = 64

@@ -1,4 +1,4 @@
-"""The one table of what a Mooncake return code means (kvconnect/storage/mooncake_codes.py).
+"""The one table of what a Mooncake return code means (kvconnect/storage/mooncake/codes.py).
 
 Pure: the codes are Mooncake 0.3.13's ``ErrorCode`` values; the tests against a real master
 (test_mooncake.py, test_mooncake_faults.py) meet them for real: -704 (evicted or never
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnect.storage.mooncake_codes import Meaning, Tally, meaning
+from kvconnect.storage.mooncake.codes import Meaning, Tally, meaning
 
 
 @pytest.mark.parametrize("code,expected", [
@@ -51,7 +51,7 @@ def test_concurrent_upserts_are_in_use_not_unknown(tmp_path):
     if mooncake_available() is not None:
         pytest.skip(mooncake_available())
     os.environ.update({k: v for k, v in client_env().items() if k.startswith(("MC_", "GLOG_"))})
-    from kvconnect.storage.mooncake_config import MooncakeSpec, import_store
+    from kvconnect.storage.mooncake.config import MooncakeSpec, import_store
 
     with MooncakeMaster(tmp_path) as master:
         clients = []

@@ -11,7 +11,7 @@ import pytest
 from kvconnect.cli import main as cli_main
 from kvconnect.config import Config
 from kvconnect.errors import ConfigError
-from kvconnect.storage.mooncake_config import DEFAULT_SEGMENT_BYTES, make_spec, parse_bytes, parse_master
+from kvconnect.storage.mooncake.config import DEFAULT_SEGMENT_BYTES, make_spec, parse_bytes, parse_master
 
 
 def test_url_names_the_master():
@@ -83,7 +83,7 @@ def test_each_mooncake_rpc_is_bounded_by_the_tier_timeout(monkeypatch):
     """Mooncake waits 30 s for a stalled master by default; kvconnect bounds each RPC by the
     tier's remote_timeout_s (at least 0.5 s) through Mooncake's MC_RPC_TIMEOUT_MS, unless the
     operator set it."""
-    from kvconnect.storage import mooncake_config
+    from kvconnect.storage.mooncake import config as mooncake_config
 
     for given, expected in ((1.0, "1000"), (3.5, "3500"), (0.1, "500")):
         monkeypatch.delenv("MC_RPC_TIMEOUT_MS", raising=False)

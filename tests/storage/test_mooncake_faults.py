@@ -215,7 +215,7 @@ def test_writes_refused_while_the_master_stalls_are_retried_not_dropped(master, 
     """A producer stores while the master is stalled: its write-behind puts fail (the breaker
     opens) and are queued again, still pinned; once the master answers they land, and a reader
     in another engine finds every chunk. Mooncake's own failure kinds reach the metrics."""
-    from kvconnect import metrics
+    from kvconnect.metrics.figures import engine_figures
 
     case, tokens, bounds, tables, _ = hybrid_case(SEED)
     producer = hybrid_engine(case, master.url, SEGMENT, str(tmp_path), timeout_s=1.0)
@@ -240,7 +240,7 @@ def test_writes_refused_while_the_master_stalls_are_retried_not_dropped(master, 
         assert stats.failed == 0 and stats.retried >= 1, stats
         failures = tier.failure_counts()
         assert sum(failures.values()) >= 1, failures
-        figures = metrics.engine_figures(producer)
+        figures = engine_figures(producer)
         assert figures.get("kvconnect_write_retries_total", "mooncake") == stats.retried
         assert all(figures.get("kvconnect_tier_failures_total", "mooncake", kind) == n for kind, n in failures.items())
         reader = hybrid_engine(case.clone(fill=0), master.url, 0, str(tmp_path), timeout_s=5.0)

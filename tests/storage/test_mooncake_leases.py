@@ -16,8 +16,8 @@ import pytest
 from mooncake_master import client_env, mooncake_available
 from test_mooncake import SEED, SEGMENT, Peer, _reader, _tier, master, stored  # noqa: F401 (fixtures)
 
-from kvconnect.storage.mooncake_codes import Meaning, meaning
-from kvconnect.storage.mooncake_config import MooncakeSpec, import_store
+from kvconnect.storage.mooncake.codes import Meaning, meaning
+from kvconnect.storage.mooncake.config import MooncakeSpec, import_store
 
 _REASON = mooncake_available()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")

@@ -14,6 +14,7 @@ import pytest
 from kvconnect.errors import ConfigError, StorageError
 from kvconnect.storage import redis_tier
 from kvconnect.storage.redis_tier import RedisTier, cluster_nodes, parse_url
+from kvconnect.throttled_warning import OnceWarnings
 
 import kv_rig
 from redis_server import RedisClusterNodes, RedisNode, redis_available
@@ -386,7 +387,7 @@ def test_a_store_that_never_evicts_is_warned_about_once(fresh, caplog, monkeypat
     """kvconnect sets no TTL and leaves old key generations to the store's eviction: a store
     without maxmemory, or with noeviction / volatile-*, would keep them forever. The tier
     says so once, at its first connection, with what to set."""
-    monkeypatch.setattr(redis_tier, "_warned", set())
+    monkeypatch.setattr(redis_tier, "_once", OnceWarnings(redis_tier.logger.warning))
     items = [make_item(i) for i in range(2)]
     for limit, policy, expected in (("0", "allkeys-lru", "never-evicts"), ("64mb", "noeviction", "never-evicts"),
                                     ("64mb", "volatile-lru", "never-evicts"), ("64mb", "allkeys-lru", "ok")):
@@ -403,6 +404,6 @@ def test_a_store_that_never_evicts_is_warned_about_once(fresh, caplog, monkeypat
         assert len(warnings) == (expected == "never-evicts"), warnings
         if warnings:
             assert "allkeys-lru" in warnings[0] and policy in warnings[0]
-        monkeypatch.setattr(redis_tier, "_warned", set())
+        monkeypatch.setattr(redis_tier, "_once", OnceWarnings(redis_tier.logger.warning))
     fresh.cli("config", "set", "maxmemory", "0")
     fresh.cli("config", "set", "maxmemory-policy", "noeviction")

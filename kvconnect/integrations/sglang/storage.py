@@ -53,7 +53,8 @@ from kvconnect.layout.spec import GroupSpec
 from .flat_pages import FlatPages
 from .host_pools import PoolPlanes, pool_planes
 from .page_hash import build_sglang_page_hash
-from kvconnect import metrics
+from kvconnect.metrics.recorders import OpLog
+from kvconnect.metrics.sglang import sglang_storage_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class KVConnectStorage(HiCacheStorage):
         # without "interface_v1" SGLang moves KV pages through the generic API (flat pages), and
         # its batch_exists must answer for those objects
         self.flat_mode = not bool((storage_config.extra_config or {}).get("interface_v1", 0))
-        self.counters = metrics.OpLog()  # one record per SGLang call, in pages (get_stats)
+        self.counters = OpLog()  # one record per SGLang call, in pages (get_stats)
         self._pools: dict[str, Any] = {}
         self._anchor = None
         self._store: Optional[PageStore] = None
@@ -339,7 +340,7 @@ class KVConnectStorage(HiCacheStorage):
     # -- housekeeping --------------------------------------------------------------------
     def get_stats(self):
         # SGLang's StorageMetrics: pages and GB/s per call since the last read (kvconnect.metrics)
-        return metrics.sglang_storage_metrics(self.counters, pages_per_chunk=1)
+        return sglang_storage_metrics(self.counters, pages_per_chunk=1)
 
     def clear(self) -> None:
         """SGLang's ``flush_cache`` (and its weight updates) reach here: no page stored before

@@ -37,11 +37,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvconnect.config import Config
-from kvconnect.errors import LayoutError
+from kvconnect.errors import LayoutError, UnsupportedLayoutError
 
-from kvconnect.metrics import ReportGate
+from kvconnect.metrics.vllm import ReportGate
 
-from . import kv_events, logs, pd, recurrent, roles, stats, translate
+from . import kv_events, logs, pd, recurrent, request_reads, roles, stats, tensors, translate
+from .ranks import data_parallel_rank, default_channel_address, parallel_ranks
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
 from .scheduler import KVConnectScheduler
@@ -85,10 +86,10 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         self._pd: Optional[pd.PDScheduler] = None
         # --- end P/D roles
         self._config = config
-        channel = adapter.get("lookup_url") or translate.default_channel_address(vllm_config)
+        channel = adapter.get("lookup_url") or default_channel_address(vllm_config)
         # every data-parallel rank is an engine of its own: its own sockets, given address or not
-        channel = dp_rank_base(channel, translate.data_parallel_rank(vllm_config),
-                               translate.parallel_ranks(vllm_config, in_worker=False).num_workers)
+        channel = dp_rank_base(channel, data_parallel_rank(vllm_config),
+                               parallel_ranks(vllm_config, in_worker=False).num_workers)
         self._scheduler: Optional[KVConnectScheduler] = None
         self._worker: Optional[KVConnectWorker] = None
         self._requests: dict[str, Any] = {}
@@ -99,7 +100,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         # saved only where vLLM offers the state (boundary_state_offloads)
         self._state_blocks = recurrent.state_block_sizes(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            ranks = translate.parallel_ranks(vllm_config, in_worker=False)
+            ranks = parallel_ranks(vllm_config, in_worker=False)
             client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
                                   timeout_s=float(adapter.get("lookup_timeout_s", 1.0)), token=config.lookup_token)
             self._scheduler = KVConnectScheduler(client, chunk_tokens=config.chunk_size,
@@ -114,7 +115,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id=str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")),
                 wait_timeout_s=config.pd_wait_timeout_s, poll_interval_s=config.pd_poll_interval_s)
         else:
-            self._ranks = translate.parallel_ranks(vllm_config, in_worker=True)
+            self._ranks = parallel_ranks(vllm_config, in_worker=True)
             # the scheduler hands the worker a partial last chunk only to store it (P/D prefills)
             worker_config = dataclasses.replace(config, save_unfull_chunk=True) if self._role.stores_prompt else config
             self._worker = KVConnectWorker(worker_config, rank_address(channel, self._ranks.worker_index))
@@ -140,8 +141,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             translation = translate.translate_kv_caches(
                 self._kv_cache_config, kv_caches,
-                backend_names=translate.attention_backend_names(self._vllm_config, list(kv_caches)),
-                tiled_layers=translate.tiled_layers(self._vllm_config, list(kv_caches)),
+                backend_names=tensors.attention_backend_names(self._vllm_config, list(kv_caches)),
+                tiled_layers=tensors.tiled_layers(self._vllm_config, list(kv_caches)),
                 model_name=self._config.model_name, tp_rank=ranks.tp_rank, tp_size=ranks.tp_size,
                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
                 conv_state_layout=recurrent.conv_state_layout() if self._state_blocks else None,
@@ -151,7 +152,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.register(translation, shared_writer=ranks.writes_shared(translation.tp_replicated))
             if self._events_on and ranks.worker_index == 0 and self._worker.engine is not None:
                 self._worker.engine.enable_events()
-        except translate.UnsupportedLayoutError as exc:
+        except UnsupportedLayoutError as exc:
             logger.warning("kvconnect: off for this model: %s", exc)
         except LayoutError as exc:
             logger.error("kvconnect: off: cannot describe vLLM's KV cache: %s", exc)
@@ -227,7 +228,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         try:  # P/D (pd.py): None while a producer's chunks are not yet in the shared tier
-            return self._pd.num_new_matched_tokens(translate.request_view(request), num_computed_tokens,
+            return self._pd.num_new_matched_tokens(request_reads.request_view(request), num_computed_tokens,
                                                    getattr(request, "kv_transfer_params", None))
         except Exception:
             logger.warning("kvconnect: lookup failed; treating it as a miss", exc_info=True)
@@ -235,21 +236,21 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
-        block_ids = translate.block_ids_of(blocks) if num_external_tokens > 0 else ()
-        self._scheduler.after_alloc(translate.request_view(request), block_ids,
-                                    translate.num_computed_tokens(request), num_external_tokens)
+        block_ids = request_reads.block_ids_of(blocks) if num_external_tokens > 0 else ()
+        self._scheduler.after_alloc(request_reads.request_view(request), block_ids,
+                                    request_reads.num_computed_tokens(request), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         manager = getattr(self, "_kv_cache_manager", None)
         offers = recurrent.offered_rows(scheduler_output, self._state_blocks)  # {} without state groups
         plan = self._scheduler.build_plan(
-            translate.scheduled_tokens(scheduler_output),
-            lambda req_id: translate.num_computed_tokens(self._requests[req_id]),
+            request_reads.scheduled_tokens(scheduler_output),
+            lambda req_id: request_reads.num_computed_tokens(self._requests[req_id]),
             # state rows only where vLLM offers the state this step: a snapshot is stored only where proven
-            lambda req_id: recurrent.proven_block_ids(translate.current_block_ids(scheduler_output, manager, req_id),
+            lambda req_id: recurrent.proven_block_ids(request_reads.current_block_ids(scheduler_output, manager, req_id),
                                                       self._state_blocks, offers.get(req_id, {})),
-            lambda req_id: translate.all_token_ids(self._requests[req_id]),
-            preempted=translate.preempted_ids(scheduler_output),
+            lambda req_id: request_reads.all_token_ids(self._requests[req_id]),
+            preempted=request_reads.preempted_ids(scheduler_output),
         )
         return KVConnectMetadata(plan)
 
@@ -263,7 +264,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests.pop(request.request_id, None)
         params = None
         try:  # P/D: a prefill for a remote decode names what it stored (pd.py)
-            params = self._pd.request_finished(translate.request_view(request), getattr(request, "kv_transfer_params", None))
+            params = self._pd.request_finished(request_reads.request_view(request), getattr(request, "kv_transfer_params", None))
         except Exception:
             logger.warning("kvconnect: P/D: cannot name the stored prefill of %s; its decode will recompute",
                            request.request_id, exc_info=True)

@@ -49,6 +49,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from kvconnect.throttled_warning import RepeatingWarning
+
 from .metadata import RequestView
 from .roles import Role, RolePolicy
 from .scheduler import KVConnectScheduler
@@ -97,23 +99,6 @@ def engine_block_tokens(vllm_config: Any, kv_cache_config: Any = None) -> int:
     return math.lcm(*sizes)
 
 
-class _RateLimitedWarning:
-    """A warning logged at once, then at most once per interval with the count it held back."""
-
-    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
-        self.interval_s, self._clock = interval_s, clock
-        self._last: Optional[float] = None
-        self._held = 0
-
-    def __call__(self, message: str, *args: Any) -> None:
-        now = self._clock()
-        if self._last is not None and now - self._last < self.interval_s:
-            self._held += 1
-            return
-        held, self._held, self._last = self._held, 0, now
-        logger.warning(message + (f" ({held} more since the last such message)" if held else ""), *args)
-
-
 @dataclass
 class _Waiting:
     stored: StoredPrefill
@@ -133,7 +118,8 @@ class PDScheduler:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._clock = clock
         self._waiting: dict[str, _Waiting] = {}
-        self._warn = _RateLimitedWarning(WARN_INTERVAL_S, clock)
+        self._warn = RepeatingWarning(logger.warning, WARN_INTERVAL_S, clock=clock,
+                                      held_note=" ({held} more since the last such message)").failed
         # generation -> (producer engine id, this server's generation at its first load)
         self._generations: "OrderedDict[bytes, tuple[str, bytes]]" = OrderedDict()
 

@@ -153,12 +153,14 @@ def known_specs(release: EngineRelease = engine_tables.VLLM) -> frozenset:
             | frozenset(REFUSED_SPECS) | release.compressed_full_specs)
 
 
-def _layer_spec(group_spec: Any, layer_name: str) -> Any:
+def layer_spec_of(group_spec: Any, layer_name: str) -> Any:
+    """The spec of one layer of a group (a UniformTypeKVCacheSpecs holds one per layer)."""
     if type(group_spec).__name__ == "UniformTypeKVCacheSpecs":
         return group_spec.kv_cache_specs[layer_name]
     return group_spec
 
 
-def _num_heads(spec: Any) -> int:
+def num_heads_of(spec: Any) -> int:
+    """A layer's KV heads as its spec counts them: ``num_head_slots`` where the spec has it, else ``num_kv_heads``."""
     slots = getattr(spec, "num_head_slots", None)
     return int(slots if slots is not None else getattr(spec, "num_kv_heads", 1))

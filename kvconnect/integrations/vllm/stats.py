@@ -17,7 +17,9 @@ from typing import Any, Optional
 
 import logging
 
-from kvconnect import metrics
+from kvconnect.metrics.catalogue import Figures
+from kvconnect.metrics.figures import engine_figures
+from kvconnect.metrics.vllm import merge_payloads, payload_figures, ReportGate, vllm_payload, VllmPromMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - stats are logged, not exported
     KVConnectorPromMetrics = None
 
-INTERVAL_S = 5.0  # besides every change of the counters (metrics.ReportGate)
+INTERVAL_S = 5.0  # besides every change of the counters (ReportGate)
 
 
 def available() -> bool:
@@ -50,13 +52,13 @@ if KVConnectorStats is not None:
 
         def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
             if other is not None and not other.is_empty():
-                self.data = metrics.merge_payloads(self.data, other.data)
+                self.data = merge_payloads(self.data, other.data)
             return self
 
         def reduce(self) -> dict[str, int | float]:
             """Scalar figures summed over ranks, for vLLM's periodic log line."""
             out: dict[str, int | float] = {}
-            for name, series in metrics.payload_figures(self.data).values.items():
+            for name, series in payload_figures(self.data).values.items():
                 for labels, value in series.items():
                     if not isinstance(value, tuple):
                         out[name.removeprefix("kvconnect_") + "".join(f"[{v}]" for v in labels)] = value
@@ -71,7 +73,7 @@ if KVConnectorPromMetrics is not None:
     class KVConnectPromMetrics(KVConnectorPromMetrics):
         def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list, per_engine_labelvalues: dict) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            self._impl = metrics.VllmPromMetrics(metric_types, labelnames, per_engine_labelvalues)
+            self._impl = VllmPromMetrics(metric_types, labelnames, per_engine_labelvalues)
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             self._impl.observe(transfer_stats_data, engine_idx)
@@ -93,7 +95,7 @@ def build_prom(vllm_config: Any, metric_types: dict, labelnames: list, per_engin
         return None
 
 
-def worker_stats(worker: Any, rank: str, gate: metrics.ReportGate) -> Any:
+def worker_stats(worker: Any, rank: str, gate: ReportGate) -> Any:
     """The worker's figures (engine + load/save failures), or None when nothing changed."""
     if KVConnectorStats is None or worker.engine is None:
         return None
@@ -101,15 +103,15 @@ def worker_stats(worker: Any, rank: str, gate: metrics.ReportGate) -> Any:
         signature = (tuple(vars(worker.engine.stats).values()), tuple(worker.counters.values()))
     if not gate.ready(signature):
         return None
-    figures = metrics.engine_figures(worker.engine, lookups=False)
+    figures = engine_figures(worker.engine, lookups=False)
     with worker._lock:
         figures.set("kvconnect_load_failures_total", worker.counters["load_failures"])
         figures.set("kvconnect_save_failures_total", worker.counters["save_failures"])
         figures.set("kvconnect_step_save_wait_seconds_total", worker.counters["save_wait_us"] / 1e6)
-    return KVConnectStats(data=metrics.vllm_payload(rank, figures))
+    return KVConnectStats(data=vllm_payload(rank, figures))
 
 
-def scheduler_stats(client: Any, gate: metrics.ReportGate, pd_counters: Optional[dict[str, int]] = None) -> Any:
+def scheduler_stats(client: Any, gate: ReportGate, pd_counters: Optional[dict[str, int]] = None) -> Any:
     """The lookup figures as the scheduler saw them, plus the P/D counters (pd.COUNTERS), or
     None when nothing changed."""
     pd_counters = pd_counters or {}
@@ -117,7 +119,7 @@ def scheduler_stats(client: Any, gate: metrics.ReportGate, pd_counters: Optional
                  tuple(pd_counters.values()))
     if KVConnectorStats is None or not gate.ready(signature):
         return None
-    figures = metrics.Figures()
+    figures = Figures()
     figures.set("kvconnect_lookups_total", client.num_lookups)
     figures.set("kvconnect_lookup_requested_tokens_total", client.requested_tokens)
     figures.set("kvconnect_lookup_hit_tokens_total", client.hit_tokens)
@@ -127,4 +129,4 @@ def scheduler_stats(client: Any, gate: metrics.ReportGate, pd_counters: Optional
             figures.set(f"kvconnect_pd_{name[:-3]}_seconds_total", value / 1e6)
         else:
             figures.set(f"kvconnect_pd_{name}_total", value)
-    return KVConnectStats(data=metrics.vllm_payload("scheduler", figures))
+    return KVConnectStats(data=vllm_payload("scheduler", figures))

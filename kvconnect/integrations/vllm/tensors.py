@@ -15,8 +15,8 @@ applies this to every layer it keeps.
 Views of one layer that only re-read bytes its other views cover (vLLM-Ascend A5's third
 indexer view) are stored once; a partial overlap is refused (``_distinct_views``). Registered
 tensors must hold every block vLLM may hand out, times the release's kernel split
-(``_check_blocks``); a packed row plane is split into the regions the release's table names
-(``_row_regions``).
+(``check_blocks``); a packed row plane is split into the regions the release's table names
+(``row_regions_of``).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ from kvconnect.layout.views import distinct_view_indices
 
 from . import recurrent
 from .engine_tables import EngineRelease
-from .specs import _num_heads
+from .specs import num_heads_of
 
 PAGE_PACKED_BACKENDS = frozenset({"CPU_ATTN"})
 """Attention backends whose per-token K/V is not a contiguous row inside a page."""
 
 
-def _device_type(value: Any) -> Optional[str]:
+def tensor_device_type(value: Any) -> Optional[str]:
+    """The device type of a registered value (a tensor or a tuple of them); None if it holds none."""
     tensor = value[0] if isinstance(value, (tuple, list)) and value else value
     return tensor.device.type if isinstance(tensor, torch.Tensor) else None
 
@@ -64,7 +65,7 @@ def _distinct_views(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]
     return tuple(tensors[i] for i in kept)
 
 
-def _planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], logical_views: bool):
+def planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], logical_views: bool):
     """(value for KVLayout, layout hint or None, is_page) of one layer."""
     if recurrent.is_state_spec(spec):  # one state page per block (conv state, then recurrent state)
         recurrent.check_state_tensor(spec, value)
@@ -75,7 +76,7 @@ def _planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], 
         raise LayoutError(f"expected a tensor or a tuple of tensors, got {type(value).__name__}")
     if value.dim() != 4:
         return value, None, False
-    rows, heads = group.rows_per_block, _num_heads(spec)
+    rows, heads = group.rows_per_block, num_heads_of(spec)
     bhnc = value.shape[1] == heads and value.shape[2] == rows
     bnhc = value.shape[1] == rows and value.shape[2] == heads
     if bhnc and (logical_views or not bnhc):
@@ -92,12 +93,13 @@ def _planes_of(value: Any, spec: Any, group: GroupSpec, backend: Optional[str], 
     )
 
 
-def _signature(value: Any) -> tuple:
+def tensor_signature(value: Any) -> tuple:
+    """Pointer, shape, stride and dtype of each tensor in a registered value: equal means the same memory seen alike."""
     tensors = value if isinstance(value, (tuple, list)) else (value,)
     return tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _row_regions(spec: Any, views: Sequence[torch.Tensor], release: EngineRelease) -> Optional[RowRegions]:
+def row_regions_of(spec: Any, views: Sequence[torch.Tensor], release: EngineRelease) -> Optional[RowRegions]:
     """The regions of a layer whose one row plane the release writes split (None: whole rows)."""
     if len(views) != 1 or views[0].dim() < 3:
         return None
@@ -112,7 +114,7 @@ def _row_regions(spec: Any, views: Sequence[torch.Tensor], release: EngineReleas
     return release.row_regions(spec, dtype, row_bytes)
 
 
-def _check_blocks(value: Any, expected: int, split: int) -> None:
+def check_blocks(value: Any, expected: int, split: int) -> None:
     """Registered tensors must hold every block vLLM may hand out (x the kernel split)."""
     if expected <= 0:
         return

@@ -1,6 +1,6 @@
 """Translate vLLM's (and vLLM-Ascend's) KV-cache description into kvconnect's.
 
-With the modules split from it (below), the only module that reads vLLM objects. They read
+With its neighbours (below), the only modules that read vLLM objects. They read
 them by attribute and class name and import vLLM lazily (parallel ranks only), so they are
 unit-tested with look-alike objects on machines without vLLM.
 
@@ -13,7 +13,7 @@ token rows); a kvconnect group reads the block ids of the vLLM group it came fro
 GroupSpec a vLLM spec becomes is the table in ``specs`` (``group_spec_of``).
 
 Tensors (one value per layer). Which planes a registered value becomes is the table in
-``tensors`` (``_planes_of``); a layer whose module reports a tiled layout (``tiled_layers``)
+``tensors`` (``planes_of``); a layer whose module reports a tiled layout (``tiled_layers``)
 is one opaque page per block.
 
 Split blocks. A cache whose blocks keep each row's fields in separate regions (vLLM's
@@ -37,10 +37,10 @@ Any other layout, a mix of replicated and sharded groups included, keeps the ran
 The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
 the window): it becomes -1. Layers of one group that share a tensor are stored once.
 
-The pieces, one concept each, are re-exported here (``translate.<name>`` as before):
-``specs`` (spec -> GroupSpec), ``tensors`` (registered value -> planes, its checks, the layer
-modules' hints), ``ranks`` (``ParallelRanks``, ``parallel_ranks``, ``data_parallel_rank``) and
-``request_reads`` (requests and scheduler output).
+The neighbours, one concept each (import from them): ``specs`` (spec -> GroupSpec),
+``tensors`` (registered value -> planes, its checks, the layer modules' hints), ``ranks``
+(``ParallelRanks``, ``parallel_ranks``, ``data_parallel_rank``) and ``request_reads``
+(requests and scheduler output).
 """
 
 from __future__ import annotations
@@ -61,24 +61,11 @@ from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions
 
 from . import engine_tables, recurrent
 from .engine_tables import EngineRelease
-from .metadata import BlockIds, RequestView, freeze_block_ids
-from .ranks import ParallelRanks, data_parallel_rank, default_channel_address, parallel_ranks
-from .request_reads import (all_token_ids, block_ids_of, current_block_ids, num_computed_tokens, preempted_ids,
-                            request_namespace, request_view, scheduled_tokens)
-from .specs import TP_REPLICATED_SPECS, _layer_spec, group_spec_of
-from .tensors import (PAGE_PACKED_BACKENDS, _check_blocks, _device_type, _planes_of, _row_regions, _signature,
-                      attention_backend_names, tiled_layers)
+from .metadata import BlockIds, freeze_block_ids
+from .specs import TP_REPLICATED_SPECS, layer_spec_of, group_spec_of
+from .tensors import check_blocks, planes_of, row_regions_of, tensor_device_type, tensor_signature
 
-__all__ = [
-    "NULL_BLOCK_ID", "Translation", "translate_kv_caches", "states_refusal", "extra_config", "model_identity",
-    # re-exported from the modules split out of this one
-    "UnsupportedLayoutError", "BlockIds", "RequestView", "freeze_block_ids",
-    "TP_REPLICATED_SPECS", "group_spec_of",
-    "PAGE_PACKED_BACKENDS", "attention_backend_names", "tiled_layers",
-    "ParallelRanks", "parallel_ranks", "data_parallel_rank", "default_channel_address",
-    "request_view", "request_namespace", "all_token_ids", "num_computed_tokens", "block_ids_of",
-    "scheduled_tokens", "preempted_ids", "current_block_ids",
-]
+__all__ = ["NULL_BLOCK_ID", "Translation", "translate_kv_caches", "states_refusal", "extra_config", "model_identity"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +155,7 @@ def translate_kv_caches(
     logical_views = hasattr(kv_cache_config, "kv_cache_layout")  # vLLM >= 0.32 registers [B, H, N, C]
     if release is None:
         release = engine_tables.release_of(
-            [_layer_spec(g.kv_cache_spec, layer) for g in vllm_groups for layer in g.layer_names[:1]]
+            [layer_spec_of(g.kv_cache_spec, layer) for g in vllm_groups for layer in g.layer_names[:1]]
             + [s for g in vllm_groups if type(g.kv_cache_spec).__name__ == "UniformTypeKVCacheSpecs"
                for s in g.kv_cache_spec.kv_cache_specs.values()])
     num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
@@ -192,10 +179,10 @@ def translate_kv_caches(
         for layer in group.layer_names:
             if layer not in kv_caches:  # runner-only layers have no registered cache
                 continue
-            spec = _layer_spec(group.kv_cache_spec, layer)
+            spec = layer_spec_of(group.kv_cache_spec, layer)
             # Within a group, one tensor under two names is KV sharing: store it once. Across
             # groups it is vLLM's hybrid allocator overlaying groups on one allocation.
-            signature = (vllm_group, _signature(kv_caches[layer]))
+            signature = (vllm_group, tensor_signature(kv_caches[layer]))
             if signature in seen:
                 continue
             seen.add(signature)
@@ -206,15 +193,15 @@ def translate_kv_caches(
                     raise UnsupportedLayoutError(
                         f"block_size {spec.block_size} is not a multiple of {release.name}'s kernel block "
                         f"{release.hybrid_kernel_block_tokens}")
-                gspec = group_spec_of(spec, release, split, _device_type(kv_caches[layer]))
+                gspec = group_spec_of(spec, release, split, tensor_device_type(kv_caches[layer]))
                 if layer in tiled_layers and isinstance(kv_caches[layer], torch.Tensor):
                     value, hint, is_page = kv_caches[layer], "page", True
                 else:
-                    value, hint, is_page = _planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
-                _check_blocks(value, release.group_blocks(num_blocks, gspec.compress_ratio) * split, split)
+                    value, hint, is_page = planes_of(kv_caches[layer], spec, gspec, backend, logical_views)
+                check_blocks(value, release.group_blocks(num_blocks, gspec.compress_ratio) * split, split)
                 for tensor in value if isinstance(value, tuple) else (value,):  # shape errors name the layer
                     views, _ = split_planes(tensor, gspec.rows_per_block, "page" if is_page else hint)
-                layer_regions = None if is_page or isinstance(value, tuple) else _row_regions(spec, views, release)
+                layer_regions = None if is_page or isinstance(value, tuple) else row_regions_of(spec, views, release)
             except LayoutError as exc:
                 raise type(exc)(f"layer {layer!r}: {exc}") from exc
             key = (vllm_group, gspec, is_page, split)
@@ -265,7 +252,7 @@ def states_refusal(kv_cache_config: Any, kv_caches: Mapping[str, Any], kv_states
     """Why a cache registered with per-request ``kv_states`` gets no hit: the release's reason
     (``EngineRelease.states_refusal``) and what its block-addressed caches translate to."""
     groups = list(kv_cache_config.kv_cache_groups)
-    specs = [_layer_spec(g.kv_cache_spec, layer) for g in groups for layer in g.layer_names[:1]]
+    specs = [layer_spec_of(g.kv_cache_spec, layer) for g in groups for layer in g.layer_names[:1]]
     if release is None:
         release = engine_tables.release_of(specs)
     names = ", ".join(sorted({type(s).__name__ for s in specs})) or "none"

@@ -1,6 +1,6 @@
 """SGLang's storage-metrics shape: pages and GB/s per operation, drained from an ``OpLog``.
 
-Part of ``kvconnect.metrics``, which re-exports it.
+Part of ``kvconnect.metrics``.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics_recorders import OpLog
+from .recorders import OpLog
 
 
 @dataclass

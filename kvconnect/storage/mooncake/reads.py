@@ -1,6 +1,6 @@
 """The Mooncake tier's read path, a mixin of ``MooncakeTier``: verified reads into pool slots.
 
-``MooncakeReads`` is not a tier of its own: it is the read half of ``mooncake_tier.MooncakeTier``
+``MooncakeReads`` is not a tier of its own: it is the read half of ``tier.MooncakeTier``
 (which inherits it), split out to keep one concept per module, and it uses the tier's state
 and helpers (``_link``, ``_readers``, ``_reader_scratch``, ``_read_rate``, ``_read_lock``,
 ``_read_scratch``, ``_registered``, ``_judge``,
@@ -12,7 +12,7 @@ Verification. ``read_into`` reads header and payload in one call and checks them
 a value written by something else, a damaged one, or a header of one write over the
 payload of another is a miss, counted as ``corrupt``, and removed. Only bytes that were
 read and failed these checks are ever removed; a return code never removes anything
-(``mooncake_codes`` decides what each code means), with one exception: the two objects
+(``codes`` decides what each code means), with one exception: the two objects
 are evicted independently, so a read that finds one part of a chunk absent removes the
 other part (counted in ``parts_missing``), and lookups stop offering the chunk.
 
@@ -38,15 +38,15 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..chunks import chunk_format
-from ..chunks.chunk_format import ChunkHeader
-from ..errors import CorruptChunkError
-from ..layout.spec import ChunkKey
-from .mooncake_buffers import BATCH_KEYS, HEADER_SLOT_BYTES, view_address
-from .mooncake_codes import Meaning
-from .tier import read_header
+from ...chunks import chunk_format
+from ...chunks.chunk_format import ChunkHeader
+from ...errors import CorruptChunkError
+from ...layout.spec import ChunkKey
+from ..tier import read_header
+from .buffers import BATCH_KEYS, HEADER_SLOT_BYTES, view_address
+from .codes import Meaning
 
-logger = logging.getLogger("kvconnect.storage.mooncake_tier")  # the name these reads have always logged under
+logger = logging.getLogger("kvconnect.storage.mooncake.tier")  # the name these reads have always logged under
 
 READ_THREADS = 2  # reads in flight at once: one stalled read must not block the next step's
 ASSUMED_READ_BYTES_PER_S = 64 << 20  # a healthy link moves at least this (read_budget_s)

@@ -3,7 +3,7 @@
 ``vllm_payload`` / ``merge_payloads`` are cumulative per rank, so that vLLM's per-worker and
 per-interval aggregation cannot double count; ``PayloadDeltas`` turns them into the
 increments vLLM's Prometheus hook records (``VllmPromMetrics``); ``ReportGate`` decides when
-to report. Part of ``kvconnect.metrics``, which re-exports it.
+to report. Part of ``kvconnect.metrics``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import collections
 import time
 from typing import Any
 
-from .metrics_catalogue import CATALOGUE, COUNTER, GAUGE, LATENCY_BUCKETS_S, Figures
+from .catalogue import CATALOGUE, COUNTER, GAUGE, LATENCY_BUCKETS_S, Figures
 
 
 # -- vLLM's KV-connector stats ---------------------------------------------------------------

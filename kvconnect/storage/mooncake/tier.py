@@ -19,18 +19,18 @@ over an evicted payload is what a lookup would keep offering). A write batch is 
 Verification. ``read_into`` reads header and payload in one call and checks them as
 ``chunk_format.decode`` does; bytes that fail are a miss, counted as ``corrupt``, and
 removed, and a chunk found with one part evicted has the other removed (``parts_missing``).
-The read path is ``mooncake_reads`` (a mixin of ``MooncakeTier``), which says more; the
-registered scratch buffers are ``mooncake_buffers``.
+The read path is ``reads`` (a mixin of ``MooncakeTier``), which says more; the
+registered scratch buffers are ``buffers``.
 
 Semantics. Writes are upserts (Mooncake's ``put`` keeps an old value); removes are forced
 (an unforced remove fails for 10 s after any read: a lease, which is Mooncake's business,
 never an error here).
 
 Failures. The connection, its breaker and the count of calls in flight are
-``mooncake_link.MooncakeLink``'s. Lookups (the calls on the engine's step path that meet a
-stalled master first) run on up to LOOKUP_THREADS worker threads (``mooncake_workers``) and
+``link.MooncakeLink``'s. Lookups (the calls on the engine's step path that meet a
+stalled master first) run on up to LOOKUP_THREADS worker threads (``workers``) and
 are abandoned after ``timeout_s``. Reads run on READ_THREADS read workers and are abandoned
-after the budget of the bytes they ask for (``mooncake_reads``: the pool slots an abandoned
+after the budget of the bytes they ask for (``reads``: the pool slots an abandoned
 transfer may still write stay lent to it until it returns); each Mooncake RPC returns -901
 after ``timeout_s`` (``MC_RPC_TIMEOUT_MS``), and a read of many chunks stops between batches
 at its deadline or once the breaker opened; what it did not read is a miss. Writes run on
@@ -49,14 +49,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..layout.spec import ChunkKey, Fingerprint
-from .mooncake_buffers import BATCH_KEYS, HEADER_SLOT_BYTES, _Registered, view_address
-from .mooncake_codes import Meaning, Tally, meaning
-from .mooncake_config import MooncakeSpec
-from .mooncake_link import MooncakeLink
-from .mooncake_reads import READ_THREADS, MooncakeReads, ReadRate
-from .mooncake_workers import Workers
-from .tier import LowerTier, StoreItem, peek_mask
+from ...layout.spec import ChunkKey, Fingerprint
+from ..tier import LowerTier, StoreItem, peek_mask
+from .buffers import BATCH_KEYS, HEADER_SLOT_BYTES, RegisteredSlots, view_address
+from .codes import Meaning, Tally, meaning
+from .config import MooncakeSpec
+from .link import MooncakeLink
+from .reads import READ_THREADS, MooncakeReads, ReadRate
+from .workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures"
                  "short_reads", "reads_abandoned", "reads_refused")
 class MooncakeTier(MooncakeReads, LowerTier):
     """Chunks in Mooncake Store; the read path (``read_into``, ``read_many_into``, ``get``) is
-    the ``mooncake_reads.MooncakeReads`` mixin, the rest is here."""
+    the ``reads.MooncakeReads`` mixin, the rest is here."""
 
     name = "mooncake"
     reads_into = True
@@ -85,10 +85,10 @@ class MooncakeTier(MooncakeReads, LowerTier):
         self._regions: list[tuple[int, int]] = []  # (address, bytes) registered with the store
         self._regions_lock = threading.Lock()
         self._pools: list = []  # pools whose buffers are registered on first use
-        self._lookup_scratch = [_Registered(BATCH_KEYS) for _ in range(LOOKUP_THREADS)]
-        self._read_scratch = _Registered(BATCH_KEYS)  # reads through a copy (get, export)
-        self._reader_scratch = [_Registered(BATCH_KEYS) for _ in range(READ_THREADS)]
-        self._write_scratch = _Registered(BATCH_KEYS)
+        self._lookup_scratch = [RegisteredSlots(BATCH_KEYS) for _ in range(LOOKUP_THREADS)]
+        self._read_scratch = RegisteredSlots(BATCH_KEYS)  # reads through a copy (get, export)
+        self._reader_scratch = [RegisteredSlots(BATCH_KEYS) for _ in range(READ_THREADS)]
+        self._write_scratch = RegisteredSlots(BATCH_KEYS)
         self._read_lock = threading.Lock()
         self._known: "collections.OrderedDict[ChunkKey, int]" = collections.OrderedDict()
         self._known_lock = threading.Lock()
@@ -220,7 +220,7 @@ class MooncakeTier(MooncakeReads, LowerTier):
             self._link.exit()
         return out
 
-    def _read_header_batch(self, store, batch: Sequence[ChunkKey], scratch: _Registered) -> list[Optional[int]]:
+    def _read_header_batch(self, store, batch: Sequence[ChunkKey], scratch: RegisteredSlots) -> list[Optional[int]]:
         names = [self.object_keys(k)[0] for k in batch]
         # both parts of each chunk: an existence check renews an object's lease (Mooncake keeps it
         # from eviction meanwhile), and renewing headers alone made payloads the ones evicted,
@@ -366,7 +366,7 @@ class MooncakeTier(MooncakeReads, LowerTier):
                 "connects": self._link.connects, **counters}
 
     def failure_counts(self) -> dict[str, int]:
-        """Mooncake's failures by kind (``mooncake_codes``) plus lookups abandoned and batches
+        """Mooncake's failures by kind (``codes``) plus lookups abandoned and batches
         cut short: what ``kvconnect_tier_failures_total`` exports beside ``tier_errors``."""
         with self._stats_lock:
             return {name: self.counters[name] for name in FAILURE_KINDS}

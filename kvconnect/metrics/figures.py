@@ -1,15 +1,15 @@
 """``Figures`` snapshots of an engine, its storage and the node cache server.
 
 Figures are *pulled*: these read the counters and recorders the hot path keeps and build a
-``Figures`` when someone asks. Part of ``kvconnect.metrics``, which re-exports it.
+``Figures`` when someone asks. Part of ``kvconnect.metrics``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from .metrics_catalogue import Figures
-from .metrics_recorders import OpLog, TierMeter
+from .catalogue import Figures
+from .recorders import OpLog, TierMeter
 
 # What the figures read of an engine and its storage, as protocols: this module sits below
 # the engine and the storage manager (both import it) and imports neither.

@@ -3,7 +3,7 @@
     link = MooncakeLink(spec, name="tier", timeout_s=1.0, adopt=register_scratch)  # returns at once
     store = link.enter()        # the store for one call, or None (not connected, closed, backing off)
     try: ... finally: link.exit()
-    link.failure() / link.success()    # the breaker hears how the call went (mooncake_codes)
+    link.failure() / link.success()    # the breaker hears how the call went (codes.py)
     link.close()                # stop connecting; close the store once no call is in flight
 
 Used by the Mooncake tier (which moves chunks) and by the node server's segment holder
@@ -16,8 +16,8 @@ arrives while ``setup`` runs (the master answered: a fresh engine's first lookup
 for it, at most ``timeout_s``.
 
 Bounding. Each Mooncake RPC is bounded by ``MC_RPC_TIMEOUT_MS`` (Mooncake's own variable;
-``mooncake_config._bind_transfer_engine`` defaults it to the tier's ``timeout_s``), after
-which Mooncake returns -901 (a timeout; ``mooncake_codes``) instead of waiting 30 s.
+``config._bind_transfer_engine`` defaults it to the tier's ``timeout_s``), after
+which Mooncake returns -901 (a timeout; ``codes``) instead of waiting 30 s.
 Transport and timeout codes open the breaker (``tier.Breaker``): the tier is skipped,
 doubling its pause, until a probe succeeds.
 """
@@ -29,8 +29,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .mooncake_config import MooncakeSpec, connect_store, import_store
-from .tier import Breaker
+from .config import MooncakeSpec, connect_store, import_store
+from ..tier import Breaker
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Mooncake reads into and writes from registered memory only. The tier registers the pool's
 buffer once (``MooncakeTier.attach_pool``) and a few small scratch buffers of its own, each
-cut into BATCH_KEYS header slots of HEADER_SLOT_BYTES (``_Registered``): one per lookup
+cut into BATCH_KEYS header slots of HEADER_SLOT_BYTES (``RegisteredSlots``): one per lookup
 thread, one for reads, one for writes. ``view_address`` is the address Mooncake is given
 for a slot or any other contiguous buffer.
 """
@@ -20,7 +20,7 @@ def view_address(view) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
-class _Registered:
+class RegisteredSlots:
     """A registered numpy buffer cut into header slots."""
 
     def __init__(self, num_slots: int) -> None:

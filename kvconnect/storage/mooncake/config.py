@@ -35,9 +35,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from ..repeat_warning import RepeatingWarning
-from ..errors import ConfigError, StorageError
-from .host_memory import check_fits_host
+from ...throttled_warning import RepeatingWarning
+from ...errors import ConfigError, StorageError
+from ..host_memory import check_fits_host
 
 SCHEME = "mooncakestore"
 MAX_SIZE_BYTES = 1 << 50  # 1 PiB: a size past it is a typo, never a host's memory

@@ -3,8 +3,8 @@
 Everything an operator watches is defined once, in ``CATALOGUE`` (Prometheus names with
 units: ``_bytes``, ``_seconds``, ``_total``). Histograms keep fixed buckets
 (``LATENCY_BUCKETS_S``). A ``Figures`` is a snapshot of catalogue names to labelled values,
-built when someone asks (``metrics_figures``) and formatted by ``metrics_prometheus``,
-``metrics_vllm`` and ``metrics_sglang``. Part of ``kvconnect.metrics``, which re-exports it.
+built when someone asks (``figures``) and formatted by ``prometheus``,
+``vllm`` and ``sglang``. Part of ``kvconnect.metrics``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ read it from here.
 | anything else                 | OTHER     | a miss, counted as an error; never removed |
 
 The rule behind it: only bytes that were read and failed verification may cause a delete
-(``mooncake_tier``, ``mooncake_reads``); no code ever does, because a code says nothing about the value
+(``tier``, ``reads``); no code ever does, because a code says nothing about the value
 another engine may be reading. A value that is absent is the one exception, and only for
 the other half of the same chunk.
 """

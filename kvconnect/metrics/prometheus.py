@@ -2,8 +2,7 @@
 
 ``KVConnectCollector`` (one per registry) serves every engine of the process under an
 ``instance`` label, so several engines never register twice; ``start_exporter`` starts an
-HTTP exporter once (loopback unless configured otherwise). Part of ``kvconnect.metrics``,
-which re-exports it.
+HTTP exporter once (loopback unless configured otherwise). Part of ``kvconnect.metrics``.
 """
 
 from __future__ import annotations
@@ -14,13 +13,13 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-from .metrics_catalogue import CATALOGUE, COUNTER, GAUGE, HISTOGRAM, LATENCY_BUCKETS_S, Figures
-from .metrics_figures import EngineLike, engine_figures
+from .catalogue import CATALOGUE, COUNTER, GAUGE, HISTOGRAM, LATENCY_BUCKETS_S, Figures
+from .figures import EngineLike, engine_figures
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
-logger = logging.getLogger("kvconnect.metrics")  # the name it has always logged under
+logger = logging.getLogger("kvconnect.metrics")  # the package's name: one logger for every figure's warnings
 
 
 def _families(figures: Figures, extra_labels: dict[str, str]) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 The hot path only bumps the counters it already keeps (EngineStats, the pool's, each tier's
 and writer's) plus these; an observation costs a bisect and a lock. ``TierMeter`` keeps the
 per-tier hits, misses, raised calls and call latencies of a StorageManager; ``OpLog`` the
-recent store / retrieve operations (drained by ``metrics_sglang``). Part of
-``kvconnect.metrics``, which re-exports it.
+recent store / retrieve operations (drained by ``sglang``). Part of
+``kvconnect.metrics``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import collections
 import threading
 from dataclasses import dataclass
 
-from .metrics_catalogue import LATENCY_BUCKETS_S
+from .catalogue import LATENCY_BUCKETS_S
 
 
 class LatencyHistogram:
