@@ -71,7 +71,7 @@ def test_the_vendored_list_is_the_release(release):
 def test_lmcache_05_names_users_bring_are_answered_not_called_unknown(monkeypatch, caplog):
     """LMCache 0.5.6's own names (issue 34) get what kvconnect does instead, never 'neither ... one'."""
     caplog.set_level(logging.WARNING, logger="kvconnect")
-    monkeypatch.setattr(config_module, "_warned", set())
+    monkeypatch.setattr(config_module, "warn_once", OnceWarnings(config_module.logger.warning).warn)
     env = {"LMCACHE_MP_HOST": "0.0.0.0", "LMCACHE_LOCAL_CPU_USE_HUGEPAGES": "true", "LMCACHE_DISABLE_BANNER": "1",
            "LMCACHE_ENABLE_HIDDEN_STATE_CACHE": "true", "LMCACHE_COORDINATOR_URL": "http://c:1",
            "LMCACHE_DEVICE_BACKEND": "cuda"}
@@ -84,7 +84,7 @@ def test_lmcache_05_names_users_bring_are_answered_not_called_unknown(monkeypatc
 def test_yaml_keys_named_lmcache_something_are_lmcaches_not_unknown(monkeypatch, caplog):
     """config.py strips an ``lmcache_`` prefix; LMCache's own YAML keys that start with it keep it."""
     caplog.set_level(logging.WARNING, logger="kvconnect")
-    monkeypatch.setattr(config_module, "_warned", set())
+    monkeypatch.setattr(config_module, "warn_once", OnceWarnings(config_module.logger.warning).warn)
     keys = ["lmcache_instance_id", "lmcache_worker_ports", "lmcache_worker_ids", "lmcache_worker_heartbeat_time"]
     assert Config.from_dict({k: "x" for k in keys} | {"lmcache_chunk_size": 128}, source="lmcache.yaml") == Config(chunk_size=128)
     messages = [r.getMessage() for r in caplog.records]
@@ -94,7 +94,7 @@ def test_yaml_keys_named_lmcache_something_are_lmcaches_not_unknown(monkeypatch,
 
 def test_lmcache_mooncake_extra_config_says_where_kvconnect_reads_it(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="kvconnect")
-    monkeypatch.setattr(config_module, "_warned", set())
+    monkeypatch.setattr(config_module, "warn_once", OnceWarnings(config_module.logger.warning).warn)
     extra = {"master_server_address": "10.0.0.1:50051", "global_segment_size": 3355443200, "protocol": "tcp",
              "metadata_server": "P2PHANDSHAKE", "mooncake_device_name": "mlx5_0"}
     Config.from_dict({"extra_config": extra}, source="lmcache.yaml")

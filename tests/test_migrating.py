@@ -243,12 +243,12 @@ def test_an_engine_that_can_store_nothing_says_so_once(caplog, values, why):
     assert len(hits) == 1 and why in hits[0], hits
 
 
-def test_lmcache_server_url_is_never_kvconnects_server(caplog):
+def test_lmcache_server_url_is_never_kvconnects_server(caplog, monkeypatch):
     """LMCache's LMCACHE_SERVER_URL (lm://, its multiprocess server's ipc:// socket) is warned about,
     never read as KVCONNECT_SERVER_URL (every lookup would miss against the wrong protocol)."""
     caplog.set_level(logging.WARNING, logger="kvconnect")
     for url in ("ipc:///tmp/lmcache_mp.sock", "lm://localhost:65432"):
-        config_module._warned.clear()
+        monkeypatch.setattr(config_module, "warn_once", OnceWarnings(config_module.logger.warning).warn)
         assert Config.from_env({"LMCACHE_SERVER_URL": url}).server_url is None
         assert "LMCACHE_SERVER_URL" in warnings_of(caplog) and "KVCONNECT_SERVER_URL" in warnings_of(caplog)
     assert Config.from_env({"KVCONNECT_SERVER_URL": "ipc:///tmp/k.sock"}).server_url == "ipc:///tmp/k.sock"
