@@ -11,7 +11,7 @@ Transparent huge pages are deliberately not requested: their first-touch cost (z
 compacting 2 MiB) made stores slower still on that machine.
 
 Anywhere this is unavailable (another OS, an older kernel, pinned memory that is resident
-already) nothing happens and stores fault pages in as before.
+already) nothing happens, and the first store into each page faults it in.
 
 A population still running when its pool closes, or when the interpreter exits, is stopped and
 joined (at most one slice): a thread left inside the call while the interpreter finalises is
