@@ -7,7 +7,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 
 | environment variable           | YAML key             | type  | default | meaning |
 |--------------------------------|----------------------|-------|---------|---------|
-| LMCACHE_CHUNK_SIZE             | chunk_size           | int   | 256     | tokens per chunk |
+| LMCACHE_CHUNK_SIZE             | chunk_size           | int   | 0       | tokens per chunk; 0 (unset): chosen from the layout, 256 wherever 256 fits (kvconnect/layout/chunk_size.py) |
 | LMCACHE_LOCAL_CPU              | local_cpu            | bool  | true    | keep a CPU pool |
 | LMCACHE_MAX_LOCAL_CPU_SIZE     | max_local_cpu_size   | float | 5.0     | CPU pool size, GB |
 | LMCACHE_LOCAL_DISK             | local_disk           | str   | none    | disk tier directory (``file://`` optional) |
@@ -87,7 +87,7 @@ MAX_TOKENS = 1 << 31
 # this table, so no setting can be NaN, infinite, or out of range: NaN compares false with every
 # bound, and a remote timeout of NaN once turned every shared-tier lookup off without an error.
 NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
-    "chunk_size": (0, 1 << 20, True),
+    "chunk_size": (0, 1 << 20, False),  # 0: chosen from the layout
     "max_local_cpu_size": (0, MAX_SIZE_GB, False),
     "max_local_disk_size": (0, MAX_SIZE_GB, False),
     "num_threads": (0, 4096, True),
@@ -128,7 +128,7 @@ def _default_threads() -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    chunk_size: int = 256
+    chunk_size: int = 0  # 0: chosen from the layout when an engine is built (layout/chunk_size.py)
     local_cpu: bool = True
     max_local_cpu_size: float = 5.0
     local_disk: Optional[str] = None

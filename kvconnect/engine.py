@@ -31,6 +31,8 @@ writing through ``ObjectWriter`` and loading through ``ChunkLoader``. Its counte
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from typing import Optional
@@ -49,7 +51,8 @@ from .events import ChunkEventLog
 from .layout.kv_layout import KVLayout
 from .layout.rows import chunk_bounds
 from .restore.parts import PartLayout
-from .restore.plan import BlockTables, check_chunk_size
+from .layout.chunk_size import check_chunk_size, choose_chunk_size, layout_rules
+from .restore.plan import BlockTables
 from .restore.points import splits_window_groups
 from .restore.reads import ChunkLoader
 from .restore.scheme import RestoreScheme
@@ -93,8 +96,13 @@ class KVCacheEngine:
         default; ``kvconnect.server.make_pool`` gives the node cache server's shared pool when
         ``config.server_url`` is set (every adapter passes it).
         """
-        self.config = config or Config.from_env()
-        self.layout = layout = _named(layout, self.config.model_name)
+        config = config or Config.from_env()
+        self.layout = layout = _named(layout, config.model_name)
+        if not config.chunk_size:  # unset: the layout decides, the same in every process of the model
+            choice = choose_chunk_size(layout_rules(layout))
+            logger.info("kvconnect: chunk_size %d (%s)", choice.tokens, choice.reason)
+            config = dataclasses.replace(config, chunk_size=choice.tokens)
+        self.config = config
         _check_shared_identity(layout, self.config)
         check_chunk_size(layout, self.config.chunk_size)
         if backend is None:  # an explicit backend wins over KVCONNECT_TRANSFER_ROUTE

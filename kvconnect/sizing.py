@@ -24,7 +24,8 @@ from .layout.kv_layout import KVLayout
 from .layout.rows import chunk_bounds
 from .restore.gate import window_chunks
 from .restore.parts import PartLayout
-from .restore.plan import check_chunk_size, max_chunk_payload_bytes
+from .layout.chunk_size import check_chunk_size
+from .restore.plan import max_chunk_payload_bytes
 from .restore.points import is_interval_point, splits_window_groups
 
 

@@ -119,7 +119,7 @@ def test_inspect_from_hf_config(tmp_path, capsys):
     (["inspect", "--preset", "no-such-model"], "unknown preset"),
     (["inspect", "--preset", "llama", "--tokens", "lots"], "not a token count"),
     (["inspect", "--preset", "llama", "--tokens", "0"], "positive"),
-    (["inspect", "--preset", "llama", "--chunk-size", "0"], "--chunk-size"),
+    (["inspect", "--preset", "llama", "--chunk-size", "-1"], "--chunk-size"),
     (["inspect", "--preset", "deepseek-v4-flash", "--chunk-size", "100"], "chunk"),
     (["inspect", "--preset", "llama", "--dcp", "2"], "decode context parallel"),
     (["inspect", "--preset", "deepseek-v4-flash", "--engine", "sglang"], "vLLM"),

@@ -14,7 +14,7 @@ from kvconnect.config import GB
 def test_defaults():
     c = Config.from_env({})
     assert c == Config()
-    assert (c.chunk_size, c.local_cpu, c.max_local_cpu_size, c.save_unfull_chunk) == (256, True, 5.0, False)
+    assert (c.chunk_size, c.local_cpu, c.max_local_cpu_size, c.save_unfull_chunk) == (0, True, 5.0, False)  # 0: chosen from the layout
     assert c.local_disk is None and c.remote_url is None and c.model_name == "" and c.cuda_transfer == "kernel"
     assert c.num_threads >= 1 and c.max_local_cpu_bytes == 5 * GB
 
@@ -54,7 +54,7 @@ def test_boolean_spellings(text, value):
     "var,value",
     [
         ("LMCACHE_CHUNK_SIZE", "abc"),
-        ("LMCACHE_CHUNK_SIZE", "0"),
+        ("LMCACHE_CHUNK_SIZE", "-1"),
         ("LMCACHE_CHUNK_SIZE", "-256"),
         ("LMCACHE_CHUNK_SIZE", "25.5"),
         ("LMCACHE_LOCAL_CPU", "maybe"),
@@ -143,7 +143,7 @@ def test_config_is_frozen_and_validated_directly():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.chunk_size = 1  # type: ignore[misc]
     with pytest.raises(ConfigError, match="LMCACHE_CHUNK_SIZE"):
-        Config(chunk_size=0)
+        Config(chunk_size=-1)
     assert Config(local_disk="file:///x").local_disk == "/x"
 
 

@@ -25,7 +25,7 @@ from .. import sizing
 from ..config import GB, Config
 from ..errors import ConfigError
 from ..storage import host_memory
-from .model_args import add_model_args, human_bytes, model_of, parse_tokens
+from .model_args import add_model_args, human_bytes, model_of, parse_tokens, settle_chunk_size
 
 FIT_FRACTION = 0.8  # of the memory free now: the rest stays for the OS and what else runs
 
@@ -123,6 +123,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if model.state_layers and not model.snapshots_served:
         raise ConfigError(f"{model.name}: kvconnect's {args.engine} adapter does not store recurrent state "
                           "(see `kvconnect inspect`, docs/recurrent.md); nothing to benchmark")
+    chunk_reason = settle_chunk_size(args, model.layout(0))
     if num_tokens < args.chunk_size:
         raise ConfigError(f"--tokens ({num_tokens}) must hold at least one chunk of {args.chunk_size}")
     num_tokens -= num_tokens % args.chunk_size
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
             raise RuntimeError(f"benchmark run stored {stored} and restored {retrieved} of {num_tokens} tokens")
         result = {
             "model": model.name, "engine": model.engine, "device": device, "machine": _machine(device),
-            "threads": args.threads, "tokens": num_tokens, "chunk_tokens": args.chunk_size, "layers": _num_layers(model),
+            "threads": args.threads, "tokens": num_tokens, "chunk_tokens": args.chunk_size, "chunk_reason": chunk_reason, "layers": _num_layers(model),
             "planes": len(layout.planes), "groups": layout.num_groups, "repeats": args.repeats,
             "restore_interval_tokens": config.restore_interval_tokens,
             "whole_chunk_bytes": s.stored_bytes(num_tokens), "whole_chunk_restore_bytes": s.restore_bytes(num_tokens),

@@ -16,7 +16,7 @@ from typing import Optional
 
 from .. import sizing
 from ..config import Config
-from .model_args import add_model_args, human_bytes, model_of, parse_tokens
+from .model_args import add_model_args, human_bytes, model_of, parse_tokens, settle_chunk_size
 
 
 DEFAULT_RESTORE_CAP = "128k"  # read as --restore-at reads it (k = 1,000)
@@ -35,9 +35,10 @@ def add_parser(sub, config: Config) -> None:
 def report(args: argparse.Namespace) -> dict:
     model = model_of(args)
     tokens = parse_tokens(args.tokens)
+    layout = model.layout(0)
+    chunk_reason = settle_chunk_size(args, layout)
     asked = parse_tokens(args.restore_at) if args.restore_at else min(tokens, parse_tokens(DEFAULT_RESTORE_CAP))
     restore_at = asked - asked % args.chunk_size  # a hit ends on a chunk boundary (whole chunks are stored)
-    layout = model.layout(0)
     s = sizing.of(layout, args.chunk_size)
     supported = not model.state_layers or model.snapshots_served
     per_group_restore = [s._group_bytes(g, geo.needed_rows(restore_at)) for g, geo in enumerate(layout.geometries)]
@@ -50,7 +51,7 @@ def report(args: argparse.Namespace) -> dict:
     tier = (stored + (s.encoded_bytes(tokens) - s.stored_bytes(tokens)) if kept else s.encoded_bytes(tokens)) if supported else 0
     return {
         "model": model.name, "engine": model.engine, "tp": model.tp_size, "dcp": model.dcp.size,
-        "chunk_tokens": args.chunk_size, "num_planes": len(layout.planes), "fingerprint": bytes(layout.fingerprint).hex(),
+        "chunk_tokens": args.chunk_size, "chunk_reason": chunk_reason, "num_planes": len(layout.planes), "fingerprint": bytes(layout.fingerprint).hex(),
         "supported": supported, "notes": list(model.notes),
         "state_layers": len(model.state_layers), "state_bytes_per_layer": model.state_bytes_per_layer,
         "snapshot": {"bytes": len(model.state_layers) * model.state_bytes_per_layer,
@@ -112,7 +113,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
 
 def human(r: dict) -> str:
-    lines = [f"{r['model']} on {r['engine']}  TP {r['tp']}  DCP {r['dcp']}  chunk {r['chunk_tokens']} tokens  "
+    lines = [f"{r['model']} on {r['engine']}  TP {r['tp']}  DCP {r['dcp']}  chunk {r['chunk_tokens']} tokens"
+             f"{'' if r['chunk_reason'] == 'set' else ' (' + r['chunk_reason'] + ')'}  "
              f"{r['num_planes']} planes in {len(r['groups'])} groups  fingerprint {r['fingerprint'][:12]}"]
     head = ("group", "name", "block", "ratio", "window", "planes", "row bytes", "rows/chunk", "bytes/chunk", f"restore@{r['restore_at']}")
     rows = [(str(g["group"]), g["name"], str(g["block_size"]), str(g["compress_ratio"]), str(g["window_tokens"] or "-"),

@@ -10,6 +10,7 @@ from typing import Optional
 from ..integrations import presets
 from ..config import Config
 from ..errors import ConfigError
+from ..layout.chunk_size import choose_chunk_size, layout_rules
 from ..layout.spec import DCPSpec
 
 
@@ -23,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser, config: Config) -> None:
     p.add_argument("--dcp", type=int, default=1, help="decode context parallel size (MLA tokens are split across ranks)")
     p.add_argument("--dcp-interleave", type=int, default=1, help="tokens per DCP run (vLLM's dcp_kv_cache_interleave_size)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype for --config (default: the model's torch_dtype)")
-    p.add_argument("--chunk-size", type=int, default=config.chunk_size, help="tokens per chunk (default LMCACHE_CHUNK_SIZE)")
+    p.add_argument("--chunk-size", type=int, default=config.chunk_size, help="tokens per chunk (default LMCACHE_CHUNK_SIZE; 0 or unset: chosen from the layout)")
 
 
 def parse_tokens(text: str) -> int:
@@ -39,8 +40,8 @@ def parse_tokens(text: str) -> int:
 
 def model_of(args: argparse.Namespace, *, layers: Optional[int] = None) -> presets.ModelKV:
     """The ModelKV the arguments name. Raises ConfigError / LayoutError on bad input."""
-    if args.chunk_size <= 0:
-        raise ConfigError(f"--chunk-size must be > 0, got {args.chunk_size}")
+    if args.chunk_size < 0:
+        raise ConfigError(f"--chunk-size must be >= 0 (0: chosen from the layout), got {args.chunk_size}")
     if args.block_size is not None and args.block_size <= 0:
         raise ConfigError(f"--block-size must be > 0, got {args.block_size}")
     if args.tp < 1 or args.dcp < 1 or args.dcp_interleave < 1:
@@ -74,3 +75,13 @@ def human_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def settle_chunk_size(args: argparse.Namespace, layout) -> str:
+    """Give ``args.chunk_size`` the layout's choice when it is 0 (unset), as an engine would;
+    returns the words the output shows (why this size)."""
+    if args.chunk_size:
+        return "set"
+    choice = choose_chunk_size(layout_rules(layout))
+    args.chunk_size = choice.tokens
+    return choice.reason

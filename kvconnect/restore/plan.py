@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from ..chunks.keys import Chunk
-from ..errors import BlockTableError, CorruptChunkError, LayoutError
+from ..errors import BlockTableError, CorruptChunkError
+from ..layout.chunk_size import local_chunk_tokens
 from ..layout.kv_layout import KVLayout
 from ..layout.rows import RowRange, intersect
 from ..layout.spec import ChunkKey
@@ -30,29 +31,6 @@ from ..transfer.tables import SegmentBuilder
 
 # ---------------------------------------------------------------------------------------
 # layout-level facts
-
-
-def local_chunk_tokens(layout: KVLayout, chunk_tokens: int) -> int:
-    dcp = layout.dcp
-    return chunk_tokens if dcp.size == 1 else (chunk_tokens // dcp.period_tokens) * dcp.interleave_tokens
-
-
-def check_chunk_size(layout: KVLayout, chunk_tokens: int) -> None:
-    """Raise LayoutError unless every chunk boundary falls on a row edge of every full group."""
-    dcp = layout.dcp
-    if dcp.size > 1 and chunk_tokens % dcp.period_tokens:
-        raise LayoutError(
-            f"chunk size {chunk_tokens} is not a multiple of the DCP period {dcp.period_tokens} "
-            f"(size {dcp.size} x interleave {dcp.interleave_tokens})"
-        )
-    local = local_chunk_tokens(layout, chunk_tokens)
-    for g, (group, geo) in enumerate(zip(layout.groups, layout.geometries)):
-        if geo.window_tokens is None and local % geo.tokens_per_row:
-            what = "block size (page rows)" if geo.aligned_boundary else "compress ratio"
-            raise LayoutError(
-                f"chunk size {chunk_tokens} ({local} local tokens) is not a multiple of group {g}'s "
-                f"{what} {geo.tokens_per_row}: set LMCACHE_CHUNK_SIZE to a multiple of it"
-            )
 
 
 def max_group_rows(layout: KVLayout, chunk_tokens: int) -> list[int]:

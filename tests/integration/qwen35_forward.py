@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--chunk-size", type=int, default=128, help="kvconnect's chunk size")
     parser.add_argument("--local-disk", default=None, help="kvconnect's disk tier directory")
+    parser.add_argument("--defaults", type=_bool, default=False,
+                        help="kvconnect: no setting but the tier (--local-disk / --server-url): no chunk size, "
+                             "lookup channel or pool size")
     parser.add_argument("--server-url", default=None, help="kvconnect's node cache server (its shared pool)")
     parser.add_argument("--save-decode-cache", type=_bool, default=False, help="kvconnect: store generated tokens' chunks")
     parser.add_argument("--randomize-state", type=_bool, default=False,
@@ -128,6 +131,8 @@ def main() -> None:
         recorder.install()
         extra = {"lookup_url": args.lookup_url, "chunk_size": args.chunk_size, "max_local_cpu_size": 0.25,
                  "lookup_timeout_s": 10.0, "save_decode_cache": args.save_decode_cache}
+        if args.defaults:  # what a user sets: a tier, nothing else (the chunk size is kvconnect's choice)
+            extra = {}
         if args.local_disk:
             extra.update(local_disk=args.local_disk, max_local_disk_size=0.25)
         if args.server_url:
@@ -158,8 +163,11 @@ def main() -> None:
     client = None
     if args.connector == "kvconnect":
         from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
+        from kvconnect.integrations.vllm.ranks import default_channel_address
 
-        client = LookupClient([rank_address(args.lookup_url, 0)], timeout_s=10.0)
+        # the connector's own channel when none was given (--defaults): derived as it derives it
+        url = args.lookup_url or default_channel_address(llm.llm_engine.vllm_config)
+        client = LookupClient([rank_address(url, 0)], timeout_s=10.0)
     outputs, logprobs, cached, stats, resets, loads = [], [], [], [], [], []
     for i, prompts in enumerate(phases):
         if i and args.reset_between_phases:

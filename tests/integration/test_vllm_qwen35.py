@@ -137,6 +137,12 @@ def runs(model_dir, tmp_path_factory) -> dict:
                        "--lookup-url", f"ipc://{workdir}/kvc-load")
     out["rand"] = _run(model_dir, workdir, "rand", [[p["a"]]], *shared, "--randomize-state", "true",
                        "--lookup-url", f"ipc://{workdir}/kvc-rand")
+    # a user's first run: only kv_connector, kv_role and a disk tier (issue 33 item 1)
+    first = ("--connector", "kvconnect", "--defaults", "true", "--prefix-caching", "true")
+    out["defaults_store"] = _run(model_dir, workdir, "defaults_store", [[p["a"]]], *first,
+                                 "--local-disk", str(workdir / "defaults-disk"))
+    out["defaults_load"] = _run(model_dir, workdir, "defaults_load", [[p["a"]], [p["b"]]], *first,
+                                "--local-disk", str(workdir / "defaults-disk"), "--reset-between-phases", "true")
     out["records"] = [json.loads(line) for line in record.read_text().splitlines()]
     return out
 
@@ -252,3 +258,16 @@ def test_kvconnect_refuses_vllm_without_prefix_caching(runs):
     assert stats["loaded_tokens"] == 0 and stats["loads"] == 0
     refusals = [line for line in off["log"].splitlines() if "kvconnect: off for this model" in line]
     assert refusals and "MambaSpec with mamba_cache_mode 'none'" in refusals[0], off["log"][-3000:]
+
+
+def test_with_no_setting_but_a_tier_a_fresh_engine_resumes_bit_exactly(runs):
+    """No chunk size set: kvconnect chooses vLLM's 384-token align block (it used to keep 256,
+    refuse the model and serve nothing), says so at start, and a fresh process resumes."""
+    stored, load, plain = runs["defaults_store"], runs["defaults_load"], runs["plain"]
+    assert "chunk_size 384 (chosen from the layout" in stored["log"]
+    assert "off for this model" not in stored["log"] + load["log"]
+    assert load["fingerprint"] == stored["fingerprint"]
+    assert [[(x["hit"], x["loaded"]) for x in loads] for loads in load["loads"]] == [[(768, 768)], [(768, 768)]]
+    assert _same(stored, 0, plain, NAMES.index("a"))
+    assert _same(load, 0, plain, NAMES.index("a"))
+    assert _same(load, 1, plain, NAMES.index("b"))

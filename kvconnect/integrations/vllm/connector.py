@@ -41,7 +41,7 @@ from kvconnect.errors import LayoutError, UnsupportedLayoutError
 
 from kvconnect.metrics.vllm import ReportGate
 
-from . import kv_events, logs, pd, recurrent, request_reads, roles, stats, tensors, translate
+from . import chunk_size, kv_events, logs, pd, recurrent, request_reads, roles, stats, tensors, translate
 from .ranks import data_parallel_rank, default_channel_address, parallel_ranks
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
@@ -99,7 +99,15 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         # recurrent-state groups (recurrent.py): vLLM group -> block size; their snapshots are
         # saved only where vLLM offers the state (boundary_state_offloads)
         self._state_blocks = recurrent.state_block_sizes(kv_cache_config)
+        # no chunk size set: both roles choose it from what both hold (chunk_size.py)
+        chunk_choice = None
+        if not config.chunk_size:
+            chunk_choice = chunk_size.choose_vllm_chunk_size(self._state_blocks,
+                                                            parallel_ranks(vllm_config, in_worker=False).dcp)
+            config = dataclasses.replace(config, chunk_size=chunk_choice.tokens)
+            self._config = config
         if role == KVConnectorRole.SCHEDULER:
+            logger.info("kvconnect: %s", chunk_size.describe(config, chunk_choice))
             ranks = parallel_ranks(vllm_config, in_worker=False)
             client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
                                   timeout_s=float(adapter.get("lookup_timeout_s", 1.0)), token=config.lookup_token)
@@ -118,7 +126,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             self._ranks = parallel_ranks(vllm_config, in_worker=True)
             # the scheduler hands the worker a partial last chunk only to store it (P/D prefills)
             worker_config = dataclasses.replace(config, save_unfull_chunk=True) if self._role.stores_prompt else config
-            self._worker = KVConnectWorker(worker_config, rank_address(channel, self._ranks.worker_index))
+            self._worker = KVConnectWorker(worker_config, rank_address(channel, self._ranks.worker_index),
+                                           chunk_words=chunk_size.describe(config, chunk_choice))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -81,14 +81,15 @@ class Periodic:
         return True
 
 
-def registration_line(layout, config, pool, storage) -> str:
-    """The INFO line a worker logs once its engine is built."""
+def registration_line(layout, config, pool, storage, chunk_words: str = "") -> str:
+    """The INFO line a worker logs once its engine is built (``chunk_words``: how the chunk
+    size came to be, ``chunk_size.describe``)."""
     chunk_bytes = getattr(pool, "slot_bytes", 0)
     tiers = ["cpu"] + [t.name for t in getattr(storage, "tiers", [])]
     pool_bytes = getattr(pool, "num_slots", 0) * chunk_bytes
     kinds = ", ".join(f"{row['kind']} block {row['block_size']}" + (f" window {row['window']}" if row["window"] else "")
                       + (f" x1/{row['compress_ratio']}" if row["compress_ratio"] != 1 else "") for row in layout.describe())
     return (f"kvconnect: registered: {layout.num_groups} group(s) [{kinds}], {len(layout.planes)} planes, "
-            f"{human_bytes(chunk_bytes)} per {config.chunk_size}-token chunk, tiers {'+'.join(tiers)}, "
+            f"{human_bytes(chunk_bytes)} per {config.chunk_size}-token chunk{f' ({chunk_words})' if chunk_words else ''}, tiers {'+'.join(tiers)}, "
             f"CPU pool {human_bytes(pool_bytes)} ({getattr(pool, 'num_slots', 0)} chunks, {getattr(pool, 'eviction', 'shared')} "
             f"eviction)")

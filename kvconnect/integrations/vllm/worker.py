@@ -61,8 +61,9 @@ _COUNTERS = ("loads", "load_failures", "loaded_tokens", "saves", "save_failures"
 
 
 class KVConnectWorker:
-    def __init__(self, config: Config, channel_address: Optional[str]) -> None:
+    def __init__(self, config: Config, channel_address: Optional[str], *, chunk_words: str = "") -> None:
         self.config = config
+        self.chunk_words = chunk_words or f"chunk_size {config.chunk_size} (set)"  # the start-up line's
         self.engine: Optional[KVCacheEngine] = None
         self.translation: Optional[Translation] = None
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -107,7 +108,7 @@ class KVConnectWorker:
                       ("this rank writes the shared tiers" if shared_writer else "read from the writer rank's shared copy")
                       if translation.tp_replicated else "")
         logger.info("%s; copy threads: %d store, %d load (%s)%s", registration_line(translation.layout, self.config, engine.pool,
-                    engine.storage), placement.store_threads, placement.load_threads, placement.reason, replicated)
+                    engine.storage, self.chunk_words), placement.store_threads, placement.load_threads, placement.reason, replicated)
         logger.debug("kvconnect: groups: %s", translation.layout.describe())
 
     # -- lookup channel handler (called from the server thread) --------------------------
