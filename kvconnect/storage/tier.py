@@ -113,11 +113,9 @@ class LowerTier(abc.ABC):
         (data,) = self.get([key])
         if data is None:
             return None
-        header = chunk_format.decode_header(data)
-        if header.payload_bytes > len(out):
+        header = copy_payload(data, out)
+        if header is None:
             self._count(errors=1, corrupt=1)
-            return None
-        out[: header.payload_bytes] = memoryview(data).cast("B")[header.header_bytes :]
         return header
 
     def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview], *,
@@ -155,12 +153,26 @@ class LowerTier(abc.ABC):
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
 
     def _verify(self, data, key: ChunkKey) -> bool:
-        """True when ``data`` is a complete, intact chunk of this layout stored under ``key``."""
-        try:
-            chunk_format.decode(data, fingerprint=self.fingerprint, key=key)
-            return True
-        except CorruptChunkError:
-            return False
+        return verified(data, self.fingerprint, key)
+
+
+def verified(data, fingerprint: Fingerprint, key: ChunkKey) -> bool:
+    """True when ``data`` is a complete, intact chunk of this layout stored under ``key``."""
+    try:
+        chunk_format.decode(data, fingerprint=fingerprint, key=key)
+        return True
+    except CorruptChunkError:
+        return False
+
+
+def copy_payload(data, out: memoryview) -> Optional[ChunkHeader]:
+    """The header of ``data`` (an encoded chunk ``get`` verified) with its payload copied into
+    ``out``; None when the payload does not fit ``out`` (the caller counts it corrupt)."""
+    header = chunk_format.decode_header(data)
+    if header.payload_bytes > len(out):
+        return None
+    out[: header.payload_bytes] = memoryview(data).cast("B")[header.header_bytes :]
+    return header
 
 
 def peek_mask(data, fingerprint: Fingerprint, key: ChunkKey) -> Optional[int]:

@@ -107,7 +107,7 @@ def test_a_large_read_on_a_healthy_link_is_not_cut_short(stored, tmp_path):
         assert sum(h is not None for h in headers) == NUM_CHUNKS  # each verified (checksum) by the tier
         assert tier.counters["short_reads"] == 0 and tier.counters["cut_short"] == before["cut_short"]
         assert tier.stats().corrupt == 0
-        assert tier.read_budget_s(NUM_CHUNKS * reader.pool.slot_bytes) > 50 * tier.timeout_s
+        assert tier.reader.read_budget_s(NUM_CHUNKS * reader.pool.slot_bytes) > 50 * tier.timeout_s
     finally:
         reader.close()
 

@@ -1,11 +1,11 @@
-"""The Mooncake tier's read path, a mixin of ``MooncakeTier``: verified reads into pool slots.
+"""The Mooncake tier's read path: ``MooncakeReader``, verified reads into pool slots.
 
-``MooncakeReads`` is not a tier of its own: it is the read half of ``tier.MooncakeTier``
-(which inherits it), split out to keep one concept per module, and it uses the tier's state
-and helpers (``_link``, ``_readers``, ``_reader_scratch``, ``_read_rate``, ``_read_lock``,
-``_read_scratch``, ``_registered``, ``_judge``,
-``_go_on``, ``_remember``, ``_remove``, ``_bump``, ``object_keys``, ``timeout_s``, and
-``LowerTier``'s ``_count`` / ``_verify``).
+``MooncakeTier`` builds one and hands it what a read needs: the tier's ``MooncakeObjects``
+(names, link, code meanings, masks seen, removes, registered pools, the TierStats counter),
+the registered header scratch of its read workers and of its copy reads (the tier allocates
+every scratch buffer, because the link registers them all on each connection), and the
+timeout. The reader owns the rest: its READ_THREADS read workers, the measured read rate, and
+the lock of the copy path (``get``: one registered scratch, one read at a time).
 
 Verification. ``read_into`` reads header and payload in one call and checks them as
 ``chunk_format.decode`` does (magic, version, fingerprint, key, sizes, checksum over both):
@@ -42,11 +42,13 @@ from ...chunks import chunk_format
 from ...chunks.chunk_format import ChunkHeader
 from ...errors import CorruptChunkError
 from ...layout.spec import ChunkKey
-from ..tier import read_header
-from .buffers import BATCH_KEYS, HEADER_SLOT_BYTES, view_address
+from ..tier import copy_payload, read_header, verified
+from .buffers import BATCH_KEYS, HEADER_SLOT_BYTES, RegisteredSlots, view_address
 from .codes import Meaning
+from .objects import MooncakeObjects
+from .workers import Workers
 
-logger = logging.getLogger("kvconnect.storage.mooncake.tier")  # the name these reads have always logged under
+logger = logging.getLogger("kvconnect.storage.mooncake.tier")  # one logger for the whole tier
 
 READ_THREADS = 2  # reads in flight at once: one stalled read must not block the next step's
 ASSUMED_READ_BYTES_PER_S = 64 << 20  # a healthy link moves at least this (read_budget_s)
@@ -54,8 +56,21 @@ MIN_READ_BYTES_PER_S = 16 << 20  # the slowest rate a measurement may stretch th
 MEASURED_BATCH_BYTES = 1 << 20
 
 
-class MooncakeReads:
-    """The read path of ``MooncakeTier`` (a mixin: ``read_into``, ``read_many_into``, ``get``)."""
+class MooncakeReader:
+    """The read path of one ``MooncakeTier``: ``read_into``, ``read_many_into``, ``get``."""
+
+    def __init__(self, objects: MooncakeObjects, *, worker_scratch: Sequence[RegisteredSlots],
+                 copy_scratch: RegisteredSlots, timeout_s: float) -> None:
+        self.objects = objects
+        self.timeout_s = timeout_s
+        self.read_rate = ReadRate()
+        self._scratch = list(worker_scratch)  # one per read worker
+        self._workers = Workers("kvconnect-mooncake-read", len(self._scratch))
+        self._copy_scratch = copy_scratch
+        self._copy_lock = threading.Lock()  # the copy path's one scratch: one read at a time
+
+    def close(self) -> None:
+        self._workers.stop()
 
     def read_into(self, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
         return self.read_many_into([key], [out])[0]
@@ -66,7 +81,7 @@ class MooncakeReads:
         MIN_READ_BYTES_PER_S). One constant cut large reads short on a healthy link (the first
         100-chunk read loaded 64 chunks); a stalled transport costs this budget, no more."""
         rate = ASSUMED_READ_BYTES_PER_S
-        measured = self._read_rate.bytes_per_s
+        measured = self.read_rate.bytes_per_s
         if measured:
             rate = min(rate, max(MIN_READ_BYTES_PER_S, measured / 2))
         return self.timeout_s + nbytes / rate
@@ -84,11 +99,11 @@ class MooncakeReads:
         ``on_abandoned(indices)``, whose result is called (on the worker) once the abandoned
         call returned; the caller must not reuse those outs before. Without ``on_abandoned``
         the caller waits for the batch in flight."""
-        self._count(gets=len(keys))
+        self.objects.count(gets=len(keys))
         result: list[Optional[ChunkHeader]] = [None] * len(keys)
-        store = self._link.enter()
+        store = self.objects.link.enter()
         if store is None:
-            self._count(skipped_unhealthy=1)
+            self.objects.count(skipped_unhealthy=1)
             return result
         handed = False  # the read worker owns the in-flight mark once it took the job
         cut = False
@@ -97,9 +112,9 @@ class MooncakeReads:
             direct = []
             for i, (key, out) in enumerate(zip(keys, outs)):
                 address = view_address(out)
-                if self._registered(store, address, len(out)):
+                if self.objects.registered(store, address, len(out)):
                     direct.append((i, address))
-                elif self._go_on(deadline):
+                elif self.objects.go_on(deadline):
                     result[i] = self._read_copy(store, key, out)
                 else:
                     cut = True
@@ -107,20 +122,20 @@ class MooncakeReads:
                 job = _ReadJob(direct)
                 wait_s = max(0.0, deadline - time.monotonic()) if on_abandoned is not None else None
                 try:
-                    status, _ = self._readers.run(
+                    status, _ = self._workers.run(
                         lambda slot: self._read_batches(store, keys, outs, job, slot, deadline), wait_s)
                 except Exception:  # raised by the job, which ran and let go of the in-flight mark
                     handed = True
                     raise
                 handed = status != "busy"
                 if status == "busy":  # every read worker is held by a stalled read: a miss, at once
-                    self._bump("reads_refused")
+                    self.objects.bump("reads_refused")
                 cut = self._collect(job, result, status, on_abandoned) or cut
         finally:
             if not handed:
-                self._link.exit()
+                self.objects.link.exit()
         if cut:  # chunks asked for and never read: a capacity loss when the link was healthy
-            self._bump("short_reads")
+            self.objects.bump("short_reads")
         return result
 
     def _read_batches(self, store, keys: Sequence[ChunkKey], outs: Sequence[memoryview], job: "_ReadJob",
@@ -134,21 +149,21 @@ class MooncakeReads:
                 with job.lock:
                     if job.abandoned:
                         return
-                    if start and not self._go_on(deadline):
+                    if start and not self.objects.go_on(deadline):
                         job.cut = True
                         return
                     job.in_flight = [i for i, _ in batch]
                 began = time.monotonic()
                 headers = self._read_verified(store, [keys[i] for i, _ in batch], [outs[i] for i, _ in batch],
-                                              [a for _, a in batch], self._reader_scratch[slot])
-                self._read_rate.add(sum(len(outs[i]) for i, _ in batch), time.monotonic() - began)
+                                              [a for _, a in batch], self._scratch[slot])
+                self.read_rate.add(sum(len(outs[i]) for i, _ in batch), time.monotonic() - began)
                 with job.lock:
                     job.in_flight = []
                     if job.abandoned:
                         return
                     job.headers.update({i: h for (i, _), h in zip(batch, headers)})
         finally:
-            self._link.exit()
+            self.objects.link.exit()
             with job.lock:
                 job.finished = True
                 late = job.release
@@ -165,24 +180,24 @@ class MooncakeReads:
         with job.lock:
             if status == "timeout" and not job.finished:
                 job.abandoned = True
-                self._bump("reads_abandoned")
+                self.objects.bump("reads_abandoned")
                 if job.in_flight and on_abandoned is not None:
                     job.release = on_abandoned(list(job.in_flight))
             for i, header in job.headers.items():
                 result[i] = header
         if job.abandoned:
-            self._link.failure()  # the transport stalled: back off instead of paying a budget per step
+            self.objects.link.failure()  # the transport stalled: back off instead of paying a budget per step
         return job.abandoned or job.cut or status == "busy"
 
     def _read_verified(self, store, keys: Sequence[ChunkKey], outs: Sequence[memoryview],
                        addresses: Sequence[int], scratch) -> list[Optional[ChunkHeader]]:
         """Headers and payloads of up to BATCH_KEYS chunks in one call, each checked like decode."""
-        names = [self.object_keys(k) for k in keys]
+        names = [self.objects.names(k) for k in keys]
         n = len(keys)
         codes = store.batch_get_into([h for h, _ in names] + [p for _, p in names],
                                      [scratch.ptr(j) for j in range(n)] + list(addresses),
                                      [HEADER_SLOT_BYTES] * n + [len(out) for out in outs])
-        meanings = self._judge(codes)
+        meanings = self.objects.judge(codes)
         out_headers: list[Optional[ChunkHeader]] = []
         bad, partial = [], []
         for j, key in enumerate(keys):
@@ -192,110 +207,109 @@ class MooncakeReads:
                 if verdict == "partial":
                     partial.append(key)
                 elif verdict == "failed":
-                    self._count(errors=1)
-                self._remember(key, None)
+                    self.objects.count(errors=1)
+                self.objects.remember(key, None)
                 out_headers.append(None)
                 continue
             try:
-                header = read_header(scratch.view(j, header_len), fingerprint=self.fingerprint, key=key,
+                header = read_header(scratch.view(j, header_len), fingerprint=self.objects.fingerprint, key=key,
                                      payload_bytes=payload_len)
                 if chunk_format.compute_checksum(header, outs[j][:payload_len]) != header.checksum:
                     raise CorruptChunkError("checksum mismatch")
             except CorruptChunkError as exc:
                 logger.warning("kvconnect: Mooncake value under %s is not this chunk (%s); removing it", names[j][1], exc)
-                self._count(errors=1, corrupt=1)
+                self.objects.count(errors=1, corrupt=1)
                 bad.append(key)
                 out_headers.append(None)
                 continue
-            self._count(get_hits=1, bytes_read=header_len + payload_len)
-            self._remember(key, header.group_mask)
+            self.objects.count(get_hits=1, bytes_read=header_len + payload_len)
+            self.objects.remember(key, header.group_mask)
             out_headers.append(header)
         self._drop_partial(store, partial)
         if bad:
-            self._remove(store, bad)
+            self.objects.remove(store, bad)
         return out_headers
 
     def _drop_partial(self, store, keys: Sequence[ChunkKey]) -> None:
         """Remove chunks found with one part evicted: the other part alone is never a hit, and
         lookups must not offer it again."""
         if keys:
-            self._bump("parts_missing", len(keys))
-            self._count(errors=len(keys))
-            self._remove(store, keys)
+            self.objects.bump("parts_missing", len(keys))
+            self.objects.count(errors=len(keys))
+            self.objects.remove(store, keys)
 
     def _read_copy(self, store, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
         """read_into for a buffer outside every attached pool: through a registered copy."""
         (data,) = self._get_many(store, [key], time.monotonic() + self.timeout_s)
         if data is None:
             return None
-        header = chunk_format.decode_header(data)
-        if header.payload_bytes > len(out):
-            self._count(errors=1, corrupt=1)
+        header = copy_payload(data, out)
+        if header is None:
+            self.objects.count(errors=1, corrupt=1)
             return None
-        out[: header.payload_bytes] = memoryview(data)[header.header_bytes :]
-        self._count(get_hits=1, bytes_read=len(data))
+        self.objects.count(get_hits=1, bytes_read=len(data))
         return header
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
-        self._count(gets=len(keys))
-        store = self._link.enter()
+        self.objects.count(gets=len(keys))
+        store = self.objects.link.enter()
         if store is None:
-            self._count(skipped_unhealthy=1)
+            self.objects.count(skipped_unhealthy=1)
             return [None] * len(keys)
         try:
             out = self._get_many(store, keys, time.monotonic() + self.timeout_s)
         finally:
-            self._link.exit()
-        self._count(get_hits=sum(d is not None for d in out), bytes_read=sum(len(d) for d in out if d is not None))
+            self.objects.link.exit()
+        self.objects.count(get_hits=sum(d is not None for d in out), bytes_read=sum(len(d) for d in out if d is not None))
         return out
 
     def _get_many(self, store, keys: Sequence[ChunkKey], deadline: float) -> list[Optional[bytes]]:
         """Encoded, verified chunks read into fresh buffers (export and copies; not the hot path)."""
         out: list[Optional[bytes]] = [None] * len(keys)
-        with self._read_lock:
+        with self._copy_lock:
             for i, key in enumerate(keys):
-                if i and not self._go_on(deadline):
+                if i and not self.objects.go_on(deadline):
                     break
                 out[i] = self._get_one(store, key)
         return out
 
     def _get_one(self, store, key: ChunkKey) -> Optional[bytes]:
-        header_name, payload_name = self.object_keys(key)
-        (code,) = store.batch_get_into([header_name], [self._read_scratch.ptr(0)], [HEADER_SLOT_BYTES])
-        (what,) = self._judge([code])
+        header_name, payload_name = self.objects.names(key)
+        (code,) = store.batch_get_into([header_name], [self._copy_scratch.ptr(0)], [HEADER_SLOT_BYTES])
+        (what,) = self.objects.judge([code])
         if what is not Meaning.OK:
-            self._count(errors=int(what is not Meaning.ABSENT))
+            self.objects.count(errors=int(what is not Meaning.ABSENT))
             return None
         try:
-            header = chunk_format.decode_header(bytes(self._read_scratch.view(0, code)))
+            header = chunk_format.decode_header(bytes(self._copy_scratch.view(0, code)))
         except CorruptChunkError:
             header = None
         if header is None or header.payload_bytes > (1 << 34):
-            self._count(errors=1, corrupt=1)
-            self._remove(store, [key])
+            self.objects.count(errors=1, corrupt=1)
+            self.objects.remove(store, [key])
             return None
         buffer = np.empty(header.header_bytes + header.payload_bytes, dtype=np.uint8)
-        buffer[: header.header_bytes] = self._read_scratch.array[: header.header_bytes]
+        buffer[: header.header_bytes] = self._copy_scratch.array[: header.header_bytes]
         payload = buffer[header.header_bytes :]
         if payload.nbytes and store.register_buffer(payload.ctypes.data, payload.nbytes) != 0:
-            self._count(errors=1)
+            self.objects.count(errors=1)
             return None
         try:
             (got,) = store.batch_get_into([payload_name], [payload.ctypes.data], [payload.nbytes])
         finally:
             if payload.nbytes:
                 store.unregister_buffer(payload.ctypes.data)
-        (what,) = self._judge([got])
+        (what,) = self.objects.judge([got])
         verdict = _chunk_verdict(Meaning.OK, what)
         if verdict == "partial":
             self._drop_partial(store, [key])
             return None
         if verdict == "failed":
-            self._count(errors=1)
+            self.objects.count(errors=1)
             return None
-        if got != header.payload_bytes or not self._verify(buffer, key):
-            self._count(errors=1, corrupt=1)
-            self._remove(store, [key])
+        if got != header.payload_bytes or not verified(buffer, self.objects.fingerprint, key):
+            self.objects.count(errors=1, corrupt=1)
+            self.objects.remove(store, [key])
             return None
         return buffer.tobytes()
 

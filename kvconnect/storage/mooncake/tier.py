@@ -19,15 +19,16 @@ over an evicted payload is what a lookup would keep offering). A write batch is 
 Verification. ``read_into`` reads header and payload in one call and checks them as
 ``chunk_format.decode`` does; bytes that fail are a miss, counted as ``corrupt``, and
 removed, and a chunk found with one part evicted has the other removed (``parts_missing``).
-The read path is ``reads`` (a mixin of ``MooncakeTier``), which says more; the
-registered scratch buffers are ``buffers``.
+The read path is ``reads.MooncakeReader``, which says more; what lookups, writes and reads
+share (names, link, code meanings, masks seen, removes, registered pools) is
+``objects.MooncakeObjects``; the registered scratch buffers are ``buffers``.
 
 Semantics. Writes are upserts (Mooncake's ``put`` keeps an old value); removes are forced
 (an unforced remove fails for 10 s after any read: a lease, which is Mooncake's business,
 never an error here).
 
 Failures. The connection, its breaker and the count of calls in flight are
-``link.MooncakeLink``'s. Lookups (the calls on the engine's step path that meet a
+``link.MooncakeLink``'s (held by ``objects``). Lookups (the calls on the engine's step path that meet a
 stalled master first) run on up to LOOKUP_THREADS worker threads (``workers``) and
 are abandoned after ``timeout_s``. Reads run on READ_THREADS read workers and are abandoned
 after the budget of the bytes they ask for (``reads``: the pool slots an abandoned
@@ -41,7 +42,6 @@ Needs Mooncake (``pip install mooncake-transfer-engine-non-cuda`` and ``libibver
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -52,22 +52,19 @@ import numpy as np
 from ...layout.spec import ChunkKey, Fingerprint
 from ..tier import LowerTier, StoreItem, peek_mask
 from .buffers import BATCH_KEYS, HEADER_SLOT_BYTES, RegisteredSlots, view_address
-from .codes import Meaning, Tally, meaning
 from .config import MooncakeSpec
-from .link import MooncakeLink
-from .reads import READ_THREADS, MooncakeReads, ReadRate
+from .codes import Meaning
+from .objects import FAILURE_KINDS, MooncakeObjects
+from .reads import READ_THREADS, MooncakeReader
 from .workers import Workers
 
 logger = logging.getLogger(__name__)
 
 LOOKUP_THREADS = 4  # concurrent lookups (engines look up from more than one thread)
-KNOWN_MASKS = 1 << 16  # group masks remembered per process (lookups skip re-reading those headers)
-FAILURE_KINDS = ("rpc_failures", "rpc_timeouts", "timeouts", "transfer_failures", "lease_conflicts", "no_space",
-                 "values_not_fitting", "unknown_codes", "parts_missing", "half_written", "cut_short",
-                 "short_reads", "reads_abandoned", "reads_refused")
-class MooncakeTier(MooncakeReads, LowerTier):
-    """Chunks in Mooncake Store; the read path (``read_into``, ``read_many_into``, ``get``) is
-    the ``reads.MooncakeReads`` mixin, the rest is here."""
+
+
+class MooncakeTier(LowerTier):
+    """Chunks in Mooncake Store: lookups, writes and removes here; reads by its ``reader``."""
 
     name = "mooncake"
     reads_into = True
@@ -81,102 +78,59 @@ class MooncakeTier(MooncakeReads, LowerTier):
         super().__init__(fingerprint)
         self.spec = spec
         self.timeout_s = timeout_s
-        self._prefix = "kvc/" + bytes(fingerprint).hex() + "/"
-        self._regions: list[tuple[int, int]] = []  # (address, bytes) registered with the store
-        self._regions_lock = threading.Lock()
-        self._pools: list = []  # pools whose buffers are registered on first use
+        # every registered scratch buffer, registered again on each connection: lookups', writes',
+        # and the reader's (its workers' and its copy path's)
         self._lookup_scratch = [RegisteredSlots(BATCH_KEYS) for _ in range(LOOKUP_THREADS)]
-        self._read_scratch = RegisteredSlots(BATCH_KEYS)  # reads through a copy (get, export)
-        self._reader_scratch = [RegisteredSlots(BATCH_KEYS) for _ in range(READ_THREADS)]
         self._write_scratch = RegisteredSlots(BATCH_KEYS)
-        self._read_lock = threading.Lock()
-        self._known: "collections.OrderedDict[ChunkKey, int]" = collections.OrderedDict()
-        self._known_lock = threading.Lock()
+        reader_scratch = [RegisteredSlots(BATCH_KEYS) for _ in range(READ_THREADS)]
+        copy_scratch = RegisteredSlots(BATCH_KEYS)
+        scratch = (*self._lookup_scratch, *reader_scratch, copy_scratch, self._write_scratch)
+        self.objects = MooncakeObjects(
+            spec, fingerprint, count=self._count, timeout_s=timeout_s, retry_after_s=retry_after_s,
+            max_retry_after_s=max_retry_after_s,
+            adopt=lambda store: all(store.register_buffer(b.base, b.array.nbytes) == 0 for b in scratch))
+        self.reader = MooncakeReader(self.objects, worker_scratch=reader_scratch, copy_scratch=copy_scratch,
+                                     timeout_s=timeout_s)
         self._write_lock = threading.Lock()
         self._lookups = Workers("kvconnect-mooncake-lookup", LOOKUP_THREADS)
-        self._readers = Workers("kvconnect-mooncake-read", READ_THREADS)
-        self._read_rate = ReadRate()
-        self.counters = {name: 0 for name in FAILURE_KINDS}
-        self.counters["registered_bytes"] = 0
         self._stats.capacity_bytes = spec.global_segment_bytes
-        scratch = (*self._lookup_scratch, *self._reader_scratch, self._read_scratch, self._write_scratch)
-        self._link = MooncakeLink(spec, name="tier", timeout_s=timeout_s, retry_after_s=retry_after_s,
-                                  max_retry_after_s=max_retry_after_s,
-                                  adopt=lambda store: all(store.register_buffer(b.base, b.array.nbytes) == 0
-                                                          for b in scratch))
 
-    # -- keys ------------------------------------------------------------------------
+    # -- keys, connection, counters --------------------------------------------------
     def object_keys(self, key: ChunkKey) -> tuple[str, str]:
         """The header and payload object names of ``key``."""
-        base = self._prefix + bytes(key).hex()
-        return base + "/h", base + "/p"
+        return self.objects.names(key)
 
-    # -- connection and codes --------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        """Failures by kind and the bytes registered (a copy)."""
+        return self.objects.counter_values()
+
     @property
     def connected(self) -> bool:
-        return self._link.connected
-
-    @property
-    def _breaker(self):
-        return self._link.breaker
+        return self.objects.link.connected
 
     def healthy(self) -> bool:
-        return self._link.healthy()
+        return self.objects.link.healthy()
 
-    def _judge(self, codes: Sequence[int]) -> list[Meaning]:
-        """The meaning of each code of one call; feeds the counters and the breaker."""
-        tally = Tally.of(codes)
-        if tally.broke:
-            self._link.failure()
-        elif codes:
-            self._link.success()
-        deltas = tally.counter_deltas()
-        if deltas:
-            with self._stats_lock:
-                for name, n in deltas.items():
-                    self.counters[name] += n
-        return [meaning(c) for c in codes]
-
-    def _go_on(self, deadline: float) -> bool:
-        """Whether a batched call may start its next batch (time left, breaker closed)."""
-        if time.monotonic() < deadline and self._breaker.allow():
-            return True
-        self._bump("cut_short")
-        return False
-
-    # -- zero-copy buffers -----------------------------------------------------------
     def attach_pool(self, pool) -> None:
         """Register ``pool.buffer`` (a private pool or the node server's mapping) on first use."""
-        self._pools.append(pool)
+        self.objects.attach_pool(pool)
 
-    def _registered(self, store, address: int, nbytes: int) -> bool:
-        """Make sure [address, address + nbytes) is registered; registers a pool's whole buffer once."""
-        with self._regions_lock:
-            if any(start <= address and address + nbytes <= start + size for start, size in self._regions):
-                return True
-        for pool in self._pools:
-            buffer = getattr(pool, "buffer", None)
-            if buffer is None or buffer.numel() == 0:
-                continue
-            start, size = buffer.data_ptr(), buffer.numel()
-            if start <= address and address + nbytes <= start + size:
-                return self._register(store, start, size)
-        return False
+    # -- reads ---------------------------------------------------------------------------
+    def read_into(self, key: ChunkKey, out: memoryview):
+        return self.reader.read_into(key, out)
 
-    def _register(self, store, start: int, size: int) -> bool:
-        if store.register_buffer(start, size) != 0:
-            self._count(errors=1)
-            return False
-        with self._regions_lock:
-            self._regions.append((start, size))
-        self._bump("registered_bytes", size)
-        return True
+    def read_many_into(self, keys, outs, *, on_abandoned=None):
+        return self.reader.read_many_into(keys, outs, on_abandoned=on_abandoned)
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[Optional[bytes]]:
+        return self.reader.get(keys)
 
     # -- lookups -----------------------------------------------------------------------
     def masks(self, keys: Sequence[ChunkKey]) -> list[Optional[int]]:
         self._count(lookups=len(keys))
         out: list[Optional[int]] = [None] * len(keys)
-        store = self._link.enter()
+        store = self.objects.link.enter()
         if store is None:
             self._count(skipped_unhealthy=1)
             return out
@@ -190,10 +144,10 @@ class MooncakeTier(MooncakeReads, LowerTier):
             self._count(errors=1)
             return out
         if status == "busy":
-            self._link.exit()
+            self.objects.link.exit()
         if status != "done":  # a stalled master (or a lookup still stuck from before): a miss, and back off
-            self._bump("timeouts")
-            self._link.failure()
+            self.objects.bump("timeouts")
+            self.objects.link.failure()
             self._count(errors=1)
             return out
         out = result
@@ -212,74 +166,60 @@ class MooncakeTier(MooncakeReads, LowerTier):
         out: list[Optional[int]] = [None] * len(keys)
         try:
             for start in range(0, len(keys), BATCH_KEYS):
-                if start and not self._go_on(deadline):
+                if start and not self.objects.go_on(deadline):
                     break
                 out[start : start + BATCH_KEYS] = self._read_header_batch(store, keys[start : start + BATCH_KEYS],
                                                                           self._lookup_scratch[slot])
         finally:
-            self._link.exit()
+            self.objects.link.exit()
         return out
 
     def _read_header_batch(self, store, batch: Sequence[ChunkKey], scratch: RegisteredSlots) -> list[Optional[int]]:
-        names = [self.object_keys(k)[0] for k in batch]
+        names = [self.objects.names(k)[0] for k in batch]
         # both parts of each chunk: an existence check renews an object's lease (Mooncake keeps it
         # from eviction meanwhile), and renewing headers alone made payloads the ones evicted,
         # leaving headers every lookup offered (orphans); a chunk is present when both parts are
-        both = store.batch_is_exist(names + [self.object_keys(k)[1] for k in batch])  # 1, 0, or < 0 an error
-        self._judge([min(e, 0) for e in both])  # an answer closes the breaker, a failure code opens it
+        both = store.batch_is_exist(names + [self.objects.names(k)[1] for k in batch])  # 1, 0, or < 0 an error
+        self.objects.judge([min(e, 0) for e in both])  # an answer closes the breaker, a failure code opens it
         n = len(batch)
         exist = [min(h, p) for h, p in zip(both[:n], both[n:])]
-        with self._known_lock:
-            out = [self._known.get(k) if e == 1 else None for k, e in zip(batch, exist)]
-            for k, e in zip(batch, exist):
-                if e == 0:
-                    self._known.pop(k, None)
+        out = self.objects.seen_masks(batch, exist)
         unknown = [i for i, (m, e) in enumerate(zip(out, exist)) if e == 1 and m is None]
         if not unknown:
             return out
         codes = store.batch_get_into([names[i] for i in unknown], [scratch.ptr(j) for j in range(len(unknown))],
                                      [HEADER_SLOT_BYTES] * len(unknown))
         bad = []
-        for j, (i, code, what) in enumerate(zip(unknown, codes, self._judge(codes))):
+        for j, (i, code, what) in enumerate(zip(unknown, codes, self.objects.judge(codes))):
             mask = peek_mask(scratch.view(j, code), self.fingerprint, batch[i]) if what is Meaning.OK else None
             if what is Meaning.OK and mask is None:
                 bad.append(batch[i])  # bytes read that are not this chunk's header: something else's
             elif what not in (Meaning.OK, Meaning.ABSENT):
                 self._count(errors=1)
             out[i] = mask
-            self._remember(batch[i], mask)
+            self.objects.remember(batch[i], mask)
         if bad:
             self._count(errors=len(bad), corrupt=len(bad))
-            self._remove(store, bad)
+            self.objects.remove(store, bad)
         return out
 
-    def _remember(self, key: ChunkKey, mask: Optional[int]) -> None:
-        """Note (or, with None, forget) the group mask stored under ``key``; bounded, oldest out."""
-        with self._known_lock:
-            if mask is None:
-                self._known.pop(key, None)
-                return
-            self._known[key] = mask
-            self._known.move_to_end(key)
-            while len(self._known) > KNOWN_MASKS:
-                self._known.popitem(last=False)
     # -- writes ----------------------------------------------------------------------
     def put(self, items: Sequence[StoreItem]) -> list[bool]:
         results = [False] * len(items)
-        store = self._link.enter()
+        store = self.objects.link.enter()
         if store is None:
             self._count(skipped_unhealthy=1, errors=len(items))
             return results
         try:
             with self._write_lock:
                 for start in range(0, len(items), BATCH_KEYS):
-                    if start and not self._breaker.allow():
-                        self._bump("cut_short")
+                    if start and not self.objects.link.breaker.allow():
+                        self.objects.bump("cut_short")
                         break
                     batch = items[start : start + BATCH_KEYS]
                     results[start : start + len(batch)] = self._put_batch(store, batch)
         finally:
-            self._link.exit()
+            self.objects.link.exit()
         written = [item for item, ok in zip(items, results) if ok]
         self._count(puts=len(written), errors=len(items) - len(written),
                     bytes_written=sum(i.header.header_bytes + i.header.payload_bytes for i in written))
@@ -297,11 +237,11 @@ class MooncakeTier(MooncakeReads, LowerTier):
                 continue
             scratch.array[i * HEADER_SLOT_BYTES : i * HEADER_SLOT_BYTES + len(header)] = np.frombuffer(header, np.uint8)
             address = view_address(item.payload)
-            if len(item.payload) and not self._registered(store, address, len(item.payload)):
+            if len(item.payload) and not self.objects.registered(store, address, len(item.payload)):
                 if store.register_buffer(address, len(item.payload)) != 0:  # not a pool slot: for this call
                     continue
                 temporary.append(address)
-            payload_names.append(self.object_keys(item.key)[1])
+            payload_names.append(self.objects.names(item.key)[1])
             payload_ptrs.append(address)
             payload_sizes.append(len(item.payload))
             slots.append((i, len(header)))
@@ -309,7 +249,7 @@ class MooncakeTier(MooncakeReads, LowerTier):
             return ok
         # one call, payloads then headers; a reader that meets a header of one write over the
         # payload of another finds the checksum wrong: a checked miss
-        header_names = [self.object_keys(batch[i].key)[0] for i, _ in slots]
+        header_names = [self.objects.names(batch[i].key)[0] for i, _ in slots]
         try:
             codes = store.batch_upsert_from(payload_names + header_names,
                                             payload_ptrs + [scratch.ptr(i) for i, _ in slots],
@@ -317,67 +257,50 @@ class MooncakeTier(MooncakeReads, LowerTier):
         finally:
             for address in temporary:
                 store.unregister_buffer(address)
-        meanings = self._judge(codes)
+        meanings = self.objects.judge(codes)
         half = []
         for j, (i, _) in enumerate(slots):
             ok[i] = codes[j] == 0 and codes[len(slots) + j] == 0
-            self._remember(batch[i].key, batch[i].header.group_mask if ok[i] else None)
+            self.objects.remember(batch[i].key, batch[i].header.group_mask if ok[i] else None)
             parts = (meanings[j], meanings[len(slots) + j])
             if not ok[i] and Meaning.OK in parts and Meaning.IN_USE not in parts:
                 half.append(batch[i].key)  # one part landed (e.g. the segments filled up in between)
             # a part IN_USE is another engine's write of the same chunk in flight: it lands whole
         if half:  # a payload alone wastes space; a header alone would be offered by every lookup
-            self._bump("half_written", len(half))
-            self._remove(store, half)
+            self.objects.bump("half_written", len(half))
+            self.objects.remove(store, half)
         return ok
 
     def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        store = self._link.enter()
+        store = self.objects.link.enter()
         if store is None:
             self._count(skipped_unhealthy=1)
             return [False] * len(keys)
         try:
-            codes = self._remove(store, keys)
+            codes = self.objects.remove(store, keys)
         finally:
-            self._link.exit()
+            self.objects.link.exit()
         self._count(deletes=sum(codes))
         return codes
-
-    def _remove(self, store, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Forced removes (a lease never blocks a delete) of both parts, in one call; True where
-        a header was there."""
-        if not keys:
-            return []
-        for key in keys:
-            self._remember(key, None)
-        names = [self.object_keys(k) for k in keys]
-        codes = store.batch_remove([h for h, _ in names] + [p for _, p in names], True)
-        self._judge([c for c in codes if meaning(c) is not Meaning.ABSENT])
-        return [code == 0 for code in codes[: len(keys)]]
 
     # -- lifecycle and figures -------------------------------------------------------
     def describe(self) -> dict:
         """What this process holds and how the tier fares (``kvconnect inspect``, tier_stats)."""
-        with self._stats_lock:
-            counters = dict(self.counters)
+        link = self.objects.link
         return {"master": self.spec.master_address, "protocol": self.spec.protocol,
                 "local_hostname": self.spec.local_hostname, "segment_bytes": self.spec.global_segment_bytes,
-                "connected": self.connected, "healthy": self.healthy(), "connect_polls": self._link.connect_polls,
-                "connects": self._link.connects, **counters}
+                "connected": self.connected, "healthy": self.healthy(), "connect_polls": link.connect_polls,
+                "connects": link.connects, **self.objects.counter_values()}
 
     def failure_counts(self) -> dict[str, int]:
         """Mooncake's failures by kind (``codes``) plus lookups abandoned and batches
         cut short: what ``kvconnect_tier_failures_total`` exports beside ``tier_errors``."""
-        with self._stats_lock:
-            return {name: self.counters[name] for name in FAILURE_KINDS}
-
-    def _bump(self, name: str, delta: int = 1) -> None:
-        with self._stats_lock:
-            self.counters[name] += delta
+        counters = self.objects.counter_values()
+        return {name: counters[name] for name in FAILURE_KINDS}
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop connecting and the lookup threads; close the store once no call is in flight."""
+        """Stop connecting, the lookup and read threads; close the store once no call is in flight."""
         self._lookups.stop()
-        self._readers.stop()
-        self._link.close(timeout_s)
-        self._pools.clear()
+        self.reader.close()
+        self.objects.link.close(timeout_s)
+        self.objects.detach_pools()
