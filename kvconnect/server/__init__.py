@@ -7,8 +7,9 @@ Modules, by who runs them:
 - ``protocol``: frame schema, limits, HMAC (both sides).
 - ``shm``: the shared-memory segment (server creates, clients map).
 - ``allocator`` + ``index``: page runs, entries, LRU, per-client pins and leases (server).
-- ``server``: the ZMQ loop (server). ``client``: ``SharedPoolClient``, a ``ChunkPool``
-  look-alike over the shared segment (engine processes).
+- ``server``: the ZMQ loop (server). ``client``: ``SharedPoolClient``, the ``Pool`` contract
+  over the shared segment, on ``session``'s ``ServerSession`` (hello, heartbeat, reconnect,
+  the mapped segment, whose server to trust) (engine processes).
 
 ``make_pool`` is the pool factory that chooses between the in-process pool and the server
 (``KVCacheEngine(..., pool_factory=make_pool)``).
