@@ -5,6 +5,8 @@ the fingerprint directory keeps layouts (models, ranks, format versions) apart, 
 name carries what ``masks`` answers, so the index is rebuilt at start from a directory
 scan without reading a byte of any chunk.
 
+The files themselves (names, crash-safe writes, verified reads) are ``chunk_files``'.
+
 Crash safety: a chunk is written to a temporary name in the same directory (optionally
 fsynced), then renamed over its final name; a reader therefore sees a whole old file or a
 whole new one, and a process killed mid-write leaves only a temporary file, which the
@@ -41,97 +43,16 @@ from ..chunks.chunk_format import ChunkHeader
 from ..errors import CorruptChunkError, StorageError
 from ..layout.spec import ChunkKey, Fingerprint
 from ..throttled_warning import RepeatingWarning
-from .tier import LowerTier, StoreItem, TierStats, read_header
+from .chunk_files import (SUFFIX, TMP_SUFFIX, chunk_path, fsync_dir, parse_name, pid_alive, read_file, read_file_into,
+                          tmp_path, tmp_writer_pid, unlink_quietly, write_file)
+from .tier import LowerTier, StoreItem, TierStats
 
 logger = logging.getLogger(__name__)
-
-_SUFFIX = ".kvc"
-_TMP_SUFFIX = ".tmp"
-_KEY_HEX_CHARS = 32
-
 
 @dataclass(eq=False)
 class _Entry:
     mask: int
     size_bytes: int
-
-
-def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
-    """Write every byte of ``parts`` to ``fd`` (module-level so tests can inject ENOSPC)."""
-    for part in parts:
-        view = memoryview(part).cast("B")
-        while len(view):
-            written = os.write(fd, view)
-            view = view[written:]
-
-
-def _open_for_read(path: str, size_bytes: int) -> int:
-    """An fd of ``path``; raises OSError, or StorageError when its size is not the indexed one."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        actual = os.fstat(fd).st_size
-    except OSError:
-        os.close(fd)
-        raise
-    if actual != size_bytes:
-        os.close(fd)
-        raise StorageError(f"{path} is {actual} bytes, indexed as {size_bytes}")
-    return fd
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise StorageError("file ended early")
-        view, offset = view[n:], offset + n
-
-
-def _read_file(path: str, size_bytes: int) -> bytearray:
-    """The whole file at ``path``; raises OSError or StorageError."""
-    fd = _open_for_read(path, size_bytes)
-    try:
-        buf = bytearray(size_bytes)
-        _pread_into(fd, memoryview(buf), 0)
-        return buf
-    finally:
-        os.close(fd)
-
-
-def _read_file_into(path: str, size_bytes: int, fingerprint: Fingerprint, key: ChunkKey, out: memoryview) -> ChunkHeader:
-    """Read the chunk at ``path``: verified header returned, payload placed in ``out``.
-
-    Raises OSError, StorageError, or CorruptChunkError (``out`` may be partly written).
-    """
-    fd = _open_for_read(path, size_bytes)
-    try:
-        fixed = os.pread(fd, chunk_format.FIXED_HEADER_BYTES, 0)
-        if len(fixed) < chunk_format.FIXED_HEADER_BYTES:
-            raise CorruptChunkError("file is shorter than a chunk header")
-        header_bytes = chunk_format.FIXED_HEADER_BYTES + 8 * int.from_bytes(fixed[64:68], "little")
-        payload_bytes = size_bytes - header_bytes
-        if not 0 <= payload_bytes <= len(out):
-            raise CorruptChunkError(f"payload of {payload_bytes} bytes does not fit a {len(out)}-byte slot")
-        head = bytearray(header_bytes)
-        _pread_into(fd, memoryview(head), 0)
-        header = read_header(head, fingerprint=fingerprint, key=key, payload_bytes=payload_bytes)
-        payload = out[:payload_bytes]
-        _pread_into(fd, payload, header_bytes)
-    finally:
-        os.close(fd)
-    if chunk_format.compute_checksum(header, payload) != header.checksum:
-        raise CorruptChunkError("checksum mismatch")
-    return header
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DiskTier(LowerTier):
@@ -166,15 +87,13 @@ class DiskTier(LowerTier):
 
     # -- paths -----------------------------------------------------------------------
     def _path(self, key: ChunkKey, mask: int) -> str:
-        hexkey = bytes(key).hex()
-        return os.path.join(self.dir, hexkey[:2], f"{hexkey}-{mask:x}{_SUFFIX}")
+        return chunk_path(self.dir, key, mask)
 
     def _tmp_path(self, key: ChunkKey) -> str:
         with self._lock:
             self._tmp_counter += 1
             n = self._tmp_counter
-        hexkey = bytes(key).hex()
-        return os.path.join(self.dir, hexkey[:2], f".{hexkey}.{os.getpid()}.{threading.get_ident()}.{n}{_TMP_SUFFIX}")
+        return tmp_path(self.dir, key, n)
 
     # -- index rebuild ---------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -203,34 +122,31 @@ class DiskTier(LowerTier):
 
     def _index_file(self, f: os.DirEntry, found: dict) -> None:
         name = f.name
-        if name.endswith(_TMP_SUFFIX):
+        if name.endswith(TMP_SUFFIX):
             # A temporary file of a dead writer is a torn write: remove it. A live writer
             # (another process sharing the directory) still owns its file.
-            parts = name.split(".")
-            pid = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else -1
-            if pid != os.getpid() and not _pid_alive(pid):
-                _unlink_quietly(f.path)
+            pid = tmp_writer_pid(name)
+            if pid != os.getpid() and not pid_alive(pid):
+                unlink_quietly(f.path)
             return
-        if not name.endswith(_SUFFIX):
+        named = parse_name(name)
+        if named is None:
             return
-        stem = name[: -len(_SUFFIX)]
-        hexkey, _, hexmask = stem.partition("-")
+        key, mask = named
         try:
-            key = ChunkKey(bytes.fromhex(hexkey))
-            mask = int(hexmask, 16)
             st = f.stat(follow_symlinks=False)
-        except (ValueError, OSError):
+        except OSError:
             return
-        if len(hexkey) != _KEY_HEX_CHARS or not f.is_file(follow_symlinks=False):
+        if not f.is_file(follow_symlinks=False):
             return
         if st.st_size < chunk_format.FIXED_HEADER_BYTES:
-            _unlink_quietly(f.path)  # cannot be a chunk (e.g. zero-length after a power loss)
+            unlink_quietly(f.path)  # cannot be a chunk (e.g. zero-length after a power loss)
             return
         previous = found.get(key)
         if previous is not None:
             # A crash between rename and unlinking the older mask's file: keep the newer.
             loser = f.path if previous[0] >= st.st_mtime else previous[1]
-            _unlink_quietly(loser)
+            unlink_quietly(loser)
             if loser == previous[1]:
                 found[key] = (st.st_mtime, f.path, _Entry(mask, st.st_size))
             return
@@ -283,9 +199,9 @@ class DiskTier(LowerTier):
         except OSError:
             return None
         for name in names:
-            if name.startswith(hexkey + "-") and name.endswith(_SUFFIX):
+            if name.startswith(hexkey + "-") and name.endswith(SUFFIX):
                 try:
-                    mask = int(name[len(hexkey) + 1 : -len(_SUFFIX)], 16)
+                    mask = int(name[len(hexkey) + 1 : -len(SUFFIX)], 16)
                     return mask, os.stat(self._path(key, mask)).st_size
                 except (ValueError, OSError):
                     return None
@@ -305,7 +221,7 @@ class DiskTier(LowerTier):
             return None
         path = self._path(key, entry.mask)
         try:
-            data = _read_file(path, entry.size_bytes)
+            data = read_file(path, entry.size_bytes)
         except (OSError, StorageError) as exc:
             logger.warning("kvconnect: disk tier read of %s failed (%s); dropping it", path, exc)
             self._forget(key, entry, path)
@@ -329,7 +245,7 @@ class DiskTier(LowerTier):
             return None
         path = self._path(key, entry.mask)
         try:
-            header = _read_file_into(path, entry.size_bytes, self.fingerprint, key, out)
+            header = read_file_into(path, entry.size_bytes, self.fingerprint, key, out)
         except (OSError, StorageError, CorruptChunkError) as exc:
             logger.warning("kvconnect: disk tier read of %s failed (%s); dropping it", path, exc)
             self._forget(key, entry, path)
@@ -348,7 +264,7 @@ class DiskTier(LowerTier):
                 return
             del self._index[key]
             self._used_bytes -= entry.size_bytes
-            _unlink_quietly(path)
+            unlink_quietly(path)
 
     # -- writes ----------------------------------------------------------------------
     def put(self, items: Sequence[StoreItem]) -> list[bool]:
@@ -365,7 +281,7 @@ class DiskTier(LowerTier):
         final = self._path(item.key, item.header.group_mask)
         tmp = self._tmp_path(item.key)
         try:
-            self._write_tmp(tmp, [memoryview(item.sealed_header()), item.payload])
+            write_file(tmp, [memoryview(item.sealed_header()), item.payload], fsync=self.fsync)
             with self._lock:
                 # Rename and index change together: a reader holding the old entry either
                 # reads a whole file or fails the identity check in _forget (never unlinks ours).
@@ -374,12 +290,12 @@ class DiskTier(LowerTier):
                 if old is not None:
                     self._used_bytes -= old.size_bytes
                     if old.mask != item.header.group_mask:
-                        _unlink_quietly(self._path(item.key, old.mask))
+                        unlink_quietly(self._path(item.key, old.mask))
                 self._index[item.key] = _Entry(item.header.group_mask, size_bytes)
             if self.fsync:
-                _fsync_dir(os.path.dirname(final))
+                fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             with self._lock:
                 self._used_bytes -= size_bytes
             self._count(evictions=num_evicted)
@@ -412,21 +328,11 @@ class DiskTier(LowerTier):
                     break
                 entry = self._index.pop(key)
                 self._used_bytes -= entry.size_bytes
-                _unlink_quietly(self._path(key, entry.mask))
+                unlink_quietly(self._path(key, entry.mask))
                 freed += entry.size_bytes
                 num += 1
         self._count(evictions=num)
         return num
-
-    def _write_tmp(self, tmp: str, parts: Sequence[memoryview]) -> None:
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _write_all(fd, parts)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def _evict_locked(self, need_bytes: int) -> int:
         """Remove LRU entries (index and file) until ``need_bytes`` more fit; how many went."""
@@ -434,7 +340,7 @@ class DiskTier(LowerTier):
         while self._index and self._used_bytes + need_bytes > self.capacity_bytes:
             key, entry = self._index.popitem(last=False)
             self._used_bytes -= entry.size_bytes
-            _unlink_quietly(self._path(key, entry.mask))
+            unlink_quietly(self._path(key, entry.mask))
             num += 1
         return num
 
@@ -445,7 +351,7 @@ class DiskTier(LowerTier):
                 entry = self._index.pop(key, None)
                 if entry is not None:
                     self._used_bytes -= entry.size_bytes
-                    _unlink_quietly(self._path(key, entry.mask))
+                    unlink_quietly(self._path(key, entry.mask))
             out.append(entry is not None)
         self._count(deletes=sum(out))
         return out
@@ -462,20 +368,3 @@ class DiskTier(LowerTier):
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("kvconnect: disk tier cannot remove %s: %s", path, exc)

@@ -21,7 +21,7 @@ from kvconnect.chunks import chunk_format
 from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.errors import StorageError
 from kvconnect.layout.spec import ChunkKey, Fingerprint
-from kvconnect.storage import disk as disk_mod
+from kvconnect.storage import chunk_files as files_mod
 from kvconnect.storage.disk import DiskTier
 from kvconnect.storage.tier import StoreItem
 
@@ -202,13 +202,13 @@ def test_enospc_on_write_is_a_failed_put(tmp_path, monkeypatch):
     even that does not help; no temporary file survives, the byte count stays true."""
     tier = DiskTier(str(tmp_path), FP, 1 << 20)
     tier.put([make_item(1, mask=1)])
-    real = disk_mod._write_all
+    real = files_mod.write_all
 
     def full_after_header(fd, parts):
         os.write(fd, bytes(parts[0]))  # a partly written temp file must not survive
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "_write_all", full_after_header)
+    monkeypatch.setattr(files_mod, "write_all", full_after_header)
     assert tier.put([make_item(1, mask=3, version=1)]) == [False]  # a failed rewrite keeps the old version
     assert tier.masks([key_of(1)]) == [1]
     assert bytes(tier.get([key_of(1)])[0]) == encoded(make_item(1, mask=1))
@@ -217,7 +217,7 @@ def test_enospc_on_write_is_a_failed_put(tmp_path, monkeypatch):
     assert tier.masks([key_of(i) for i in (1, 2, 3)]) == [None, None, None]  # freed for room: still full
     assert not list(tmp_path.rglob("*.tmp")) and not chunk_files(tier)
     assert tier.stats().used_bytes == 0
-    monkeypatch.setattr(disk_mod, "_write_all", real)
+    monkeypatch.setattr(files_mod, "write_all", real)
     assert tier.put([make_item(2)]) == [True] and bytes(tier.get([key_of(2)])[0]) == encoded(make_item(2))
 
 
@@ -228,14 +228,14 @@ def test_a_full_filesystem_frees_the_tiers_own_oldest_files(tmp_path, monkeypatc
     tier = DiskTier(str(tmp_path), FP, 1 << 20)
     assert tier.put([make_item(i) for i in range(4)]) == [True] * 4
     room = {"files": 4}  # the filesystem holds 4 of these files and no more
-    real = disk_mod._write_all
+    real = files_mod.write_all
 
     def filesystem_of_four(fd, parts):
         if len(chunk_files(tier)) >= room["files"]:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, parts)
 
-    monkeypatch.setattr(disk_mod, "_write_all", filesystem_of_four)
+    monkeypatch.setattr(files_mod, "write_all", filesystem_of_four)
     with caplog.at_level("WARNING", logger="kvconnect.storage.disk"):
         assert tier.put([make_item(i) for i in range(4, 10)]) == [True] * 6
         assert tier.masks([key_of(i) for i in range(10)]) == [None] * 6 + [1] * 4  # the oldest went first
@@ -255,7 +255,7 @@ def test_read_permission_error_is_a_miss(tmp_path, monkeypatch):
     def denied(path, size_bytes):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    monkeypatch.setattr(disk_mod, "_open_for_read", denied)
+    monkeypatch.setattr(files_mod, "open_for_read", denied)
     assert tier.get([key_of(1)]) == [None]
     assert tier.read_into(key_of(2), memoryview(bytearray(8192))) is None
     assert tier.stats().errors == 2 and len(tier) == 0
