@@ -56,7 +56,7 @@ from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_st
 from kvconnect.transfer import dispatch  # noqa: E402
 from kvconnect.transfer.tables import SegmentBuilder, plane_table  # noqa: E402
 from kvconnect.transfer import cuda as cuda_path  # noqa: E402
-from kvconnect.transfer import triton_route  # noqa: E402
+from kvconnect.transfer import triton_launch  # noqa: E402
 from kvconnect.transfer.kernels import cuda_kernels  # noqa: E402
 from kvconnect.transfer.torch_impl import byte_views  # noqa: E402
 
@@ -414,7 +414,7 @@ def bench_bidirectional(name: str, tokens: int, buf: torch.Tensor, repeats: int,
 
 
 CUDA_ROUTES = {"kernel": cuda_path.DEFAULT_TUNING, "staged": cuda_path.route_tuning("staged")}
-TRITON_ROUTES = {"triton": triton_route.TritonTuning(staged=False), "triton_staged": triton_route.TritonTuning(staged=True)}
+TRITON_ROUTES = {"triton": triton_launch.TritonTuning(staged=False), "triton_staged": triton_launch.TritonTuning(staged=True)}
 ALL_ROUTES = (*CUDA_ROUTES, *TRITON_ROUTES, "torch")
 
 
@@ -427,7 +427,7 @@ def dry_run(names: list, routes: list) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are first imported
     runnable = [r for r in routes if r in TRITON_ROUTES or r == "torch"]
     print(f"dry run on CPU (no GPU): routes {', '.join(runnable)}; skipped: {', '.join(set(routes) - set(runnable)) or '-'}")
-    if any(r in TRITON_ROUTES for r in runnable) and not triton_route.available("cpu"):
+    if any(r in TRITON_ROUTES for r in runnable) and not triton_launch.available("cpu"):
         raise SystemExit("the Triton routes need triton installed (pip install triton==3.8.0)")
     for name in names:
         layout = LAYOUTS[name][1](CHUNK)

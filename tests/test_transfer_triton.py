@@ -36,8 +36,8 @@ from kvconnect.chunks.keys import Chunk  # noqa: E402
 from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments  # noqa: E402
 from kvconnect.layout.spec import ChunkKey  # noqa: E402
 from kvconnect.transfer.tables import SegmentBuilder, TransferTables  # noqa: E402
-from kvconnect.transfer import staging, triton_route  # noqa: E402
-from kvconnect.transfer.triton_route import TritonTuning  # noqa: E402
+from kvconnect.transfer import staging, triton_launch, triton_route, triton_staged  # noqa: E402
+from kvconnect.transfer.triton_launch import TritonTuning  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 cpu_only = pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET is unset (a GPU run)")
@@ -167,7 +167,7 @@ def test_scattered_rows_at_odd_offsets_match_the_oracle(name, tuning, rng):
 def test_the_npu_variant_align_1_matches_the_oracle(tuning, rng, monkeypatch):
     """ALIGN=1, the only variant the NPU route launches (and tests/ascend_compile compiles), on rows that
     would otherwise launch ALIGN 8 or 16."""
-    monkeypatch.setattr(triton_route, "launch_align", lambda device, *values: 1)
+    monkeypatch.setattr(triton_launch, "launch_align", lambda device, *values: 1)
     case = _case("dsv4-flash-packed")
     layout = case.layout()
     tables, nbytes = planned_tables(case, layout, rng)
@@ -180,7 +180,7 @@ def test_work_items_cover_each_row_once(rng):
     case = edge_rows()
     layout = case.layout()
     tables, _ = scattered_tables(layout, rng, max_rows=40)
-    items = triton_route.work_items(layout, tables, item_bytes=24)
+    items = triton_launch.work_items(layout, tables, item_bytes=24)
     seg, first, n = items.T
     for s, (plane, rows, _, _) in enumerate(tables.segments.tolist()):
         mine = seg == s
@@ -192,11 +192,11 @@ def test_work_items_cover_each_row_once(rng):
 
 def test_launch_align_is_the_widest_common_power_of_two():
     cpu, npu = torch.device("cpu"), type("D", (), {"type": "npu"})()
-    assert triton_route.launch_align(cpu, np.array([4096, 1152]), np.array([64])) == 16
-    assert triton_route.launch_align(cpu, np.array([4096, 584]), np.array([64])) == 8
-    assert triton_route.launch_align(cpu, np.array([4096, 3]), np.array([64])) == 1
-    assert triton_route.launch_align(cpu, np.array([0]), np.array([1 << 40])) == 16
-    assert triton_route.launch_align(npu, np.array([4096]), np.array([64])) == 1  # DMA is byte-granular
+    assert triton_launch.launch_align(cpu, np.array([4096, 1152]), np.array([64])) == 16
+    assert triton_launch.launch_align(cpu, np.array([4096, 584]), np.array([64])) == 8
+    assert triton_launch.launch_align(cpu, np.array([4096, 3]), np.array([64])) == 1
+    assert triton_launch.launch_align(cpu, np.array([0]), np.array([1 << 40])) == 16
+    assert triton_launch.launch_align(npu, np.array([4096]), np.array([64])) == 1  # DMA is byte-granular
 
 
 @cpu_only
@@ -204,7 +204,7 @@ def test_staged_ring_is_bounded_by_the_pieces_not_the_batch(rng):
     case = _case("dsv4-flash")
     layout = case.layout()
     tables, nbytes = planned_tables(case, layout, rng)
-    plan = triton_route.staged_plan(layout, tables, nbytes, True, STAGED)
+    plan = triton_staged.staged_plan(layout, tables, nbytes, True, STAGED)
     assert len(plan["piece_bytes"]) > 3 * STAGED.staging_slots  # every slot is reused several times
     assert plan["piece_bytes"].max() <= STAGED.max_piece_bytes
     staging.device_resources().rings.clear()
@@ -272,7 +272,7 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
     layout = case.layout()
     tables, nbytes = planned_tables(case, layout, rng)
     fake = _Log()
-    kernels = triton_route._kernels()
+    kernels = triton_launch.kernels()
 
     class Launch:
         def __getitem__(self, grid):
@@ -281,13 +281,13 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
                 kernels.ops_kernel[grid](ops, n, ring_addr, **kw)
             return launch
 
-    monkeypatch.setattr(triton_route, "_kernels",
+    monkeypatch.setattr(triton_launch, "kernels",
                         lambda: type("K", (), {"ops_kernel": Launch(), "CHUNK_BYTES": kernels.CHUNK_BYTES})())
     monkeypatch.setattr(staging.device_resources(), "copy_streams", {})
     copies = []
     real_copy = torch.Tensor.copy_
     to_buffer = direction == "gather"
-    plan = triton_route.staged_plan(layout, tables, nbytes, to_buffer, STAGED)
+    plan = triton_staged.staged_plan(layout, tables, nbytes, to_buffer, STAGED)
     slot_bytes = int(-(-int(plan["piece_bytes"].max()) // 256) * 256)
     ring = torch.zeros(STAGED.staging_slots * slot_bytes, dtype=torch.uint8)
     buffer = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
@@ -301,8 +301,8 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
     target_layout = layout if to_buffer else scattered.layout()
-    plan = triton_route.staged_plan(target_layout, tables, nbytes, to_buffer, STAGED)
-    triton_route._execute(plan, ring, slot_bytes, buffer, to_buffer, STAGED, layout.device, fake)
+    plan = triton_staged.staged_plan(target_layout, tables, nbytes, to_buffer, STAGED)
+    triton_staged.execute(plan, ring, slot_bytes, buffer, to_buffer, STAGED, layout.device, fake)
     monkeypatch.undo()
     assert copies and set(copies) == {"side"}
     kernels_at = [i for i, e in enumerate(fake.log) if e[0] == "kernel"]
@@ -474,19 +474,19 @@ def test_npu_route_needs_an_npu_and_triton_ascend(monkeypatch):
     from triton.backends import backends
 
     monkeypatch.setitem(backends, "ascend", object())  # triton-ascend's backend, as if installed
-    monkeypatch.setattr(triton_route, "npu_present", lambda: False)
-    assert not triton_route.available("npu")  # installed, but no NPU: no Triton route
-    monkeypatch.setattr(triton_route, "npu_present", lambda: True)
-    assert triton_route.available("npu")
+    monkeypatch.setattr(triton_launch, "npu_present", lambda: False)
+    assert not triton_launch.available("npu")  # installed, but no NPU: no Triton route
+    monkeypatch.setattr(triton_launch, "npu_present", lambda: True)
+    assert triton_launch.available("npu")
     monkeypatch.delitem(backends, "ascend")
-    assert not triton_route.available("npu")
+    assert not triton_launch.available("npu")
     monkeypatch.undo()
-    assert triton_route.npu_present() == (hasattr(torch, "npu") and torch.npu.is_available())  # False here: no torch_npu
+    assert triton_launch.npu_present() == (hasattr(torch, "npu") and torch.npu.is_available())  # False here: no torch_npu
 
 
 def test_grids_stay_under_the_launcher_limit():
     big = TritonTuning(num_programs=65535)
-    assert triton_route._num_programs(torch.device("cpu"), big) <= triton_route.MAX_GRID == 65535
+    assert triton_launch.num_programs(torch.device("cpu"), big) <= triton_launch.MAX_GRID == 65535
     with pytest.raises(TransferError):
         TritonTuning(num_programs=65536)
 
@@ -528,14 +528,14 @@ def test_a_failing_kernel_means_one_warning_and_the_torch_path(when, rng, monkey
 
     _fresh_route_state(monkeypatch)
     case = _case("dsv32-ascend")
-    kernels = triton_route._kernels()
+    kernels = triton_launch.kernels()
     if when == "compile":
         exc, after = subprocess.CalledProcessError(1, ["triton-adapter-opt", "--triton-to-unstructure"]), 0
     else:
         exc, after = RuntimeError("rtKernelLaunch failed: 507015"), 4  # the 4 warm-up launches pass
     failing = _Failing(kernels, exc, after)
-    monkeypatch.setattr(triton_route, "_kernels", lambda: failing)
-    monkeypatch.setattr(triton_route, "interpreted", lambda: True)  # the stand-in runs the interpreted kernels
+    monkeypatch.setattr(triton_launch, "kernels", lambda: failing)
+    monkeypatch.setattr(triton_launch, "interpreted", lambda: True)  # the stand-in runs the interpreted kernels
     chunk, n = 64, 128
     tokens = zoo.random_tokens(rng, n)
     ids = zoo.random_tables(case, n, rng)
@@ -571,12 +571,12 @@ def test_npu_dispatch_takes_triton_only_where_triton_ascend_is_importable(monkey
     layout = NpuLayout()
     layout.device = type("D", (), {"type": "npu"})()
     monkeypatch.setattr(dispatch.route_health(), "fallbacks", OnceWarnings(dispatch.logger.warning))
-    monkeypatch.setattr(triton_route, "available", lambda device_type: False)
+    monkeypatch.setattr(triton_launch, "available", lambda device_type: False)
     with caplog.at_level("WARNING"):
         assert dispatch.backend_for(layout) == "torch"
         assert dispatch.backend_for(layout) == "torch"
     assert sum("torch transfer path" in r.message for r in caplog.records) == 1  # logged once
-    monkeypatch.setattr(triton_route, "available", lambda device_type: device_type == "npu")
+    monkeypatch.setattr(triton_launch, "available", lambda device_type: device_type == "npu")
     assert dispatch.backend_for(layout) == "triton"
     with pytest.raises(TransferError):
         dispatch.route_backend(layout, "compiled")

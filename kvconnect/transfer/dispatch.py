@@ -33,7 +33,7 @@ import torch
 from ..errors import TransferError
 from ..layout.kv_layout import KVLayout
 from ..throttled_warning import OnceWarnings
-from . import torch_impl, triton_route
+from . import torch_impl, triton_launch, triton_route
 from .kernels import cpu_kernels, cuda_kernels
 from .tables import TransferTables, plane_table, validate
 
@@ -55,7 +55,7 @@ class RouteHealth:
         self.fallbacks.warn(device, "kvconnect: %s planes take the torch transfer path (%s)", device, why)
         return "torch"
 
-    def give_up_triton(self, device_type: str, exc: "triton_route.TritonRouteError") -> None:
+    def give_up_triton(self, device_type: str, exc: "triton_launch.TritonRouteError") -> None:
         """One WARNING, then the torch path for every later transfer on this device type."""
         if device_type not in self.triton_failed:
             self.triton_failed[device_type] = str(exc)
@@ -101,7 +101,7 @@ def prepare(layout: KVLayout, requested: Optional[str] = None) -> str:
     if device not in health.triton_warm:
         try:
             triton_route.warm_up(layout)
-        except triton_route.TritonRouteError as exc:
+        except triton_launch.TritonRouteError as exc:
             health.give_up_triton(device, exc)
             return "torch"
         health.triton_warm.add(device)
@@ -117,7 +117,7 @@ def backend_for(layout: KVLayout, requested: Optional[str] = None) -> str:
             raise TransferError("the compiled CPU kernel needs cpu planes and a built kvconnect._cpu_kernels")
         if requested == "cuda" and (cuda_kernels() is None or layout.device.type != "cuda"):
             raise TransferError("the compiled CUDA kernel needs cuda planes and a built kvconnect._cuda_kernels")
-        if requested == "triton" and not triton_route.available(layout.device.type):
+        if requested == "triton" and not triton_launch.available(layout.device.type):
             raise TransferError(f"the Triton route needs Triton for {layout.device.type} "
                                 "(triton on CUDA, triton-ascend on an NPU, TRITON_INTERPRET=1 on cpu planes)")
         return requested
@@ -129,7 +129,7 @@ def backend_for(layout: KVLayout, requested: Optional[str] = None) -> str:
     if device == "npu":
         if device in route_health().triton_failed:
             return "torch"  # logged when it failed
-        if triton_route.available("npu"):
+        if triton_launch.available("npu"):
             return "triton"
         return route_health().fallback(device, "no NPU is visible to torch_npu, or Triton for the NPU (triton-ascend) is not importable")
     if device in ("cpu", "cuda"):
@@ -167,7 +167,7 @@ def _run(direction: str, layout: KVLayout, tables: TransferTables, buffer: torch
     elif chosen == "triton" and layout.device.type not in route_health().triton_failed:
         try:
             triton_route.run(direction, layout, tables, buffer, tuning=triton_tuning)
-        except triton_route.TritonRouteError as exc:  # never a failed transfer: the torch path redoes all of it
+        except triton_launch.TritonRouteError as exc:  # never a failed transfer: the torch path redoes all of it
             route_health().give_up_triton(layout.device.type, exc)
             (torch_impl.gather if direction == "gather" else torch_impl.scatter)(layout, tables, buffer)
             _sync(layout.device)
@@ -181,7 +181,7 @@ def gather(layout: KVLayout, tables: TransferTables, buffer: torch.Tensor, *, ba
     """Copy the rows named by ``tables`` from the paged planes into ``buffer``.
 
     ``num_threads`` is for the CPU kernel, ``cuda_tuning`` (a ``cuda.KernelTuning``) for the CUDA one,
-    ``triton_tuning`` (a ``triton_route.TritonTuning``) for the Triton route."""
+    ``triton_tuning`` (a ``triton_launch.TritonTuning``) for the Triton route."""
     _run("gather", layout, tables, buffer, backend, num_threads, cuda_tuning, triton_tuning)
 
 
