@@ -1,7 +1,7 @@
 """Replay public request traces through kvconnect's engine API with a model's byte proportions.
 
     python3 benchmarks/trace_replay.py [--trace synthetic|conversation|PATH] [--preset deepseek-v4-flash]
-        [--pool-gb 50,100,300] [--configs today,0,4096,16384] [--limit N] [--json]
+        [--pool-gb 50,100,300] [--configs today,0,4096,16384] [--tensors per-layer,per-group] [--limit N] [--json]
 
 Per request, in arrival order: ``lookup(prompt)``, ``retrieve`` of the hit (what an engine
 would load), then ``store`` of the prompt beyond the hit (as the vLLM connector saves what
@@ -17,6 +17,12 @@ planes as the real window part has pieces, window 128 tokens: DeepSeek V4's wind
 units. ``today`` is the per-chunk format before restore points (``window_parts=False``:
 every group's rows in one object per chunk, slots of a whole chunk); a number is a restore
 interval in tokens (0: a restore point at every chunk end).
+
+``--tensors``: how the engine registers the preset's caches: ``per-layer`` (one tensor per
+layer, as vLLM does) or ``per-group`` (one tensor per cache group, all its layers in one row, as
+an engine with one buffer per cache type or a Python API user would). The engine cuts a window
+plane wider than a slot into column slices (``restore.parts.slice_wide_planes``), so both give
+the same slots; the replay checks it by serving the same share.
 
 Reported per pool size and configuration: the share of prompt tokens served from the cache,
 that share over the infinite-cache ideal (the share of prompt tokens in full chunks whose
@@ -41,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout  # noqa: E402
 from kvconnect.errors import ConfigError  # noqa: E402
 from kvconnect.integrations import presets  # noqa: E402
-from kvconnect.restore.parts import PartLayout  # noqa: E402
+from kvconnect.restore.parts import PartLayout, slice_wide_planes  # noqa: E402
 from kvconnect.restore.plan import max_chunk_payload_bytes  # noqa: E402
 from kvconnect.restore.points import splits_window_groups  # noqa: E402
 from kvconnect.storage import host_memory  # noqa: E402
@@ -94,12 +100,33 @@ def _interval(config: str) -> int:
     return 0 if config == "today" else int(config)
 
 
+def per_group_tensors(layout: KVLayout) -> KVLayout:
+    """The same caches registered one tensor per group: each group's planes side by side in one
+    row (their bytes per row summed), as an engine with one buffer per cache type would."""
+    kv, layer_groups, hints = {}, {}, {}
+    for g in range(layout.num_groups):
+        members = [layout.planes[i] for i in layout.planes_of_group(g)]
+        first = members[0]
+        name = f"group{g}"
+        kv[name] = torch.zeros(first.num_blocks, first.rows_per_block, sum(p.row_bytes for p in members), dtype=torch.uint8)
+        layer_groups[name] = g
+        hints[name] = "page" if first.is_page else None
+    return KVLayout.from_tensors(kv, groups=list(layout.groups), layer_groups=layer_groups, layout_hints=hints,
+                                 model_name=layout.model_name)
+
+
 class Model:
     """The preset's real object sizes and a tiny layout with the same object structure."""
 
-    def __init__(self, preset: str, max_tokens: int) -> None:
+    def __init__(self, preset: str, max_tokens: int, tensors: str = "per-layer") -> None:
         real = presets.preset(preset).layout(0)
+        if tensors == "per-group":
+            real = per_group_tensors(real)
+        elif tensors != "per-layer":
+            raise ValueError(f"--tensors is per-layer or per-group, got {tensors!r}")
+        real = slice_wide_planes(real, CHUNK)  # as the engine stores it
         self.name = preset
+        self.tensors = tensors
         self.parts = PartLayout.of(real, CHUNK)
         self.whole_bytes = max_chunk_payload_bytes(real, CHUNK)
         pieces = max(1, len(self.parts.pieces))
@@ -181,11 +208,13 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="deepseek-v4-flash")
     p.add_argument("--pool-gb", default="50,100,300")
     p.add_argument("--configs", default="today,0,4096,16384")
+    p.add_argument("--tensors", default="per-layer", help="per-layer, per-group, or both (comma-separated)")
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     trace = load_trace(args.trace, args.limit)
-    model = Model(args.preset, max(r["input_length"] for r in trace))
+    models = [Model(args.preset, max(r["input_length"] for r in trace), t) for t in args.tensors.split(",")]
+    model = models[0]
     sizes = [float(x) for x in args.pool_gb.split(",")]
     try:  # the largest scaled pool, before any is allocated: past free memory the OOM killer ends the run
         gb, config = max(((gb, c) for gb in sizes for c in args.configs.split(",")), key=lambda x: model.scaled_pool(*reversed(x))[1])
@@ -199,18 +228,21 @@ def main(argv=None) -> int:
     rows = []
     for gb in sizes:
         for config in args.configs.split(","):
-            row = replay(model, trace, config, gb)
-            row["of_ideal"] = row["served"] / ideal if ideal else 0.0
-            rows.append(row)
-            if not args.json:
-                print(f"{args.trace} {args.preset} pool {gb:g} GB {config:>6}: served {row['served']:.3f} "
-                      f"({row['of_ideal']:.2f} of ideal {ideal:.3f}), {row['bytes_per_cached_token'] / 1024:.1f} KiB "
-                      f"per cached token, {row['window_parts_stored']} window parts, {row['evictions']} evictions, "
-                      f"{row['slots']} slots, {row['seconds']:.0f} s", flush=True)
+            for model in models:
+                row = replay(model, trace, config, gb)
+                row["of_ideal"] = row["served"] / ideal if ideal else 0.0
+                row["tensors"] = model.tensors
+                rows.append(row)
+                if not args.json:
+                    print(f"{args.trace} {args.preset} {model.tensors} pool {gb:g} GB {config:>6}: served {row['served']:.3f} "
+                          f"({row['of_ideal']:.2f} of ideal {ideal:.3f}), {row['bytes_per_cached_token'] / 1024:.1f} KiB "
+                          f"per cached token, {row['window_parts_stored']} window parts, {row['evictions']} evictions, "
+                          f"{row['slots']} slots, {row['seconds']:.0f} s", flush=True)
     if args.json:
         print(json.dumps({"trace": args.trace, "preset": args.preset, "requests": len(trace), "ideal": ideal,
                           "real_prefix_bytes": model.parts.prefix_bytes, "real_window_bytes": model.parts.window_bytes,
-                          "real_slot_bytes": model.parts.slot_bytes, "real_whole_chunk_bytes": model.whole_bytes,
+                          "real_slot_bytes": {m.tensors: m.parts.slot_bytes for m in models},
+                          "real_whole_chunk_bytes": model.whole_bytes,
                           "rows": rows}, indent=1))
     return 0
 

@@ -50,7 +50,7 @@ from .errors import ConfigError, TokenError
 from .events import ChunkEventLog
 from .layout.kv_layout import KVLayout
 from .layout.rows import chunk_bounds
-from .restore.parts import PartLayout
+from .restore.parts import PartLayout, slice_wide_planes
 from .layout.chunk_size import check_chunk_size, choose_chunk_size, layout_rules
 from .restore.plan import BlockTables
 from .restore.points import splits_window_groups
@@ -105,14 +105,16 @@ class KVCacheEngine:
         self.config = config
         _check_shared_identity(layout, self.config)
         check_chunk_size(layout, self.config.chunk_size)
+        split = splits_window_groups(self.config.restore_interval_tokens, window_parts=window_parts)
+        # a window plane wider than a slot travels as column slices: capacity whatever the tensors' granularity
+        self.layout = layout = slice_wide_planes(layout, self.config.chunk_size, split=split)
         if backend is None:  # an explicit backend wins over KVCONNECT_TRANSFER_ROUTE
             backend = dispatch.route_backend(layout, self.config.transfer_route)
         dispatch.prepare(layout, backend)  # fail now, not on the first store; the Triton route compiles here
         self.backend = backend
         self._cuda_tuning = route_tuning(self.config.cuda_transfer)
         self.keyer = ChunkKeyer(layout.fingerprint, self.config.chunk_size)
-        interval = self.config.restore_interval_tokens
-        self.parts = PartLayout.of(layout, self.config.chunk_size, split=splits_window_groups(interval, window_parts=window_parts))
+        self.parts = PartLayout.of(layout, self.config.chunk_size, split=split)
         self.max_chunk_bytes = self.parts.slot_bytes  # the largest object: a whole chunk, or a part
         pool = pool_factory(self.config, max(self.max_chunk_bytes, 1), pin_memory=_want_pinned(layout.device), fingerprint=layout.fingerprint)
         self.storage = StorageManager.from_config(pool, layout.fingerprint, self.config, writes_shared=shared_writer)
@@ -135,7 +137,7 @@ class KVCacheEngine:
         writer = ObjectWriter(layout, self.storage, self.gather_to_pool)
         loader = ChunkLoader(layout, self.storage, self.scatter_from_pool, self.counters, self.ops)
         self.restore: RestoreScheme = (
-            WindowParts(layout, self.parts, self.storage, writer, loader, self.counters, self.ops, interval_tokens=interval)
+            WindowParts(layout, self.parts, self.storage, writer, loader, self.counters, self.ops, interval_tokens=self.config.restore_interval_tokens)
             if self.parts.split else WholeChunks(layout, self.parts, self.storage, writer, loader, self.counters, self.ops))
 
     @property

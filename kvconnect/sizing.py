@@ -23,7 +23,7 @@ from .chunks.keys import Chunk
 from .layout.kv_layout import KVLayout
 from .layout.rows import chunk_bounds
 from .restore.gate import window_chunks
-from .restore.parts import PartLayout
+from .restore.parts import PartLayout, slice_wide_planes
 from .layout.chunk_size import check_chunk_size
 from .restore.plan import max_chunk_payload_bytes
 from .restore.points import is_interval_point, splits_window_groups
@@ -119,7 +119,9 @@ def restore_point_sizing(layout: KVLayout, chunk_tokens: int, interval_tokens: i
     interval and the chunk size; a prompt's end and branch points add one window part each."""
     check_chunk_size(layout, chunk_tokens)
     whole = max_chunk_payload_bytes(layout, chunk_tokens)
-    parts = PartLayout.of(layout, chunk_tokens, split=splits_window_groups(interval_tokens))
+    split = splits_window_groups(interval_tokens)
+    layout = slice_wide_planes(layout, chunk_tokens, split=split)  # as the engine stores it
+    parts = PartLayout.of(layout, chunk_tokens, split=split)
     if not parts.split:
         per = whole / chunk_tokens
         return RestorePointSizing(interval_tokens, chunk_tokens, False, whole, 0, 0, 0, 0, whole, per, per, per)

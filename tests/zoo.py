@@ -336,6 +336,17 @@ def gemma_swa(*, max_tokens=600, block_size=16, window=80, num_layers=6, num_hea
     return b.case("gemma3-swa", groups, hints="kv_first", num_blocks=nb, seed=seed, model_name="gemma-zoo")
 
 
+def gemma_swa_coarse(*, max_tokens=600, block_size=16, window=80, num_heads=1, head_dim=32, seed=0) -> ZooCase:
+    """``gemma_swa``'s caches registered one tensor per group (an engine with one buffer per cache
+    type): the 5 sliding-window layers side by side in one row, wider than a pool slot, so the
+    engine stores their window rows in column slices (``KVLayout.with_sliced_planes``)."""
+    groups = [GroupSpec(block_size=block_size), GroupSpec(block_size=block_size, sliding_window=window)]
+    nb, b = [_blocks(g, max_tokens) for g in groups], _Builder()
+    b.add("full.attn", b.tight(torch.bfloat16, (2, nb[0], block_size, num_heads, head_dim), "kv_first", 0))
+    b.add("window.attn", b.tight(torch.bfloat16, (2, nb[1], block_size, 5 * num_heads, head_dim), "kv_first", 1))
+    return b.case("gemma3-swa-coarse", groups, hints="kv_first", num_blocks=nb, seed=seed, model_name="gemma-zoo-coarse")
+
+
 def state_hybrid(*, max_tokens=600, block_size=16, state_block_size=64, seed=0) -> ZooCase:
     """Qwen3-Next-like: one full-attention layer (group 0) + recurrent state layers (group 1),
     the state of each block one opaque page (conv fp32 [..,3,32] + temporal fp32 [..,4,16,16])."""
@@ -371,6 +382,7 @@ ZOO = {  # name -> (builder, chunk sizes the layout allows and the tests sweep)
     "dsv4-flash": (dsv4, (256, 512)),
     "dsv4-flash-packed": (lambda **kw: dsv4(packed=True, **{"max_window_blocks": 48, **kw}), (256, 512)),
     "gemma3-swa": (gemma_swa, (32, 64, 128)),
+    "gemma3-swa-coarse": (gemma_swa_coarse, (32, 64, 128)),
     "state-hybrid": (state_hybrid, (64, 128)),
     "vllm-cpu": (vllm_cpu, (64, 256)),
     "dsv3-mla-dcp": (lambda **kw: mla(dcp=DCPSpec(rank=1, size=2, interleave_tokens=8), **kw), (64, 256)),
@@ -673,7 +685,33 @@ def export_logical_chunk(engine, chunk):
     for i in range(len(planes)):  # a part not stored: its groups' blocks were absent, rows (first, 0)
         geo = engine.layout.geometries[planes[i].group_index]
         rows[i] = rows[i] or (geo.stored_rows(header0.token_start, header0.token_end)[0], 0)
+    rows, data = _unslice(planes, rows, data)
     return header0.token_start, header0.token_end, mask, rows, b"".join(data)
+
+
+def _unslice(planes, rows, data):
+    """Rows and bytes per plane of the layout the engine was given: the column slices of a wide
+    plane (``KVLayout.with_sliced_planes``) joined back, row by row."""
+    out_rows, out_data, i = [], [], 0
+    while i < len(planes):
+        n = planes[i].num_slices
+        if n == 1:
+            out_rows.append(rows[i])
+            out_data.append(data[i])
+            i += 1
+            continue
+        members = range(i, i + n)
+        counts = {rows[j][1] for j in members}
+        first, count = rows[i]
+        if len(counts) != 1:  # some slices absent: the plane's rows are not stored
+            out_rows.append((first, 0))
+            out_data.append(b"")
+        else:
+            cols = [np.frombuffer(data[j], np.uint8).reshape(count, planes[j].row_bytes) for j in members]
+            out_rows.append((first, count))
+            out_data.append(np.concatenate(cols, axis=1).tobytes())
+        i += n
+    return out_rows, out_data
 
 
 def remove_chunk(engine, chunk) -> None:

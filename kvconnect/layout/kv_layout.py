@@ -19,6 +19,7 @@ block size 32.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Optional, Sequence, Union
@@ -198,6 +199,40 @@ class KVLayout:
             return self
         return self._assemble(self.groups, self.planes, self.tensors, self.dcp, name, self.tp_rank, self.tp_size, extra)
 
+    def with_sliced_planes(self, slices: Mapping[int, int]) -> "KVLayout":
+        """This layout with plane ``i`` cut into ``slices[i]`` column slices (``PlaneSpec``):
+        each holds consecutive bytes of every row, 16-byte aligned widths (the last one shorter),
+        so no kernel sees a new kind of plane. Groups, block ids and rows are unchanged; the
+        fingerprint records the slices."""
+        if not slices:
+            return self
+        planes, tensors = [], []
+        per_layer: dict[str, int] = {}
+        for i, (p, t) in enumerate(zip(self.planes, self.tensors)):
+            n = int(slices.get(i, 1))
+            if n <= 1:
+                pieces = [(p, t, 0, 1)]
+            else:
+                width = -(-p.row_bytes // n)
+                width = -(-width // 16) * 16 if p.row_bytes > 16 * n else width
+                cuts = [(c, min(c + width, p.row_bytes)) for c in range(0, p.row_bytes, width)]
+                elem = t.element_size()
+                flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+                base = t.storage_offset() * elem
+                pieces = []
+                for k, (a, b) in enumerate(cuts):
+                    view = torch.as_strided(flat, (p.num_blocks, p.rows_per_block, b - a),
+                                            (p.block_stride_bytes, p.row_stride_bytes, 1), base + a)
+                    pieces.append((dataclasses.replace(p, row_bytes=b - a, dtype="uint8", slice_index=k,
+                                                       num_slices=len(cuts)), view, k, len(cuts)))
+            for spec, view, _, _ in pieces:
+                index = per_layer.get(spec.layer_name, 0)
+                per_layer[spec.layer_name] = index + 1
+                planes.append(dataclasses.replace(spec, plane_index=index))
+                tensors.append(view)
+        return self._assemble(self.groups, planes, tensors, self.dcp, self.model_name, self.tp_rank, self.tp_size,
+                              dict(self.identity))
+
     @property
     def device(self) -> torch.device:
         return self.tensors[0].device
@@ -270,6 +305,9 @@ def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, 
         # Chunks of split planes hold each region's rows apart; before sub-planes existed such
         # caches were stored as wide rows (wrong bytes within a block): never match those.
         doc["regions"] = [[p.region_index, p.num_regions] for p in planes]
+    if any(p.num_slices > 1 for p in planes):
+        # a sliced plane's chunk rows are stored in column slices: never read as whole rows
+        doc["slices"] = [[p.slice_index, p.num_slices] for p in planes]
     # rows of equal bytes split otherwise (4 heads x 128 vs 8 x 64) are other models' KV
     doc["row_shapes"] = [list(p.row_shape) for p in planes]
     return Fingerprint(blake3.blake3(msgpack.packb(doc)).digest(16))

@@ -185,7 +185,10 @@ class PlaneSpec:
     its ``row_bytes`` bytes are contiguous. A sub-plane (region ``region_index`` of
     ``num_regions``, see ``RowRegions``) has its base at the region's offset in block 0.
     ``row_shape`` keeps the engine's split of a row (8 x 64 and 4 x 128 are both 1 KiB rows
-    of different models); empty where the engine gives none.
+    of different models); empty where the engine gives none. A column slice (``slice_index`` of
+    ``num_slices``, ``KVLayout.with_sliced_planes``) holds ``row_bytes`` consecutive bytes of each
+    row of a wider plane, its base at their offset: a chunk's rows of one wide plane then travel
+    as several objects no larger than the pool's slot.
     """
 
     layer_name: str
@@ -202,11 +205,15 @@ class PlaneSpec:
     region_index: int = 0
     num_regions: int = 1
     row_shape: tuple[int, ...] = ()  # the row's dims as the engine shapes them (heads x head size)
+    slice_index: int = 0
+    num_slices: int = 1
 
     def __post_init__(self) -> None:
         where = f"layer {self.layer_name!r} plane {self.plane_index}"
         if self.num_regions < 1 or not 0 <= self.region_index < self.num_regions:
             raise LayoutError(f"{where}: region {self.region_index} is not in [0, {self.num_regions})")
+        if self.num_slices < 1 or not 0 <= self.slice_index < self.num_slices:
+            raise LayoutError(f"{where}: slice {self.slice_index} is not in [0, {self.num_slices})")
         if self.num_blocks <= 0 or self.rows_per_block <= 0 or self.row_bytes <= 0:
             raise LayoutError(f"{where}: empty plane (blocks, rows and row bytes must be > 0)")
         if self.rows_per_block > 1 and self.row_stride_bytes < self.row_bytes:

@@ -24,6 +24,14 @@ so the pool's fixed slots are sized to the prefix part (DeepSeek-V4-Flash: ~1 Mi
 when every piece is; each piece is an object of its own in every tier, with the chunk
 format's own checks; its header's group mask holds window groups only.
 
+The slot must not depend on how an engine slices its tensors: vLLM registers DeepSeek V4 one
+tensor per layer, an engine with one buffer per cache type (or a Python API user) one per
+group, and then one window plane (the C128 compressor states of every layer) would be the
+slot and every prefix part would waste most of one. So the slot is
+``max(prefix part, window / MAX_PIECES)`` and a window plane wider than that is first cut
+into column slices of its rows (``slice_wide_planes``, ``KVLayout.with_sliced_planes``): the
+same bytes, in pieces of about a slot, whatever the tensor granularity.
+
 Window-free groups. A window group whose restore window is 0 at restore points that are
 multiples of N tokens (``GroupSpec.window_free_every``, set by an adapter per engine release
 from a bench on the real forward) is stored in no part when N divides the chunk size: every
@@ -46,6 +54,28 @@ from .plan import max_chunk_payload_bytes, max_group_rows
 
 MAX_PIECES = 16  # a chunk's window rows are cut into at most about this many pieces
 _WINDOW_DOMAIN = b"kvconnect/window-part/v1\x00"
+
+
+def slice_wide_planes(layout: KVLayout, chunk_tokens: int, *, split: bool = True) -> KVLayout:
+    """``layout`` with every window plane whose rows of a chunk exceed
+    ``max(prefix part, window / MAX_PIECES)`` cut into column slices of about that size; the
+    layout itself where none does (every per-layer layout kvconnect has met) or parts are off."""
+    if not split:
+        return layout
+    window_mask = sum(1 << g for g, geo in enumerate(layout.geometries) if geo.window_tokens is not None)
+    free_mask = window_free_mask(layout, chunk_tokens)
+    if window_mask & ~free_mask:
+        window_mask &= ~free_mask
+    else:
+        return layout
+    rows = max_group_rows(layout, chunk_tokens)
+    plane_bytes = [rows[p.group_index] * p.row_bytes for p in layout.planes]
+    in_window = [(window_mask >> p.group_index) & 1 == 1 for p in layout.planes]
+    prefix = sum(b for b, p, w in zip(plane_bytes, layout.planes, in_window) if not w and not (free_mask >> p.group_index) & 1)
+    window = sum(b for b, w in zip(plane_bytes, in_window) if w)
+    target = max(prefix, -(-window // MAX_PIECES), 1)
+    wide = {i: -(-b // target) for i, (b, w) in enumerate(zip(plane_bytes, in_window)) if w and b > target}
+    return layout.with_sliced_planes(wide)
 
 
 def window_key(chunk_key: ChunkKey, piece: int) -> ChunkKey:
