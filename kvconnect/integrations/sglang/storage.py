@@ -190,8 +190,9 @@ class KVConnectStorage(HiCacheStorage):
             self._store = PageStore(engine)
             if KV in self._groups:
                 self._flat = FlatPages(engine, self._pools[KV], self._store.page_bytes(self._groups[KV]))
-            logger.info("kvconnect: SGLang HiCache backend ready: pools %s (logical: %s), %d planes, tiers %s",
-                        list(self._groups), sorted(self._logical), len(layout.planes),
+            logger.info("kvconnect: SGLang HiCache backend ready: pools %s (logical: %s), %d planes, chunk_size %d "
+                        "(SGLang's page: the unit it stores and asks for; a chunk_size set is not used), tiers %s",
+                        list(self._groups), sorted(self._logical), len(layout.planes), page_tokens,
                         [t.name for t in engine.storage.tiers] or "pool only")
 
     def _ready(self) -> Optional[PageStore]:
