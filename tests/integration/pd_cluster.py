@@ -223,8 +223,7 @@ class PDCluster:
 
     def _start_mooncake(self) -> None:
         """A master on a free loopback port, and the node server holding the node's segment."""
-        sys.path.insert(0, str(REPO / "tests" / "storage"))
-        from mooncake_master import MooncakeMaster, NodeHolder
+        from support.mooncake_master import MooncakeMaster, NodeHolder
 
         self.mooncake_master = MooncakeMaster(self.workdir / "mooncake-master").start()
         self.remote_url = self.mooncake_master.url
@@ -236,7 +235,7 @@ class PDCluster:
         env = vllm_env(cores)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache (the reset tests), on loopback only
         if self.tier == "mooncake":  # Mooncake's TCP listener on loopback, its logs quiet
-            from mooncake_master import CLIENT_ENV
+            from support.mooncake_master import CLIENT_ENV
 
             env.update(CLIENT_ENV)
         return env

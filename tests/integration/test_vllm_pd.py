@@ -74,7 +74,7 @@ def completion_logprobs(base: str, model: str, prompt: list[int], **extra) -> tu
 
 @pytest.fixture(scope="module")
 def pd_llama(tmp_path_factory):
-    import tiny_models
+    from support import tiny_models
 
     work = tmp_path_factory.mktemp("pd_llama")
     model = tiny_models.make_llama(str(work / "llama"))

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 import pd_cluster as pc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
-from redis_server import RedisNode, redis_available  # noqa: E402
+from support.redis_server import RedisNode, redis_available  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -51,7 +47,7 @@ def completion(base: str, model: str, prompt: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pd_gemma(tmp_path_factory):
-    import tiny_models
+    from support import tiny_models
 
     work = tmp_path_factory.mktemp("pd_gemma")
     model = tiny_models.make_gemma3(str(work / "gemma3"), sliding_window=WINDOW)

@@ -17,18 +17,14 @@ from __future__ import annotations
 import importlib.util
 import random
 import re
-import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 
 import pd_cluster as pc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
-from mooncake_master import mooncake_available  # noqa: E402
+from support.mooncake_master import mooncake_available  # noqa: E402
 
 _VLLM = importlib.util.find_spec("vllm") is not None
 _MOONCAKE = mooncake_available() if _VLLM else "vllm is not installed"
@@ -59,7 +55,7 @@ def completion(base: str, model: str, prompt: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pd_mooncake(tmp_path_factory):
-    import tiny_models
+    from support import tiny_models
 
     work = tmp_path_factory.mktemp("pd_mooncake")
     model = tiny_models.make_gemma3(str(work / "gemma3"), sliding_window=WINDOW)
