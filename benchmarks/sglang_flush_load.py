@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "sglang"))
 
 PAGE = 16
@@ -47,8 +47,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=420)
     args = ap.parse_args()
 
-    import tiny_models
-    from conftest import harness_env
+    from support import tiny_models
+    from engine_runs import harness_env
 
     work = Path(tempfile.mkdtemp(prefix="kvc-flush-load-"))
     log = Path(args.log or work / "timing.jsonl")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "sglang"))
 
 PAGE = 16
@@ -36,7 +36,7 @@ def make_model(out: Path) -> str:
     import torch
     from transformers import MellumConfig, MellumForCausalLM
 
-    import tiny_models
+    from support import tiny_models
 
     torch.manual_seed(0)
     cfg = MellumConfig(vocab_size=tiny_models.VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -49,7 +49,7 @@ def make_model(out: Path) -> str:
 
 
 def run(spec: dict, work: Path) -> dict:
-    from conftest import harness_env
+    from engine_runs import harness_env
 
     env = harness_env()
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO), env["PYTHONPATH"]])
@@ -64,7 +64,7 @@ def run(spec: dict, work: Path) -> dict:
 
 
 def main() -> None:
-    import tiny_models
+    from support import tiny_models
 
     work = Path(tempfile.mkdtemp(prefix="kvc-swa-bytes-"))
     model = make_model(work / "mellum")

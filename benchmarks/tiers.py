@@ -64,8 +64,8 @@ class RedisForBench:
     """A throwaway redis-server on loopback (reuses the tests' launcher)."""
 
     def __init__(self, workdir: Path) -> None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "storage"))
-        from redis_server import RedisNode, redis_available
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from support.redis_server import RedisNode, redis_available
 
         reason = redis_available()
         if reason:
@@ -84,8 +84,8 @@ class MooncakeForBench:
         import json
 
         here = Path(__file__).resolve().parents[1]
-        sys.path.insert(0, str(here / "tests" / "storage"))
-        from mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
+        sys.path.insert(0, str(here / "tests"))
+        from support.mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
 
         reason = mooncake_available()
         if reason:

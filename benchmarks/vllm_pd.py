@@ -39,6 +39,7 @@ from types import SimpleNamespace
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
+sys.path.insert(0, str(HERE.parent / "tests"))  # support (pd_cluster's Mooncake master)
 
 import pd_cluster as pc  # noqa: E402
 from vllm_serve import bench, build_model, load_average  # noqa: E402

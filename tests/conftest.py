@@ -1,4 +1,4 @@
-"""Shared test setup: makes ``tests/zoo.py`` importable and bounds hypothesis.
+"""Shared test setup: puts ``tests/`` on sys.path (for the ``support`` package) and bounds hypothesis.
 
 Hypothesis runs a fixed, small number of examples with no deadline (the suite must stay
 fast on 2 cores and never depend on timing); ``HYPOTHESIS_PROFILE=thorough`` runs more.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import zoo
+from support import zoo
 from kvconnect import BlockTableError, DCPSpec, GroupSpec, KVCacheEngine, LayoutError, TokenError, TransferError
 
 CHUNK = 64

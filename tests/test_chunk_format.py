@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-import zoo
+from support import zoo
 from kvconnect import CorruptChunkError, KVCacheEngine
 from kvconnect.chunks import chunk_format as cf
 from kvconnect.layout.kv_layout import FORMAT_VERSION

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import zoo
+from support import zoo
 from kvconnect import Config, KVCacheEngine
 from kvconnect.errors import LayoutError
 from kvconnect.integrations.vllm.chunk_size import choose_vllm_chunk_size, describe

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import zoo
+from support import zoo
 from kvconnect import CorruptChunkError, DCPSpec, KVCacheEngine
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import zoo
+from support import zoo
 from kvconnect import KVCacheEngine, TokenError
 
 ZOO_CHUNKS = [(name, chunk) for name, (_, sizes) in zoo.ZOO.items() for chunk in sizes]

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-import zoo
+from support import zoo
 from kvconnect import KVCacheEngine
 from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.errors import ConfigError

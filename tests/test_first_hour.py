@@ -15,7 +15,7 @@ from kvconnect.server.client import SharedPoolClient
 from kvconnect.storage.mooncake import config as mooncake_config
 from kvconnect.storage.mooncake.config import connect_store
 
-from server.server_rig import server_thread, socket_dir
+from support.server_rig import server_thread, socket_dir
 
 
 def test_repeating_warning_first_at_once_then_once_per_interval():

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import zoo
+from support import zoo
 from kvconnect import DCPSpec, KVCacheEngine, TokenError
 from kvconnect.chunks.keys import KEY_BYTES, ChunkKeyer, tokens_as_int64
 
@@ -23,7 +23,8 @@ TOKENS = (np.arange(1000, dtype=np.int64) * 7919) % 128_000
 _KEYS_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
-import numpy as np, zoo
+import numpy as np
+from support import zoo
 from kvconnect import DCPSpec
 from kvconnect.chunks.keys import ChunkKeyer
 from kvconnect.layout.rows import chunk_bounds

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import zoo
+from support import zoo
 from kvconnect import DCPSpec, GroupKind, GroupSpec, KVLayout, LayoutError
 from kvconnect.layout.spec import RowRegions
 from kvconnect.transfer.tables import plane_table

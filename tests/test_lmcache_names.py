@@ -4,7 +4,7 @@ and in docs/migrating.md.
 
 LMCache's names are DATA read from each release kvconnect answers for (0.4.5, which
 LMCache-Ascend runs on; 0.5.6, the newest on PyPI): tests/data/lmcache_names_RELEASE.json, made
-by tests/lmcache_keys.py from the wheel with ``ast`` (kvconnect never imports lmcache). When a
+by tests/support/lmcache_keys.py from the wheel with ``ast`` (kvconnect never imports lmcache). When a
 wheel is in the CI cache (.ci/setup.sh downloads them), its vendored list must equal a fresh
 extraction, so adding a release without handling its new keys fails here.
 """
@@ -59,13 +59,13 @@ def test_the_vendored_list_is_the_release(release):
     if not wheels:
         pytest.skip(f"no lmcache {release} wheel in {WHEEL_CACHE} (.ci/setup.sh downloads it); "
                     "the vendored list is checked by the other tests")
-    from lmcache_keys import extract
+    from support.lmcache_keys import extract
 
     fresh = extract(wheels[0])
     for part in ("config_keys", "old_names", "variables", "extra_config_keys"):
         assert sorted(fresh[part]) == sorted(RELEASES[release][part]), (
             f"LMCache {fresh['release']}'s {part} changed: regenerate tests/data/lmcache_names_{release}.json with "
-            "tests/lmcache_keys.py, then give each new name its answer in kvconnect/lmcache_names.py and docs/migrating.md")
+            "tests/support/lmcache_keys.py, then give each new name its answer in kvconnect/lmcache_names.py and docs/migrating.md")
 
 
 def test_lmcache_05_names_users_bring_are_answered_not_called_unknown(monkeypatch, caplog):

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-import zoo
+from support import zoo
 from kvconnect import KVCacheEngine
 from kvconnect.metrics.catalogue import Figures, LATENCY_BUCKETS_S
 from kvconnect.metrics.figures import engine_figures, storage_figures

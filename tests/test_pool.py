@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import zoo
+from support import zoo
 from kvconnect import KVCacheEngine
 from kvconnect.transfer import dispatch
 from kvconnect.chunks.chunk_format import ChunkHeader

@@ -1,6 +1,6 @@
 """KV replicated over tensor parallelism (MLA) is written once and read by every rank (issue 25).
 
-Layouts come from ``translate`` (vLLM spec look-alikes, as in test_vllm_translate.py); each
+Layouts come from ``translate`` (the vLLM spec look-alikes of support/vllm_lookalikes.py); each
 "rank" is a real ``KVCacheEngine`` over its own tensors holding the same latent rows (as
 replicated KV is), sharing a real disk tier directory or a real node cache server. The vLLM
 end-to-end proof (two CPU workers, a fresh engine resuming bit-identically from one copy) is
@@ -25,7 +25,7 @@ from kvconnect.integrations.vllm.ranks import ParallelRanks
 from kvconnect.server import make_pool
 from kvconnect.server.server import CacheServer
 from kvconnect.layout.spec import DCPSpec
-from test_vllm_translate import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, NB, _filled
+from support.vllm_lookalikes import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, NB, filled
 
 CHUNK = 32
 TOKENS = np.arange(4 * CHUNK, dtype=np.int64) + 11  # 4 whole chunks
@@ -36,7 +36,7 @@ def _mla(tp_rank: int, tp_size: int = 2, seed: int = 4, dcp: DCPSpec = DCPSpec()
     """One rank's translation of a two-layer CPU-MLA cache (block 16); every rank's tensors
     hold the same rows (``seed``), as MLA's replicated latent does."""
     spec = MLAAttentionSpec(16, 1, 576, torch.float32)
-    caches = {f"l{i}": _filled((2 * NB + 1, 16, 1, 576), torch.float32, seed + i).permute(0, 2, 1, 3) for i in range(2)}
+    caches = {f"l{i}": filled((2 * NB + 1, 16, 1, 576), torch.float32, seed + i).permute(0, 2, 1, 3) for i in range(2)}
     config = KVCacheConfig(2 * NB + 1, [KVCacheGroupSpec(list(caches), spec)])
     return translate_kv_caches(config, caches, backend_names=dict.fromkeys(caches, "CPU_MLA"), model_name="m",
                                tp_rank=tp_rank, tp_size=tp_size, dcp=dcp)
@@ -44,7 +44,7 @@ def _mla(tp_rank: int, tp_size: int = 2, seed: int = 4, dcp: DCPSpec = DCPSpec()
 
 def _gqa(tp_rank: int, tp_size: int = 2):
     spec = FullAttentionSpec(16, 2, 32, torch.float16)
-    caches = {"l0": _filled((NB, 16, 2, 64), torch.float16, 18).permute(0, 2, 1, 3)}
+    caches = {"l0": filled((NB, 16, 2, 64), torch.float16, 18).permute(0, 2, 1, 3)}
     return translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)]), caches, model_name="m",
                                tp_rank=tp_rank, tp_size=tp_size)
 
@@ -92,8 +92,8 @@ def test_mla_ranks_share_one_key_chain_and_gqa_ranks_do_not():
 
 def test_a_layout_mixing_replicated_and_sharded_groups_keeps_the_rank():
     mla, gqa = MLAAttentionSpec(16, 1, 576, torch.float32), FullAttentionSpec(16, 2, 32, torch.float32)
-    caches = {"m": _filled((NB, 16, 1, 576), torch.float32, 1).permute(0, 2, 1, 3),
-              "g": _filled((NB, 16, 2, 64), torch.float32, 2).permute(0, 2, 1, 3)}
+    caches = {"m": filled((NB, 16, 1, 576), torch.float32, 1).permute(0, 2, 1, 3),
+              "g": filled((NB, 16, 2, 64), torch.float32, 2).permute(0, 2, 1, 3)}
     config = KVCacheConfig(NB, [KVCacheGroupSpec(["m"], mla), KVCacheGroupSpec(["g"], gqa)])
     r0, r1 = (translate_kv_caches(config, caches, model_name="m", tp_rank=r, tp_size=2) for r in (0, 1))
     assert not r0.tp_replicated and r0.layout.fingerprint != r1.layout.fingerprint

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import zoo
+from support import zoo
 from kvconnect import KVCacheEngine
 
 SWA = 1  # gemma3-swa: group 0 full, group 1 sliding window 80, block 16

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import zoo
+from support import zoo
 from kvconnect import Config, KVCacheEngine
 from kvconnect.chunks.keys import Chunk
 from kvconnect.errors import ConfigError, LayoutError
@@ -384,11 +384,7 @@ def test_inspect_sizes_restore_points_per_preset():
 def test_window_pieces_round_trip_through_redis(tmp_path, rng):
     """Window pieces are values of their own in Redis: a second engine with an empty pool
     restores at the restore point from Redis, byte-exact, loading one window part."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent / "storage"))
-    from redis_server import RedisNode, redis_available
+    from support.redis_server import RedisNode, redis_available
 
     if redis_available() is not None:
         pytest.skip(redis_available())

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import zoo
+from support import zoo
 from kvconnect import BlockTableError, DCPSpec, GroupKind, GroupSpec, KVLayout
 from kvconnect.restore.plan import BlockTables, max_group_rows
 from kvconnect.layout.rows import GroupGeometry, chunk_bounds, intersect

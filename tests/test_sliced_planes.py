@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import zoo
+from support import zoo
 from kvconnect import KVCacheEngine
 from kvconnect.integrations import presets
 from kvconnect.restore.parts import PartLayout, slice_wide_planes, window_key

@@ -19,13 +19,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import zoo
+from support import zoo
 from kvconnect.transfer import dispatch
 from kvconnect.chunks.keys import Chunk
 from kvconnect.restore.plan import BlockTables, max_chunk_payload_bytes, plan_store, store_segments
 from kvconnect.layout.spec import ChunkKey
 from kvconnect.transfer.tables import SegmentBuilder, TransferTables, plane_table
-from test_transfer_cpu import NAMES, _random_tables
+from support.tables import NAMES, random_tables
 
 _cpu_kernels = pytest.importorskip("kvconnect._cpu_kernels")
 
@@ -116,7 +116,7 @@ def check_scatter(case, tables: TransferTables, buffer: torch.Tensor, shape) -> 
 @pytest.mark.parametrize("name", NAMES)
 def test_random_tables_match_the_cpu_kernel(name, shape, rng):
     case = zoo.build(name, max_tokens=260)
-    tables, used = _random_tables(case.layout(), rng, unique_slots=True)
+    tables, used = random_tables(case.layout(), rng, unique_slots=True)
     check_gather(case, tables, used, shape)
     buffer = torch.from_numpy(rng.integers(0, 256, used + 32, dtype=np.uint8))
     check_scatter(case, tables, buffer, shape)
@@ -186,7 +186,7 @@ def test_empty_tables_plan_nothing():
 def test_bad_input_is_refused():
     case = zoo.build("llama-flash", max_tokens=100)
     layout = case.layout()
-    tables, used = _random_tables(layout, np.random.default_rng(0), unique_slots=True)
+    tables, used = random_tables(layout, np.random.default_rng(0), unique_slots=True)
     for shape in [(8, 64, 0, 64), (64, 32, 0, 64), (24, 64, 0, 64), (64, 64, -1, 64)]:
         with pytest.raises(ValueError, match="staging|merge_gap"):
             staged_plan(layout, tables, used, True, shape)

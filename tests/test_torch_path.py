@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import zoo
+from support import zoo
 from kvconnect.transfer import dispatch
 from kvconnect.transfer.kernels import cpu_kernels
 from kvconnect.chunks.keys import Chunk

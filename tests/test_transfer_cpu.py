@@ -12,42 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-import zoo
+from support import zoo
 from kvconnect import TransferError
 from kvconnect.transfer import dispatch
-from kvconnect.transfer.tables import SegmentBuilder, TransferTables
+from kvconnect.transfer.tables import SegmentBuilder
+from support.tables import NAMES, bad_tables, one_segment, random_tables
 
-NAMES = ["llama-flash", "llama-hnd-flashinfer", "dsv3-mla-ascend", "dsv32-ascend", "dsv4-flash", "dsv4-flash-packed",
-         "vllm-cpu", "state-hybrid"]
 BACKENDS = ["cpu", "torch"]
-
-
-def _random_tables(layout, rng, *, unique_slots: bool, num_segments: int = 24, max_rows: int = 40):
-    """Random segments over random planes; runs of consecutive slots (which the CPU kernel
-    merges into one copy, across block edges too) mixed with scattered ones."""
-    builder = SegmentBuilder()
-    offset = 0
-    taken: dict = {}
-    for _ in range(num_segments):
-        p = int(rng.integers(len(layout.planes)))
-        plane = layout.planes[p]
-        n = int(rng.integers(1, min(max_rows, plane.num_slots) + 1))
-        free = np.setdiff1d(np.arange(plane.num_slots), list(taken.get(p, ()))) if unique_slots else np.arange(plane.num_slots)
-        if len(free) < n:
-            continue
-        if rng.random() < 0.5:  # a run of consecutive slots
-            start = int(rng.integers(0, plane.num_slots - n + 1))
-            slots = np.arange(start, start + n)
-            if unique_slots and set(slots.tolist()) & taken.get(p, set()):
-                continue
-        else:
-            slots = rng.choice(free, n, replace=False)
-        taken.setdefault(p, set()).update(slots.tolist())
-        slot_off = builder.add_slots(slots.astype(np.int64))
-        offset += int(rng.integers(0, 3)) * 7  # gaps between segments stay untouched
-        builder.add_segments(np.array([p]), np.array([n]), np.array([slot_off]), np.array([offset]))
-        offset += n * plane.row_bytes
-    return builder.build(), offset
 
 
 def _reference_rows(case, tables):
@@ -66,7 +37,7 @@ def _reference_rows(case, tables):
 def test_gather_matches_reference(name, rng):
     case = zoo.build(name, max_tokens=260)
     layout = case.layout()
-    tables, used_bytes = _random_tables(layout, rng, unique_slots=False)
+    tables, used_bytes = random_tables(layout, rng, unique_slots=False)
     expected = torch.full((used_bytes + 64,), 0xEE, dtype=torch.uint8)
     for off, plane, b, r, n in _reference_rows(case, tables):
         rows = plane.get(b, r).reshape(-1)
@@ -83,7 +54,7 @@ def test_gather_matches_reference(name, rng):
 @pytest.mark.parametrize("name", NAMES)
 def test_scatter_matches_reference(name, rng):
     src = zoo.build(name, max_tokens=260)
-    tables, used_bytes = _random_tables(src.layout(), rng, unique_slots=True)
+    tables, used_bytes = random_tables(src.layout(), rng, unique_slots=True)
     buffer = torch.from_numpy(rng.integers(0, 256, used_bytes + 64, dtype=np.uint8))
     buffer_before = buffer.clone()
     expected = src.clone()
@@ -102,7 +73,7 @@ def test_gather_scatter_round_trip_all_threads(rng):
     """Many pieces (the kernel's parallel path): gather then scatter into a clone restores it."""
     case = zoo.build("dsv3-mla", max_tokens=600)
     layout = case.layout()
-    tables, used = _random_tables(layout, rng, unique_slots=True, num_segments=60, max_rows=200)
+    tables, used = random_tables(layout, rng, unique_slots=True, num_segments=60, max_rows=200)
     assert tables.num_rows > 2000
     buffer = torch.zeros(used, dtype=torch.uint8)
     dispatch.gather(layout, tables, buffer, num_threads=4)
@@ -131,32 +102,6 @@ def test_empty_tables_are_a_no_op():
 # validation: TransferError before any byte moves
 
 
-def _one_segment(plane=0, num_rows=4, slot_offset=0, buffer_offset=0, slots=(0, 1, 2, 3)):
-    return TransferTables(
-        np.array([[plane, num_rows, slot_offset, buffer_offset]], dtype=np.int64), np.array(slots, dtype=np.int64)
-    )
-
-
-def _bad_tables(layout):
-    num_slots = layout.planes[0].num_slots
-    row_bytes = layout.planes[0].row_bytes
-    good = _one_segment()
-    return {
-        "slot past the plane": _one_segment(slots=(0, 1, 2, num_slots)),
-        "negative slot": _one_segment(slots=(0, -1, 2, 3)),
-        "plane index": _one_segment(plane=len(layout.planes)),
-        "negative plane": _one_segment(plane=-1),
-        "buffer overflow": _one_segment(buffer_offset=64 * row_bytes - 3 * row_bytes),
-        "negative buffer offset": _one_segment(buffer_offset=-1),
-        "slot table overrun": _one_segment(slot_offset=1),
-        "negative rows": _one_segment(num_rows=-1),
-        "segments dtype": TransferTables(good.segments.astype(np.int32), good.slots),
-        "segments shape": TransferTables(good.segments[:, :3].copy(), good.slots),
-        "slots dtype": TransferTables(good.segments, good.slots.astype(np.float64)),
-        "slots 2-D": TransferTables(good.segments, good.slots.reshape(2, 2)),
-    }
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
 def test_bad_tables_raise_and_touch_nothing(backend, direction):
@@ -165,7 +110,7 @@ def test_bad_tables_raise_and_touch_nothing(backend, direction):
     row_bytes = layout.planes[0].row_bytes
     cache_before = case.snapshot()
     fn = getattr(dispatch, direction)
-    for what, tables in _bad_tables(layout).items():
+    for what, tables in bad_tables(layout).items():
         buffer = torch.full((64 * row_bytes,), 0x3C, dtype=torch.uint8)
         with pytest.raises(TransferError):
             fn(layout, tables, buffer, backend=backend)
@@ -177,7 +122,7 @@ def test_bad_tables_raise_and_touch_nothing(backend, direction):
 def test_bad_buffers_raise(backend):
     case = zoo.build("dsv3-mla", max_tokens=200)
     layout = case.layout()
-    tables = _one_segment()
+    tables = one_segment()
     before = case.snapshot()
     n = 8 * layout.planes[0].row_bytes
     for buffer in (

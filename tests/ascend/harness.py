@@ -9,7 +9,7 @@ runner made with ``__new__``. ``RealCase.kv_caches`` is exactly what vLLM-Ascend
 connector's ``register_kv_caches``; ``RealCase.kv_cache_config`` is the connector's
 ``kv_cache_config``.
 
-Stand-ins (the product never sees them; documented, minimal):
+Stand-ins (the product never sees them; documented, minimal; tests/support/npu_stand_ins.py):
 - ``torch_npu``, ``acl``, ``torchvision`` (every submodule): modules whose attributes are
   placeholder classes that raise when called. Imports and annotations resolve; nothing NPU
   runs. ``torch_npu`` needs CANN's native libraries, which no package index has.
@@ -28,64 +28,15 @@ Stand-ins (the product never sees them; documented, minimal):
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
-import sys
-import types
 from dataclasses import dataclass
 from typing import Any
 
+from support import npu_stand_ins
+from support.npu_stand_ins import bare_module, ns
+
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-_STAND_IN_ROOTS = ("torch_npu", "acl", "torchvision")
-
-
-class _AbsentMeta(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _absent(f"{cls.__qualname__}.{name}")
-
-
-class _Absent(metaclass=_AbsentMeta):
-    def __init__(self, *args, **kwargs):
-        raise RuntimeError(f"{type(self).__qualname__}: an NPU stand-in was called on a CPU test machine")
-
-
-def _absent(path: str) -> type:
-    return _AbsentMeta(path.rsplit(".", 1)[-1], (_Absent,), {"__qualname__": path})
-
-
-def _stand_in_module(name: str, **attrs) -> types.ModuleType:
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    module.__path__ = []
-
-    def __getattr__(attr, _name=name):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _absent(f"{_name}.{attr}")
-
-    module.__getattr__ = __getattr__
-    for key, value in attrs.items():
-        setattr(module, key, value)
-    sys.modules[name] = module
-    return module
-
-
-class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in _STAND_IN_ROOTS:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _stand_in_module(spec.name)
-
-    def exec_module(self, module):
-        pass
 
 
 def available() -> bool:
@@ -102,12 +53,7 @@ def setup() -> None:
     global _READY
     if _READY:
         return
-    if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _StandInFinder())
-    import torch
-
-    if not hasattr(torch, "npu"):
-        torch.npu = _stand_in_module("torch.npu", is_available=lambda: False, device_count=lambda: 0)
+    npu_stand_ins.install()
     import vllm_ascend.utils as ascend_utils
 
     ascend_utils._ascend_device_type = ascend_utils.AscendDeviceType.A3
@@ -154,43 +100,29 @@ class RealCase:
 # configuration objects (only what the engine's code reads)
 
 
-def _ns(**kw):
-    return types.SimpleNamespace(**kw)
-
-
 def _vllm_config(*, block_size: int, hf: Any = None, model_type: str = "llama", num_blocks: int,
                  dcp: int = 1, forward_context: dict | None = None, cache_dtype: str = "auto") -> Any:
     import torch
 
-    hf = hf or _ns(model_type=model_type)
+    hf = hf or ns(model_type=model_type)
     hf.model_type = getattr(hf, "model_type", model_type)
-    model_config = _ns(hf_text_config=hf, hf_config=hf, max_model_len=8192, dtype=torch.bfloat16,
+    model_config = ns(hf_text_config=hf, hf_config=hf, max_model_len=8192, dtype=torch.bfloat16,
                        original_max_model_len=8192, use_mla=False, model_type=hf.model_type,
                        is_deepseek_mla=False)
-    return _ns(
+    return ns(
         model_config=model_config,
-        cache_config=_ns(block_size=block_size, cache_dtype=cache_dtype, num_gpu_blocks_override=num_blocks,
+        cache_config=ns(block_size=block_size, cache_dtype=cache_dtype, num_gpu_blocks_override=num_blocks,
                          enable_prefix_caching=True, kv_sharing_fast_prefill=False),
-        parallel_config=_ns(decode_context_parallel_size=dcp, prefill_context_parallel_size=1,
+        parallel_config=ns(decode_context_parallel_size=dcp, prefill_context_parallel_size=1,
                             tensor_parallel_size=1, pipeline_parallel_size=1, cp_kv_cache_interleave_size=1),
-        scheduler_config=_ns(disable_hybrid_kv_cache_manager=False, max_num_batched_tokens=2048),
+        scheduler_config=ns(disable_hybrid_kv_cache_manager=False, max_num_batched_tokens=2048),
         speculative_config=None,
-        kv_transfer_config=_ns(kv_connector="KVConnectConnector", kv_role="kv_both", is_kv_consumer=True,
+        kv_transfer_config=ns(kv_connector="KVConnectConnector", kv_role="kv_both", is_kv_consumer=True,
                                is_kv_producer=True, kv_connector_extra_config={}),
-        compilation_config=_ns(static_forward_context=forward_context if forward_context is not None else {}),
+        compilation_config=ns(static_forward_context=forward_context if forward_context is not None else {}),
         quant_config=None,
         additional_config={},
     )
-
-
-def _module(cls, **attrs):
-    import torch
-
-    obj = cls.__new__(cls)
-    torch.nn.Module.__init__(obj)
-    for key, value in attrs.items():
-        object.__setattr__(obj, key, value)
-    return obj
 
 
 def _runner(vllm_config, *, use_sparse=False, use_compress=False, attn_groups=(), attn_backend=None, **extra):
@@ -220,7 +152,7 @@ def _attn_groups(kv_cache_config, backend_of) -> list:
     """One attention group per (KV-cache group, backend), as the runner builds them."""
     groups = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        groups.append(_ns(backend=backend_of(g), kv_cache_spec=group.kv_cache_spec,
+        groups.append(ns(backend=backend_of(g), kv_cache_spec=group.kv_cache_spec,
                           layer_names=list(group.layer_names), kv_cache_group_id=g))
     return groups
 
@@ -282,16 +214,16 @@ def deepseek_mla(*, variant: str = "v3", block_size: int = 128, num_blocks: int 
 
     set_device(device)  # LI C8 dtypes follow the device (A2/A3: int8 K + fp16 scale)
     sparse = variant != "v3"
-    hf = _ns(model_type="deepseek_v32" if sparse else "deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64,
+    hf = ns(model_type="deepseek_v32" if sparse else "deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64,
              index_head_dim=128, index_n_heads=64, index_topk=2048)
     ctx: dict = {}
     vc = _vllm_config(block_size=block_size, hf=hf, num_blocks=num_blocks, dcp=dcp, forward_context=ctx)
     for i in range(2):
         name = f"model.layers.{i}.self_attn.attn"
-        impl = _ns(has_indexer=(i == 0), enable_sparse_sfa_c8=False, enable_sparse_li_c8=(variant == "v32-c8" and i == 0),
+        impl = ns(has_indexer=(i == 0), enable_sparse_sfa_c8=False, enable_sparse_li_c8=(variant == "v32-c8" and i == 0),
                    fa_quant_layer=False)
         spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-        layer = _module(MLAAttention, impl=impl, kv_lora_rank=512, qk_rope_head_dim=64, head_size=512,
+        layer = bare_module(MLAAttention, impl=impl, kv_lora_rank=512, qk_rope_head_dim=64, head_size=512,
                         kv_sharing_target_layer_name=None, layer_name=name)
         object.__setattr__(layer, "get_kv_cache_spec", lambda _vc, _s=spec: _s)
         ctx[name] = layer
@@ -324,30 +256,30 @@ def deepseek_v4(*, device: str = "A3", block_size: int = 128, num_blocks: int = 
     from vllm_ascend.models.layer.attention.layer import DSV4_BLOCK_SIZES, DSAAttention
 
     sizes = DSV4_BLOCK_SIZES[block_size][0]
-    hf = _ns(model_type="deepseek_v4", compress_ratios=list(DSV4_LAYERS), num_hidden_layers=len(DSV4_LAYERS),
+    hf = ns(model_type="deepseek_v4", compress_ratios=list(DSV4_LAYERS), num_hidden_layers=len(DSV4_LAYERS),
              sliding_window=128, head_dim=512, index_head_dim=128)
     ctx: dict = {}
     vc = _vllm_config(block_size=block_size, hf=hf, num_blocks=num_blocks, forward_context=ctx)
     cache_cfg = vc.cache_config
     for i, ratio in enumerate(DSV4_LAYERS):
         p = f"model.layers.{i}.self_attn"
-        ctx[f"{p}.swa_cache"] = _module(m.AscendDeepseekV4SWACache, head_dim=512, window_size=128, dtype=torch.bfloat16,
+        ctx[f"{p}.swa_cache"] = bare_module(m.AscendDeepseekV4SWACache, head_dim=512, window_size=128, dtype=torch.bfloat16,
                                         block_size=sizes[1], cache_config=cache_cfg, prefix=f"{p}.swa_cache")
         if ratio <= 1:
             continue
-        ctx[p] = _module(DSAAttention, compress_ratio=ratio, kv_cache_dtype="auto", head_size=512, prefix=p,
+        ctx[p] = bare_module(DSAAttention, compress_ratio=ratio, kv_cache_dtype="auto", head_size=512, prefix=p,
                          attn_backend=AscendDSABackend)
         state_block = sizes[2] if ratio == 4 else sizes[3]
         coff = 2 if ratio == 4 else 1
-        ctx[f"{p}.compressor.state_cache"] = _module(
+        ctx[f"{p}.compressor.state_cache"] = bare_module(
             m.AscendCompressorStateCache, state_dim=2 * coff * 512, dtype=torch.float32, compress_ratio=ratio,
             block_size=state_block, sliding_window=coff * ratio, prefix=f"{p}.compressor.state_cache")
         if ratio == 4:
-            ctx[f"{p}.indexer.k_cache"] = _module(
+            ctx[f"{p}.indexer.k_cache"] = bare_module(
                 m.AscendDeepseekV4IndexerCache, head_dim=128,
                 dtype=torch.float8_e4m3fn if device == "A5" else torch.int8, prefix=f"{p}.indexer.k_cache",
                 cache_config=cache_cfg, compress_ratio=ratio)
-            ctx[f"{p}.indexer.compressor.state_cache"] = _module(
+            ctx[f"{p}.indexer.compressor.state_cache"] = bare_module(
                 m.AscendCompressorStateCache, state_dim=2 * coff * 128, dtype=torch.float32, compress_ratio=ratio,
                 block_size=state_block, sliding_window=coff * ratio, prefix=f"{p}.indexer.compressor.state_cache")
     specs = {name: layer.get_kv_cache_spec(vc) for name, layer in ctx.items()}

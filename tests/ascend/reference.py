@@ -131,3 +131,53 @@ class RequestBlocks:
 
     def table(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(ids) for ids in self.ids)
+
+
+# -- reading a request's rows by that addressing (shared by test_real_layouts and test_scheduler_side)
+
+CHUNK = 256  # the connector's chunk in these suites
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() > 1 or t.dtype != torch.uint8 else t
+
+
+def storages(case) -> list[torch.Tensor]:
+    """Every distinct backing allocation of the registered caches, as flat bytes."""
+    seen, out = set(), []
+    for value in case.kv_caches.values():
+        for t in tensors_of(value):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+    return out
+
+
+def randomize(case, gen: torch.Generator) -> None:
+    for flat in storages(case):
+        flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
+
+
+def needed_rows(case, rules, tables, boundary):
+    """{(layer, tensor index): [(block, row), ...]} the engine reads to resume at ``boundary``."""
+    groups = layer_group(case)
+    out = {}
+    for layer, value in case.kv_caches.items():
+        g = groups[layer]
+        rule = rules[g]
+        split = split_of(case, rule)
+        addresses = [row_address(rule, list(tables[g]), r, split) for r in rule.needed_rows(boundary)]
+        for i, _ in enumerate(tensors_of(value)):
+            if is_byte_handle(case, layer, i):
+                continue
+            out[(layer, i)] = addresses
+    return out
+
+
+def gather(case, rows) -> dict:
+    out = {}
+    for (layer, i), addresses in rows.items():
+        t = tensors_of(case.kv_caches[layer])[i]
+        out[(layer, i)] = [(as_bytes(t[b, r]).clone()) for b, r in addresses]
+    return out

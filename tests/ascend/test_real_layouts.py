@@ -17,10 +17,9 @@ import torch
 
 import harness
 import reference as ref
+from reference import CHUNK, as_bytes, gather, needed_rows, randomize
 from kvconnect import Config, KVCacheEngine
 from kvconnect.integrations.vllm import translate
-
-CHUNK = 256
 
 CASES = {
     "llama-gqa": lambda: harness.gqa(num_blocks=24),
@@ -42,51 +41,6 @@ def build(name):
     if name not in _BUILT:
         _BUILT[name] = CASES[name]()
     return _BUILT[name]
-
-
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() > 1 or t.dtype != torch.uint8 else t
-
-
-def _storages(case) -> list[torch.Tensor]:
-    """Every distinct backing allocation of the registered caches, as flat bytes."""
-    seen, out = set(), []
-    for value in case.kv_caches.values():
-        for t in ref.tensors_of(value):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                out.append(torch.empty(0, dtype=torch.uint8).set_(storage))
-    return out
-
-
-def randomize(case, gen: torch.Generator) -> None:
-    for flat in _storages(case):
-        flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
-
-
-def needed_rows(case, rules, tables, boundary):
-    """{(layer, tensor index): [(block, row), ...]} the engine reads to resume at ``boundary``."""
-    groups = ref.layer_group(case)
-    out = {}
-    for layer, value in case.kv_caches.items():
-        g = groups[layer]
-        rule = rules[g]
-        split = ref.split_of(case, rule)
-        addresses = [ref.row_address(rule, list(tables[g]), r, split) for r in rule.needed_rows(boundary)]
-        for i, _ in enumerate(ref.tensors_of(value)):
-            if ref.is_byte_handle(case, layer, i):
-                continue
-            out[(layer, i)] = addresses
-    return out
-
-
-def gather(case, rows) -> dict:
-    out = {}
-    for (layer, i), addresses in rows.items():
-        t = ref.tensors_of(case.kv_caches[layer])[i]
-        out[(layer, i)] = [(_u8(t[b, r]).clone()) for b, r in addresses]
-    return out
 
 
 def prefill(case, engine, translation, rules, tokens, pool, gen, step, *, drop_last_window=False):
@@ -139,7 +93,7 @@ def test_round_trip_on_real_allocation(name, num_tokens, step):
         randomize(case, gen)
         dst = ref.RequestBlocks(rules, pool)
         dst.advance(boundary, boundary)
-        before = {k: _u8(t).clone() for k, t in _all_views(case).items()}
+        before = {k: as_bytes(t).clone() for k, t in _all_views(case).items()}
         assert engine.retrieve(tokens[:boundary], translation.block_tables(dst.table())) == boundary
         got = gather(case, needed_rows(case, rules, dst.table(), boundary))
         for key, rows in expected.items():
@@ -158,7 +112,7 @@ def _all_views(case) -> dict:
 def _assert_only_owned_blocks_changed(case, rules, dst, before) -> None:
     owned = {b for ids in dst.ids for b in ids if b}
     for key, t in _all_views(case).items():
-        changed = (_u8(t) != before[key]).flatten(1).any(1).nonzero().flatten().tolist()
+        changed = (as_bytes(t) != before[key]).flatten(1).any(1).nonzero().flatten().tolist()
         split = t.shape[0] // case.num_blocks if t.shape[0] >= case.num_blocks else 1
         outside = [kb for kb in changed if kb // split not in owned]
         assert not outside, f"{key}: blocks {outside[:5]} changed but the request owns none of them"
@@ -229,6 +183,6 @@ def test_deepseek_v4_chunks_do_not_depend_on_the_configured_block_size():
 
 
 def zoo_transplant(src, dst, tokens) -> int:
-    import zoo
+    from support import zoo
 
     return zoo.transplant(src, dst, tokens)

@@ -18,9 +18,9 @@ import torch
 
 import harness
 import reference as ref
+from reference import CHUNK, gather, needed_rows, randomize
 from kvconnect import Config, KVCacheEngine
 from kvconnect.integrations.vllm import translate
-from test_real_layouts import CHUNK, gather, needed_rows, randomize
 
 
 def _manager(case):

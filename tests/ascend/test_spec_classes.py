@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import spec_classes
+from support import spec_classes
 from kvconnect.integrations.vllm import engine_tables, specs
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"

@@ -26,15 +26,16 @@ import types
 
 os.environ["VLLM_PLUGINS"] = ""
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # harness, support
 
-import harness  # noqa: E402
+import harness  # noqa: E402,F401  (its environment defaults)
+from support import npu_stand_ins  # noqa: E402
 
-sys.meta_path.insert(0, harness._StandInFinder())
+sys.meta_path.insert(0, npu_stand_ins.StandInFinder())
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-torch.npu = harness._stand_in_module("torch.npu", is_available=lambda: False, device_count=lambda: 0)
+torch.npu = npu_stand_ins.stand_in_module("torch.npu", is_available=lambda: False, device_count=lambda: 0)
 
 LAYERS = (0, 4, 128, 4)
 BLOCK = 256  # vLLM's DeepSeek V4 block size (tokens)
@@ -58,21 +59,21 @@ def build(num_blocks: int):
     layers = {}
     for i, ratio in enumerate(LAYERS):
         p = f"model.layers.{i}.attn"
-        layers[f"{p}.swa_cache"] = harness._module(DeepseekV4SWACache, head_dim=584, window_size=128, dtype=torch.uint8,
+        layers[f"{p}.swa_cache"] = npu_stand_ins.bare_module(DeepseekV4SWACache, head_dim=584, window_size=128, dtype=torch.uint8,
                                                     block_size=64, cache_config=cache_config, prefix=f"{p}.swa_cache")
         if ratio <= 1:
             continue
-        layers[p] = harness._module(MLA, compress_ratio=ratio, kv_cache_dtype="fp8_ds_mla", head_dim=512,
+        layers[p] = npu_stand_ins.bare_module(MLA, compress_ratio=ratio, kv_cache_dtype="fp8_ds_mla", head_dim=512,
                                     kv_cache_torch_dtype=torch.uint8, prefix=p)
         coff = 1 + (ratio == 4)
-        layers[f"{p}.compressor.state_cache"] = harness._module(
+        layers[f"{p}.compressor.state_cache"] = npu_stand_ins.bare_module(
             CompressorStateCache, state_dim=2 * coff * 512, dtype=torch.float32, prefix=f"{p}.compressor.state_cache",
             sliding_window=coff * ratio, block_size=4 if ratio == 4 else 8)
         if ratio == 4:
-            layers[f"{p}.indexer.k_cache"] = harness._module(
+            layers[f"{p}.indexer.k_cache"] = npu_stand_ins.bare_module(
                 DeepseekV4IndexerCache, head_dim=132, dtype=torch.uint8, prefix=f"{p}.indexer.k_cache",
                 cache_config=cache_config, compress_ratio=4)
-            layers[f"{p}.indexer.compressor.state_cache"] = harness._module(
+            layers[f"{p}.indexer.compressor.state_cache"] = npu_stand_ins.bare_module(
                 CompressorStateCache, state_dim=2 * coff * 128, dtype=torch.float32,
                 prefix=f"{p}.indexer.compressor.state_cache", sliding_window=coff * ratio, block_size=4)
     specs = {name: layer.get_kv_cache_spec(vc) for name, layer in layers.items()}

@@ -17,7 +17,7 @@ What runs is that release's code, unchanged (venv from .ci/install_ascend013.sh)
   (vllm_ascend/worker/block_table.py), as ``NPUModelRunner._prepare_inputs`` calls them.
 
 Stand-ins (the product never sees them): ``torch_npu``, ``acl``, ``torchvision`` and
-``torch.npu`` as in tests/ascend/harness.py (placeholders that raise when called);
+``torch.npu`` from tests/support/npu_stand_ins.py (placeholders that raise when called);
 ``vllm_ascend.utils._ascend_device_type`` set to A3 (A5's specs cannot be built by this
 release: ``get_kv_cache_spec`` passes ``nope_dytpe``/``rope_dytpe``/``scale_dytpe``, which
 ``Compress4AttentionSpec`` does not take); layer modules made with ``__new__``; runner
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +38,8 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ["USE_MULTI_BLOCK_POOL"] = "1"  # the release's DeepSeek V4 guide: export USE_MULTI_BLOCK_POOL=1
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ascend"))
-from harness import _module, _ns, _stand_in_module, _StandInFinder  # noqa: E402  (tests/ascend: the stand-ins)
+from support import npu_stand_ins  # noqa: E402
+from support.npu_stand_ins import bare_module, ns  # noqa: E402
 
 RELEASE = "0.13.0rc3"
 NUM_LAYERS = 6  # layers 0, 1: no spec (SWA only); 2, 4: C4; 3, 5: C128
@@ -66,12 +65,7 @@ def setup() -> None:
     global _READY
     if _READY:
         return
-    if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _StandInFinder())
-    import torch
-
-    if not hasattr(torch, "npu"):
-        torch.npu = _stand_in_module("torch.npu", is_available=lambda: False, device_count=lambda: 0)
+    npu_stand_ins.install()
     import vllm_ascend.utils as ascend_utils
 
     ascend_utils._ascend_device_type = ascend_utils.AscendDeviceType.A3
@@ -154,19 +148,19 @@ def read_rows(cache, slots, width: int):
 def _vllm_config(ctx: dict, hf: Any) -> Any:
     import torch
 
-    model_config = _ns(hf_text_config=hf, hf_config=hf, max_model_len=MAX_MODEL_LEN, dtype=torch.bfloat16,
+    model_config = ns(hf_text_config=hf, hf_config=hf, max_model_len=MAX_MODEL_LEN, dtype=torch.bfloat16,
                        use_mla=True, model_type="deepseek_v4")
-    return _ns(
+    return ns(
         model_config=model_config,
-        cache_config=_ns(block_size=BLOCK_SIZE, cache_dtype="auto", num_gpu_blocks_override=None,
+        cache_config=ns(block_size=BLOCK_SIZE, cache_dtype="auto", num_gpu_blocks_override=None,
                          enable_prefix_caching=False),
-        parallel_config=_ns(decode_context_parallel_size=1, prefill_context_parallel_size=1, tensor_parallel_size=1,
+        parallel_config=ns(decode_context_parallel_size=1, prefill_context_parallel_size=1, tensor_parallel_size=1,
                             pipeline_parallel_size=1, cp_kv_cache_interleave_size=1),
-        scheduler_config=_ns(disable_hybrid_kv_cache_manager=False, max_num_batched_tokens=8192),
+        scheduler_config=ns(disable_hybrid_kv_cache_manager=False, max_num_batched_tokens=8192),
         speculative_config=None,
-        kv_transfer_config=_ns(kv_connector="KVConnectConnector", kv_role="kv_both", is_kv_consumer=True,
+        kv_transfer_config=ns(kv_connector="KVConnectConnector", kv_role="kv_both", is_kv_consumer=True,
                                is_kv_producer=True, kv_connector_extra_config={}),
-        compilation_config=_ns(static_forward_context=ctx),
+        compilation_config=ns(static_forward_context=ctx),
         quant_config=None, additional_config={},
     )
 
@@ -184,12 +178,12 @@ def deepseek_v4(*, num_blocks_memory: int = 1024, device: str = "A3") -> Case:
     from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
 
     ratios = [1, 1] + [4 if i % 2 == 0 else 128 for i in range(2, NUM_LAYERS)]  # layers 0, 1: C1 (SWA only)
-    hf = _ns(model_type="deepseek_v4", compress_ratios=ratios, num_hidden_layers=NUM_LAYERS, head_dim=HEAD_DIM,
+    hf = ns(model_type="deepseek_v4", compress_ratios=ratios, num_hidden_layers=NUM_LAYERS, head_dim=HEAD_DIM,
              rope_head_dim=ROPE_DIM, index_head_dim=INDEX_HEAD_DIM, sliding_window=128)
     ctx: dict = {}
     for i in range(NUM_LAYERS):
         name = f"model.layers.{i}.self_attn.attn"
-        ctx[name] = _module(DSAAttention, layer_name=name, kv_sharing_target_layer_name=None)
+        ctx[name] = bare_module(DSAAttention, layer_name=name, kv_sharing_target_layer_name=None)
     vc = _vllm_config(ctx, hf)
     runner = NPUModelRunner.__new__(NPUModelRunner)
     for key, value in dict(
@@ -208,7 +202,7 @@ def deepseek_v4(*, num_blocks_memory: int = 1024, device: str = "A3") -> Case:
     groups = kv_cache_utils.get_kv_cache_groups(vc, specs)
     per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
     config = kv_cache_utils.get_kv_cache_config_from_groups(vc, groups, per_block * num_blocks_memory)
-    runner.attn_groups = [[_ns(backend=AscendDSABackend, kv_cache_spec=g.kv_cache_spec, layer_names=list(g.layer_names),
+    runner.attn_groups = [[ns(backend=AscendDSABackend, kv_cache_spec=g.kv_cache_spec, layer_names=list(g.layer_names),
                                kv_cache_group_id=i)] for i, g in enumerate(config.kv_cache_groups)]
     runner.kv_cache_config = config
     raw = runner._allocate_kv_cache_tensors(config)

@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Builds a tiny random model on first request: ``tiny_models(kind) -> directory``."""
-    import tiny_models as builders  # imports transformers: only where the engine is installed
+    from support import tiny_models as builders  # imports transformers: only where the engine is installed
 
     root = tmp_path_factory.mktemp("tiny_models")
     built: dict[str, str] = {}
@@ -66,4 +66,4 @@ def run_vllm(tmp_path):
 
 
 def pytest_configure(config):
-    sys.path.insert(0, str(HERE))  # tiny_models, vllm_run
+    sys.path.insert(0, str(HERE))  # vllm_run

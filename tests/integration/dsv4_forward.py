@@ -33,6 +33,8 @@ import re
 import sys
 import time
 
+from connector_hooks import record_loads
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 HARNESS = os.path.join(HERE, "dsv4_harness")
 
@@ -93,28 +95,14 @@ class _LoadRecorder:
         self.group_block_tokens: dict[int, int] = {}
 
     def install(self) -> None:
-        from kvconnect.integrations.vllm.connector import KVConnectConnector
-        from kvconnect.integrations.vllm.worker import KVConnectWorker
+        record_loads(self.loads, self._registered, self._randomize)
 
-        recorder = self
-        register, load_one = KVConnectConnector.register_kv_caches, KVConnectWorker._load_one
-
-        def register_kv_caches(connector, kv_caches):
-            recorder.kv_caches = dict(kv_caches)
-            for g, group in enumerate(connector._kv_cache_config.kv_cache_groups):
-                recorder.group_block_tokens[g] = int(group.kv_cache_spec.block_size)
-                for name in group.layer_names:
-                    recorder.layer_group[name] = g
-            return register(connector, kv_caches)
-
-        def _load_one(worker, job):
-            landed = load_one(worker, job)
-            recorder.loads.append({"hit": int(job.end_tokens), "loaded": int(landed - job.present_tokens),
-                                   "randomized": recorder._randomize(job.block_ids, int(landed))})
-            return landed
-
-        KVConnectConnector.register_kv_caches = register_kv_caches
-        KVConnectWorker._load_one = _load_one
+    def _registered(self, connector, kv_caches) -> None:
+        self.kv_caches = dict(kv_caches)
+        for g, group in enumerate(connector._kv_cache_config.kv_cache_groups):
+            self.group_block_tokens[g] = int(group.kv_cache_spec.block_size)
+            for name in group.layer_names:
+                self.layer_group[name] = g
 
     def _randomize(self, block_ids, hit_tokens: int) -> dict[str, int]:
         import torch

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -55,6 +56,21 @@ def post(url: str, body: dict, timeout: float = 180.0, headers: Optional[dict] =
                                  headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+MAX_TOKENS = 12  # every P/D test's completion length
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    """Random token-id prompts of ``lengths``, a pure function of ``seed``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+def completion(base: str, model: str, prompt: list[int], **extra) -> list[int]:
+    """A greedy completion of ``prompt`` from the server at ``base``: its token ids."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True, **extra}
+    return post(base + "/v1/completions", body)["choices"][0]["token_ids"]
 
 
 def metric(text: str, name: str) -> float:
@@ -223,8 +239,7 @@ class PDCluster:
 
     def _start_mooncake(self) -> None:
         """A master on a free loopback port, and the node server holding the node's segment."""
-        sys.path.insert(0, str(REPO / "tests" / "storage"))
-        from mooncake_master import MooncakeMaster, NodeHolder
+        from support.mooncake_master import MooncakeMaster, NodeHolder
 
         self.mooncake_master = MooncakeMaster(self.workdir / "mooncake-master").start()
         self.remote_url = self.mooncake_master.url
@@ -236,7 +251,7 @@ class PDCluster:
         env = vllm_env(cores)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache (the reset tests), on loopback only
         if self.tier == "mooncake":  # Mooncake's TCP listener on loopback, its logs quiet
-            from mooncake_master import CLIENT_ENV
+            from support.mooncake_master import CLIENT_ENV
 
             env.update(CLIENT_ENV)
         return env

@@ -26,6 +26,8 @@ import math
 import os
 import time
 
+from connector_hooks import record_loads
+
 
 def _bool(s: str) -> bool:
     return s.lower() in ("1", "true", "yes")
@@ -42,28 +44,14 @@ class _LoadRecorder:
         self.state_groups: dict[int, tuple[int, list[str]]] = {}  # vLLM group -> (block size, layers)
 
     def install(self) -> None:
-        from kvconnect.integrations.vllm.connector import KVConnectConnector
-        from kvconnect.integrations.vllm.worker import KVConnectWorker
+        record_loads(self.loads, self._registered, self._randomize)
 
-        recorder = self
-        register, load_one = KVConnectConnector.register_kv_caches, KVConnectWorker._load_one
-
-        def register_kv_caches(connector, kv_caches, *args):
-            recorder.kv_caches = dict(kv_caches)
-            for g, group in enumerate(connector._kv_cache_config.kv_cache_groups):
-                if type(group.kv_cache_spec).__name__ == "MambaSpec":
-                    spec = group.kv_cache_spec
-                    recorder.state_groups[g] = (int(spec.block_size), list(group.layer_names), spec)
-            return register(connector, kv_caches, *args)
-
-        def _load_one(worker, job):
-            landed = load_one(worker, job)
-            recorder.loads.append({"hit": int(job.end_tokens), "loaded": int(landed - job.present_tokens),
-                                   "randomized": recorder._randomize(job.block_ids, int(landed))})
-            return landed
-
-        KVConnectConnector.register_kv_caches = register_kv_caches
-        KVConnectWorker._load_one = _load_one
+    def _registered(self, connector, kv_caches) -> None:
+        self.kv_caches = dict(kv_caches)
+        for g, group in enumerate(connector._kv_cache_config.kv_cache_groups):
+            if type(group.kv_cache_spec).__name__ == "MambaSpec":
+                spec = group.kv_cache_spec
+                self.state_groups[g] = (int(spec.block_size), list(group.layer_names), spec)
 
     def _randomize(self, block_ids, landed: int) -> int:
         """Overwrite the state blocks of the restore point ``landed`` (block-table row landed / B - 1

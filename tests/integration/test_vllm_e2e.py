@@ -23,7 +23,7 @@ import json
 import random
 
 import pytest
-from tiny_models import random_tokens
+from support.tiny_models import random_tokens
 
 pytestmark = [
     pytest.mark.vllm,

@@ -13,16 +13,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
-from tiny_models import random_tokens
+from support.tiny_models import random_tokens
 
-STORAGE = Path(__file__).resolve().parents[1] / "storage"
-sys.path.insert(0, str(STORAGE))
 
-from mooncake_master import MooncakeMaster, NodeHolder, mooncake_available  # noqa: E402
+from support.mooncake_master import MooncakeMaster, NodeHolder, mooncake_available  # noqa: E402
 
 _REASON = mooncake_available()
 pytestmark = [

@@ -22,7 +22,6 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import json
-import random
 import threading
 import time
 from pathlib import Path
@@ -39,34 +38,22 @@ pytestmark = [
 
 CHUNK, BLOCK = 64, 32
 WAIT_TIMEOUT_S = 3.0
-MAX_TOKENS = 12
-
-
-def prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
 
 # every prompt any test sends, so that the plain server answers them all once, up front
-SEQUENTIAL = prompts(1, (300, 577, 130, 64, 1000))
-CONCURRENT = prompts(2, (350, 420, 260, 500))
-AFTER_ABORT = prompts(3, (333,))
-NEVER_STORED = prompts(4, (400,))
-KILLED = prompts(5, (450,))
-ABORTED = prompts(6, (380,))[0]
-RESET = {"producer": prompts(7, (420,))[0], "consumer": prompts(8, (390,))[0]}
-OLD_PARAMS = prompts(9, (360,))[0]
-
-
-def completion(base: str, model: str, prompt: list[int], **extra) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True, **extra}
-    out = pc.post(base + "/v1/completions", body)
-    return out["choices"][0]["token_ids"]
+SEQUENTIAL = pc.prompts(1, (300, 577, 130, 64, 1000))
+CONCURRENT = pc.prompts(2, (350, 420, 260, 500))
+AFTER_ABORT = pc.prompts(3, (333,))
+NEVER_STORED = pc.prompts(4, (400,))
+KILLED = pc.prompts(5, (450,))
+ABORTED = pc.prompts(6, (380,))[0]
+RESET = {"producer": pc.prompts(7, (420,))[0], "consumer": pc.prompts(8, (390,))[0]}
+OLD_PARAMS = pc.prompts(9, (360,))[0]
 
 
 def completion_logprobs(base: str, model: str, prompt: list[int], **extra) -> tuple[list[int], list[float]]:
     """Greedy output ids and the chosen tokens' logprobs (compared to the bit: JSON floats round-trip)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": pc.MAX_TOKENS, "temperature": 0.0, "return_token_ids": True,
             "logprobs": 1, "return_tokens_as_token_ids": True, **extra}
     choice = pc.post(base + "/v1/completions", body)["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
@@ -74,7 +61,7 @@ def completion_logprobs(base: str, model: str, prompt: list[int], **extra) -> tu
 
 @pytest.fixture(scope="module")
 def pd_llama(tmp_path_factory):
-    import tiny_models
+    from support import tiny_models
 
     work = tmp_path_factory.mktemp("pd_llama")
     model = tiny_models.make_llama(str(work / "llama"))
@@ -84,7 +71,7 @@ def pd_llama(tmp_path_factory):
         try:
             cluster.start(plain)
             everything = SEQUENTIAL + CONCURRENT + AFTER_ABORT + NEVER_STORED + KILLED
-            reference = {tuple(p): completion(plain.url, model, p) for p in everything}
+            reference = {tuple(p): pc.completion(plain.url, model, p) for p in everything}
             with_logprobs = {tuple(p): completion_logprobs(plain.url, model, p) for p in (*RESET.values(), OLD_PARAMS)}
         finally:
             plain.stop()  # the reference is taken: free its memory and core
@@ -126,7 +113,7 @@ def test_sequential_requests_through_the_router_equal_one_plain_server_and_decod
     c = pd_llama
     before_p, before_d = scrape(c, "producer"), scrape(c, "consumer")
     for p in SEQUENTIAL:
-        assert completion(c.router_url, c.model, p) == c.reference[tuple(p)], len(p)
+        assert pc.completion(c.router_url, c.model, p) == c.reference[tuple(p)], len(p)
     prompt_tokens = sum(len(p) for p in SEQUENTIAL)
     # the decode side restores every prompt up to its last block edge (the producer stored that far)
     loadable = sum(len(p) // BLOCK * BLOCK for p in SEQUENTIAL)
@@ -149,7 +136,7 @@ def test_four_concurrent_requests_through_the_router(pd_llama):
 
     def run(i: int) -> None:
         try:
-            results[i] = completion(c.router_url, c.model, CONCURRENT[i])
+            results[i] = pc.completion(c.router_url, c.model, CONCURRENT[i])
         except Exception as exc:  # reported below, with the others
             results[i] = exc
 
@@ -180,7 +167,7 @@ def test_a_client_abort_mid_decode_leaves_both_servers_serving(pd_llama):
     figures = settle(c, "consumer", lambda f: f["num_requests_running"] == 0 and f["num_requests_waiting"] == 0, 60)
     assert figures["num_requests_running"] == 0, "the aborted request is still decoding"
     for p in AFTER_ABORT:
-        assert completion(c.router_url, c.model, p) == c.reference[tuple(p)]
+        assert pc.completion(c.router_url, c.model, p) == c.reference[tuple(p)]
 
 
 def test_the_consumer_recomputes_after_the_timeout_when_the_producer_never_stored(pd_llama):
@@ -194,7 +181,7 @@ def test_the_consumer_recomputes_after_the_timeout_when_the_producer_never_store
                            prompt_digest=prompt_digest(__import__("numpy").asarray(p)), engine_id="gone").to_params()
     before = scrape(c, "consumer")
     start = time.monotonic()
-    assert completion(c.consumer_url, c.model, p, kv_transfer_params=params) == c.reference[tuple(p)]
+    assert pc.completion(c.consumer_url, c.model, p, kv_transfer_params=params) == c.reference[tuple(p)]
     assert time.monotonic() - start >= WAIT_TIMEOUT_S
     d = delta(settle(c, "consumer", lambda f: f["kvconnect_pd_remote_prefill_timeouts_total"] > before["kvconnect_pd_remote_prefill_timeouts_total"]), before)
     assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 1
@@ -277,7 +264,7 @@ def test_producer_killed_between_prefill_and_decode(pd_llama):
     assert params["do_remote_prefill"] is True and params["kvconnect"]["tokens"] == len(p) // BLOCK * BLOCK
     c.procs["producer"].kill()
     before = scrape(c, "consumer")
-    assert completion(c.consumer_url, c.model, p, kv_transfer_params=params) == c.reference[tuple(p)]
+    assert pc.completion(c.consumer_url, c.model, p, kv_transfer_params=params) == c.reference[tuple(p)]
     named = len(p) // BLOCK * BLOCK
     d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] - before["kvconnect_retrieved_tokens_total"] == named
                      or f["kvconnect_pd_remote_prefill_timeouts_total"] > before["kvconnect_pd_remote_prefill_timeouts_total"]), before)

@@ -11,18 +11,13 @@ restore gate) and its outputs must equal one plain ``vllm serve``'s.
 from __future__ import annotations
 
 import importlib.util
-import random
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 import pd_cluster as pc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
-from redis_server import RedisNode, redis_available  # noqa: E402
+from support.redis_server import RedisNode, redis_available  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -32,26 +27,15 @@ pytestmark = [
 ]
 
 CHUNK, BLOCK, WINDOW = 64, 32, 64
-MAX_TOKENS = 12
 
 
-def prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
-
-
-SEQUENTIAL = prompts(11, (300, 520, 610, 777))
-CONCURRENT = prompts(12, (510, 450, 680, 390))
-
-
-def completion(base: str, model: str, prompt: list[int]) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True}
-    return pc.post(base + "/v1/completions", body)["choices"][0]["token_ids"]
+SEQUENTIAL = pc.prompts(11, (300, 520, 610, 777))
+CONCURRENT = pc.prompts(12, (510, 450, 680, 390))
 
 
 @pytest.fixture(scope="module")
 def pd_gemma(tmp_path_factory):
-    import tiny_models
+    from support import tiny_models
 
     work = tmp_path_factory.mktemp("pd_gemma")
     model = tiny_models.make_gemma3(str(work / "gemma3"), sliding_window=WINDOW)
@@ -61,7 +45,7 @@ def pd_gemma(tmp_path_factory):
     try:
         try:
             cluster.start(plain)
-            cluster.reference = {tuple(p): completion(plain.url, model, p) for p in SEQUENTIAL + CONCURRENT}
+            cluster.reference = {tuple(p): pc.completion(plain.url, model, p) for p in SEQUENTIAL + CONCURRENT}
         finally:
             plain.stop()
         cluster.model = model
@@ -86,12 +70,12 @@ def figures(cluster: pc.PDCluster, role: str) -> dict[str, float]:
 def test_hybrid_sequential_and_concurrent_equal_one_plain_server(pd_gemma):
     c = pd_gemma
     for p in SEQUENTIAL:
-        assert completion(c.router_url, c.model, p) == c.reference[tuple(p)], len(p)
+        assert pc.completion(c.router_url, c.model, p) == c.reference[tuple(p)], len(p)
     results: dict[int, object] = {}
 
     def run(i: int) -> None:
         try:
-            results[i] = completion(c.router_url, c.model, CONCURRENT[i])
+            results[i] = pc.completion(c.router_url, c.model, CONCURRENT[i])
         except Exception as exc:
             results[i] = exc
 

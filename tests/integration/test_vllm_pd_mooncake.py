@@ -15,20 +15,15 @@ decode side reports a hit only where both groups restore. Outputs must equal one
 from __future__ import annotations
 
 import importlib.util
-import random
 import re
-import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 
 import pd_cluster as pc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
-from mooncake_master import mooncake_available  # noqa: E402
+from support.mooncake_master import mooncake_available  # noqa: E402
 
 _VLLM = importlib.util.find_spec("vllm") is not None
 _MOONCAKE = mooncake_available() if _VLLM else "vllm is not installed"
@@ -40,26 +35,15 @@ pytestmark = [
 ]
 
 CHUNK, BLOCK, WINDOW = 64, 32, 64
-MAX_TOKENS = 12
 
 
-def prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
-
-
-SEQUENTIAL = prompts(21, (300, 520, 610, 777))
-CONCURRENT = prompts(22, (510, 450, 680, 390))
-
-
-def completion(base: str, model: str, prompt: list[int]) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True}
-    return pc.post(base + "/v1/completions", body)["choices"][0]["token_ids"]
+SEQUENTIAL = pc.prompts(21, (300, 520, 610, 777))
+CONCURRENT = pc.prompts(22, (510, 450, 680, 390))
 
 
 @pytest.fixture(scope="module")
 def pd_mooncake(tmp_path_factory):
-    import tiny_models
+    from support import tiny_models
 
     work = tmp_path_factory.mktemp("pd_mooncake")
     model = tiny_models.make_gemma3(str(work / "gemma3"), sliding_window=WINDOW)
@@ -68,7 +52,7 @@ def pd_mooncake(tmp_path_factory):
     try:
         try:
             cluster.start(plain)
-            cluster.reference = {tuple(p): completion(plain.url, model, p) for p in SEQUENTIAL + CONCURRENT}
+            cluster.reference = {tuple(p): pc.completion(plain.url, model, p) for p in SEQUENTIAL + CONCURRENT}
         finally:
             plain.stop()
         cluster.model = model
@@ -99,12 +83,12 @@ def mooncake_series(cluster: pc.PDCluster, role: str, name: str) -> float:
 def test_pd_over_mooncake_equals_one_plain_server(pd_mooncake):
     c = pd_mooncake
     for p in SEQUENTIAL:
-        assert completion(c.router_url, c.model, p) == c.reference[tuple(p)], len(p)
+        assert pc.completion(c.router_url, c.model, p) == c.reference[tuple(p)], len(p)
     results: dict[int, object] = {}
 
     def run(i: int) -> None:
         try:
-            results[i] = completion(c.router_url, c.model, CONCURRENT[i])
+            results[i] = pc.completion(c.router_url, c.model, CONCURRENT[i])
         except Exception as exc:  # a failed request is a failed test, with its error
             results[i] = exc
 

@@ -1,7 +1,7 @@
 """vLLM 0.32's cache specs, read from the installed package: each has a rule in kvconnect, or CI fails.
 
 1. Every ``KVCacheSpec`` class the installed vLLM defines (found in its whole source,
-   tests/spec_classes.py) is served, refused by name with a reason, or an abstract base
+   tests/support/spec_classes.py) is served, refused by name with a reason, or an abstract base
    (``specs.known_specs``), and docs/vllm.md's "Cache specs" table lists it: a new spec fails here
    instead of passing silently.
 2. The refused specs, built by vLLM's own classes, are refused naming the class and the reason.
@@ -40,7 +40,7 @@ def _docs_spec_table() -> str:
 
 
 def test_every_installed_spec_class_has_a_rule_and_a_docs_row():
-    import spec_classes
+    from support import spec_classes
     from kvconnect.integrations.vllm import engine_tables, specs
 
     found = spec_classes.spec_classes("vllm")
@@ -110,7 +110,7 @@ def test_bounded_replay_window_is_refused_and_the_plain_one_served():
 
 # --- the C128 compressor state's readers on CUDA / ROCm ------------------------------------------
 def _source(relative: str) -> str:
-    import spec_classes
+    from support import spec_classes
 
     return (spec_classes.package_dir("vllm") / relative).read_text()
 
@@ -131,7 +131,7 @@ _STATE_FILES = {
 
 
 def test_c128_state_cache_is_touched_only_by_the_known_files():
-    import spec_classes
+    from support import spec_classes
 
     root = spec_classes.package_dir("vllm") / _V4
     touching = {str(p.relative_to(root)) for p in root.rglob("*.py") if "state_cache" in p.read_text()}

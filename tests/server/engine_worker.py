@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-import server_rig
+from support import server_rig
 from kvconnect import Config, KVCacheEngine
 from kvconnect.server import make_pool
 from kvconnect.server.client import SharedPoolClient

@@ -27,7 +27,7 @@ from kvconnect.errors import ConfigError
 from kvconnect.server import protocol
 from kvconnect.server.client import SharedPoolClient
 from kvconnect.server.protocol import BAD_REQUEST, Limits, ProtocolError
-from server_rig import PAGE, server_thread, socket_dir
+from support.server_rig import PAGE, server_thread, socket_dir
 
 LIMITS = Limits()
 CID, INST, FP = b"c" * 16, b"i" * 16, b"F" * 16

@@ -17,8 +17,8 @@ import os
 import numpy as np
 import pytest
 
-import server_rig
-import zoo
+from support import server_rig
+from support import zoo
 from kvconnect import Config, KVCacheEngine
 from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.cli import main as cli_main
@@ -28,7 +28,7 @@ from kvconnect.server.client import SharedPoolClient
 from kvconnect.server.protocol import Limits
 from kvconnect.server.server import CacheServer
 from kvconnect.server.shm import SHM_DIR, segment_name
-from server_rig import PAGE, server_thread, socket_dir, wait_until
+from support.server_rig import PAGE, server_thread, socket_dir, wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
 

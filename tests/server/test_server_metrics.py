@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from server_rig import REPO, clean_env, socket_dir, stop_process
+from support.server_rig import REPO, clean_env, socket_dir, stop_process
 
 pytest.importorskip("prometheus_client")
 

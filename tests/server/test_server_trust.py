@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-import server_rig
+from support import server_rig
 from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.cli import main as cli_main
 from kvconnect.errors import ConfigError, StorageError
@@ -27,7 +27,7 @@ from kvconnect.server.admission import PeerPolicy, parse_peer_address
 from kvconnect.server.client import SharedPoolClient
 from kvconnect.server.server import CacheServer
 from kvconnect.server.shm import SHM_DIR, Segment
-from server_rig import PAGE, server_thread, socket_dir
+from support.server_rig import PAGE, server_thread, socket_dir
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a peer as uid 65534 (nobody): setuid")

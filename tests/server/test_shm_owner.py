@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-import server_rig
+from support import server_rig
 from kvconnect.server.shm import SHM_DIR, segment_name
 
 NOBODY = 65534

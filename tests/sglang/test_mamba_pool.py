@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: E402
 
 from kvconnect.integrations.sglang import KVConnectStorage  # noqa: E402
 from kvconnect.integrations.sglang.storage import sglang_release  # noqa: E402
-from test_host_pools import PS, fill, idx, keys, mha_pool, storage_config  # noqa: E402
+from host_pools import PS, fill, idx, keys, mha_pool, storage_config  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

@@ -14,18 +14,14 @@ met by a stalled master took Mooncake's 30 s.
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang.srt", reason="SGLang is not installed (.ci/install_sglang.sh)")
+from support.mooncake_master import MooncakeMaster, mooncake_available  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
-from mooncake_master import MooncakeMaster, mooncake_available  # noqa: E402
-
-from test_host_pools import backend, fill, idx, keys, mha_pool, page, storage_config  # noqa: E402
+from host_pools import backend, fill, idx, keys, mha_pool, page, storage_config  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

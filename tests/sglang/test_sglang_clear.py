@@ -12,26 +12,25 @@ import pytest
 pytest.importorskip("sglang.srt", reason="SGLang is not installed (.ci/install_sglang.sh)")
 pytest.importorskip("transformers")
 
-from conftest import run_engine  # noqa: E402
-from test_sglang_e2e import PAGE, _gen, _spec, _storage_hits  # noqa: E402
+from engine_runs import PAGE, gen, run_engine, spec, storage_hits  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
 
 def test_clear_reaches_every_tier_and_pages_are_stored_again(tmp_path):
-    import tiny_models
+    from support import tiny_models
 
     model = tiny_models.make_llama(str(tmp_path / "llama"))
     disk = tmp_path / "disk"
     settle_flush = [{"op": "settle", "seconds": 4}, {"op": "flush"}]
-    phases = [_gen(), *settle_flush, _gen(),  # stored, then served from kvconnect
-              {"op": "clear"}, {"op": "flush"}, _gen(),  # after the clear: nothing from kvconnect
-              *settle_flush, _gen()]  # stored again: served again
-    run = run_engine(_spec(model, "layer_first", disk, phases), tmp_path / "run")["phases"]
+    phases = [gen(), *settle_flush, gen(),  # stored, then served from kvconnect
+              {"op": "clear"}, {"op": "flush"}, gen(),  # after the clear: nothing from kvconnect
+              *settle_flush, gen()]  # stored again: served again
+    run = run_engine(spec(model, "layer_first", disk, phases), tmp_path / "run")["phases"]
     first, _, _, hit, cleared, _, after_clear, _, _, again = run
     assert cleared["cleared"]
-    assert all(h >= PAGE for h in _storage_hits(hit)), hit["cached"]
-    assert _storage_hits(after_clear) == [0, 0], after_clear["cached"]
+    assert all(h >= PAGE for h in storage_hits(hit)), hit["cached"]
+    assert storage_hits(after_clear) == [0, 0], after_clear["cached"]
     assert sum(len(fs) for _, _, fs in os.walk(disk)) > 0  # the disk kept the old pages: a miss all the same
-    assert all(h >= PAGE for h in _storage_hits(again)), again["cached"]
+    assert all(h >= PAGE for h in storage_hits(again)), again["cached"]
     assert first["outputs"] == hit["outputs"] == after_clear["outputs"] == again["outputs"]

@@ -19,8 +19,7 @@ import pytest
 pytest.importorskip("sglang.srt", reason="SGLang is not installed (.ci/install_sglang.sh)")
 pytest.importorskip("transformers")
 
-from conftest import run_engine  # noqa: E402
-from test_sglang_e2e import _gen, _spec  # noqa: E402
+from engine_runs import gen, run_engine, spec  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -28,11 +27,11 @@ SGLANG_JOIN_S = 10.0  # SGLang joins each storage thread for 10 s (an idle flush
 
 
 def test_flush_at_once_after_requests_with_a_cold_extension_build(tmp_path):
-    import tiny_models
+    from support import tiny_models
 
     model = tiny_models.make_llama(str(tmp_path / "llama"))
-    phases = [_gen(), {"op": "flush"}, _gen(), {"op": "flush"}]
-    run = run_engine(_spec(model, "page_first_direct", tmp_path / "disk", phases), tmp_path / "run",
+    phases = [gen(), {"op": "flush"}, gen(), {"op": "flush"}]
+    run = run_engine(spec(model, "page_first_direct", tmp_path / "disk", phases), tmp_path / "run",
                      TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))["phases"]
     first, flush1, second, flush2 = run
     built = list((tmp_path / "torch_extensions" / "hicache_hash_cpp").glob("*.so"))

@@ -18,27 +18,23 @@ a store across the network finished, and what it then computes itself is not a h
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 pytest.importorskip("sglang.srt", reason="SGLang is not installed (.ci/install_sglang.sh)")
 pytest.importorskip("transformers")
 
-from conftest import REPO, run_engine  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tests" / "storage"))
-from mooncake_master import MooncakeMaster, NodeHolder, mooncake_available  # noqa: E402
+from support.mooncake_master import MooncakeMaster, NodeHolder, mooncake_available  # noqa: E402
 
 _REASON = mooncake_available()
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
-from test_sglang_e2e import PAGE, PROMPTS, _gen, _spec, _storage_hits  # noqa: E402
+from engine_runs import PAGE, PROMPTS, gen, run_engine, spec, storage_hits  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import tiny_models
+    from support import tiny_models
 
     root = tmp_path_factory.mktemp("sglang_mooncake")
     model = tiny_models.make_llama(str(root / "llama"))
@@ -49,8 +45,8 @@ def runs(tmp_path_factory):
             path.write_text(json.dumps({"global_segment_size": 0, "protocol": "tcp"}))
             tier = {"remote_url": master.url, "mooncake_config_path": str(path), "max_local_disk_size": 0}
             out = {
-                "M1": run_engine(_spec(model, "layer_first", None, [_gen(), {"op": "settle", "seconds": 4}], **tier), root / "m1"),
-                "M2": run_engine({**_spec(model, "layer_first", None, [_gen()], **tier), "prefetch_policy": "wait_complete"},
+                "M1": run_engine(spec(model, "layer_first", None, [gen(), {"op": "settle", "seconds": 4}], **tier), root / "m1"),
+                "M2": run_engine({**spec(model, "layer_first", None, [gen()], **tier), "prefetch_policy": "wait_complete"},
                                  root / "m2"),
             }
         finally:
@@ -60,7 +56,7 @@ def runs(tmp_path_factory):
 
 def test_fresh_sglang_process_hits_mooncake_with_identical_outputs(runs):
     first, _ = runs["M1"]["phases"]
-    assert _storage_hits(first) == [0] * len(PROMPTS), first["cached"]  # computed: the reference
+    assert storage_hits(first) == [0] * len(PROMPTS), first["cached"]  # computed: the reference
     (fresh,) = runs["M2"]["phases"]
     assert fresh["outputs"] == first["outputs"]
-    assert all(h >= PAGE for h in _storage_hits(fresh)), fresh["cached"]
+    assert all(h >= PAGE for h in storage_hits(fresh)), fresh["cached"]

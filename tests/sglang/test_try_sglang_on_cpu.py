@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("sglang.srt", reason="SGLang is not installed (.ci/install_sglang.sh)")
 
-from conftest import REPO  # noqa: E402
+from engine_runs import REPO  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, Poo
 from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool, LogicalHostPool  # noqa: E402
 
 from kvconnect.integrations.sglang import KVConnectStorage  # noqa: E402
-from test_host_pools import storage_config  # noqa: E402
+from host_pools import storage_config  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -152,7 +152,7 @@ def test_mamba_hybrid_state_pages_and_gate(tmp_path, layout, mamba_verified):
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
-    from test_host_pools import mha_pool
+    from host_pools import mha_pool
 
     kv = mha_pool("page_first_direct")
     kv.kv_buffer.copy_(torch.randn(kv.kv_buffer.shape))
@@ -188,7 +188,7 @@ def test_mla_hybrid_non_writer_rank_still_writes_its_tp_sharded_mamba_state(tmp_
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
-    from test_host_pools import mla_pool
+    from host_pools import mla_pool
 
     kv = mla_pool("page_first_direct")
     info = MambaStateBufferInfo(temporal=torch.zeros(3, 9, 4, 8), conv=(torch.zeros(3, 9, 2, 16, dtype=torch.bfloat16),))

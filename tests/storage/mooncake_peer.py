@@ -35,7 +35,7 @@ def hybrid_case(seed: int):
     """The same case, tokens and block tables in every process (a pure function of ``seed``)."""
     import numpy as np
 
-    import zoo
+    from support import zoo
 
     rng = np.random.default_rng(seed)
     case = zoo.build(HYBRID, max_tokens=HYBRID_TOKENS, seed=seed)
@@ -51,7 +51,7 @@ def hybrid_engine(case, remote_url: str, segment_bytes: int, tmp: str, *, model:
 
     from kvconnect import KVCacheEngine
 
-    import zoo
+    from support import zoo
 
     path = os.path.join(tmp, f"mooncake-{os.getpid()}-{segment_bytes}.json")
     with open(path, "w") as f:

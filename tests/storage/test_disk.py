@@ -14,37 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvconnect.chunks import chunk_format
-from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.errors import StorageError
-from kvconnect.layout.spec import ChunkKey, Fingerprint
+from kvconnect.layout.spec import ChunkKey
 from kvconnect.storage import chunk_files as files_mod
 from kvconnect.storage.disk import DiskTier
-from kvconnect.storage.tier import StoreItem
 
 import kv_rig
-
-FP = Fingerprint(bytes(range(16)))
-OTHER_FP = Fingerprint(bytes(range(1, 17)))
-
-
-def key_of(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(16, "little"))
-
-
-def make_item(i: int, payload_bytes: int = 4096, *, mask: int = 1, version: int = 0, fp: Fingerprint = FP) -> StoreItem:
-    payload = np.random.default_rng([i, version]).integers(0, 256, payload_bytes, dtype=np.uint8)
-    header = ChunkHeader(fingerprint=fp, key=key_of(i), token_start=32 * i, token_end=32 * i + 32, group_mask=mask,
-                         plane_rows=((i, 8), (i, 8)), payload_bytes=payload_bytes)
-    return StoreItem(key=key_of(i), header=header, payload=memoryview(payload))
-
-
-def encoded(item: StoreItem) -> bytes:
-    return chunk_format.encode(item.header, item.payload)
-
+from chunk_items import FP, OTHER_FP, encoded, key_of, make_item
 
 def chunk_files(tier: DiskTier) -> dict[ChunkKey, Path]:
     return {ChunkKey(bytes.fromhex(p.name[:32])): p for p in Path(tier.dir).glob("*/*.kvc")}
@@ -299,7 +278,8 @@ def test_concurrent_rewrites_read_whole_versions_only(tmp_path):
 _WRITER = """
 import sys, numpy as np
 sys.path.insert(0, {tests!r})
-from test_disk import DiskTier, FP, make_item
+from kvconnect.storage.disk import DiskTier
+from chunk_items import FP, make_item
 tier = DiskTier({root!r}, FP, 1 << 34)
 i = 0
 while True:

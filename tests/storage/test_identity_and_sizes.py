@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-import zoo
+from support import zoo
 from kvconnect import KVCacheEngine
 from kvconnect.config import Config
 from kvconnect.errors import ConfigError

@@ -1,6 +1,6 @@
 """The Mooncake tier against a real ``mooncake_master`` on loopback, with data in other processes.
 
-Every test starts its own master (tests/storage/mooncake_master.py). Segments are held by
+Every test starts its own master (tests/support/mooncake_master.py). Segments are held by
 separate processes (tests/storage/mooncake_peer.py): an engine that stored a hybrid
 prompt, or kvconnect's node-level holder, so reads in this process cross the transfer
 engine as they would between machines.
@@ -8,88 +8,23 @@ engine as they would between machines.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import zoo
-from mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
+from support import zoo
+from support.mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
 from mooncake_peer import HYBRID_CHUNK, HYBRID_TOKENS, hybrid_case, hybrid_engine, wait_connected
+from mooncake_rig import SEED, SEGMENT, Peer, master, reader, stored, tier_of  # noqa: F401 (fixtures)
 
 _REASON = mooncake_available()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 os.environ.update({k: v for k, v in client_env().items() if k.startswith(("MC_", "GLOG_"))})
 
-HERE = Path(__file__).resolve().parent
-SEED = 5
-SEGMENT = 256 << 20
-
-
-class Peer:
-    """A mooncake_peer.py child process; ``result`` is its first JSON line."""
-
-    def __init__(self, *args: str) -> None:
-        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: Mooncake's logs never block the peer
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "mooncake_peer.py"), *args], env=client_env(),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(30)
-            self.log.seek(0)
-            raise AssertionError(f"peer {args} failed:\n{self.log.read()[-3000:]}")
-        self.result = json.loads(line)
-
-    def finish(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(60)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(30)
-
-
-@pytest.fixture
-def master(tmp_path):
-    with MooncakeMaster(tmp_path / "master") as m:
-        yield m
-
-
-@pytest.fixture
-def stored(master):
-    """A hybrid prompt stored by another engine process, which holds the segment."""
-    peer = Peer("store-hybrid", master.address, str(SEGMENT), str(SEED))
-    assert peer.result["connected"] and peer.result["flushed"], peer.result
-    # 3 prefix parts plus the window pieces of the restore point at the prompt's end, each an object
-    # of its own in Mooncake (kvconnect/restore/parts.py)
-    assert peer.result["window_pieces"] > 0
-    assert peer.result["stored"] == 3 * HYBRID_CHUNK and peer.result["written"] == 3 + peer.result["window_pieces"]
-    yield peer
-    peer.kill()
-
-
-def _reader(master, tmp_path, *, model: str = "", segment: int = 0, timeout_s: float = 5.0):
-    """An engine in this process with an empty pool whose tier contributes ``segment`` bytes."""
-    case, tokens, bounds, src_tables, rng = hybrid_case(SEED)
-    dst = case.clone(fill=0)
-    engine = hybrid_engine(dst, master.url, segment, str(tmp_path), model=model, timeout_s=timeout_s)
-    assert wait_connected(engine.storage.tiers[0])
-    return case, dst, engine, tokens, bounds, src_tables, rng
-
-
-def _tier(engine):
-    return engine.storage.tiers[0]
-
-
 def test_hybrid_layout_round_trips_byte_exact_between_processes(stored, master, tmp_path):
-    case, dst, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
+    case, dst, engine, tokens, bounds, src_tables, rng = reader(master, tmp_path)
     try:
         boundary = engine.lookup(tokens)
         assert boundary == 3 * HYBRID_CHUNK
@@ -97,30 +32,30 @@ def test_hybrid_layout_round_trips_byte_exact_between_processes(stored, master, 
         expected = zoo.expected_restore(case, dst.clone(), src_tables, dst_tables, boundary)
         assert engine.retrieve(tokens, dst_tables) == boundary
         assert dst.first_difference(expected) is None
-        stats = _tier(engine).stats()
+        stats = tier_of(engine).stats()
         # 3 prefix parts and the window pieces of the one restore point used (kvconnect/restore/parts.py)
         assert engine.stats.window_pieces_retrieved > 0
         assert stats.get_hits == 3 + engine.stats.window_pieces_retrieved and stats.corrupt == 0 and stats.errors == 0
-        assert _tier(engine).counters["registered_bytes"] >= engine.pool.num_slots * engine.pool.slot_bytes
+        assert tier_of(engine).counters["registered_bytes"] >= engine.pool.num_slots * engine.pool.slot_bytes
         # masks come from the header objects: identical to what the storing engine recorded
         keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
-        assert all(m is not None and m > 0 for m in _tier(engine).masks(keys))
+        assert all(m is not None and m > 0 for m in tier_of(engine).masks(keys))
     finally:
         engine.close()
 
 
 def test_another_model_identity_misses(stored, master, tmp_path):
-    _, _, engine, tokens, *_ = _reader(master, tmp_path, model="another-model")
+    _, _, engine, tokens, *_ = reader(master, tmp_path, model="another-model")
     try:
         assert engine.lookup(tokens) == 0
-        assert _tier(engine).stats().lookup_hits == 0
+        assert tier_of(engine).stats().lookup_hits == 0
     finally:
         engine.close()
 
 
 def test_foreign_values_under_kvconnect_names_are_misses(stored, master, tmp_path):
-    _, _, engine, tokens, *_ = _reader(master, tmp_path)
-    tier = _tier(engine)
+    _, _, engine, tokens, *_ = reader(master, tmp_path)
+    tier = tier_of(engine)
     try:
         keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
         header0, _ = tier.object_keys(keys[0])
@@ -141,7 +76,7 @@ def test_foreign_values_under_kvconnect_names_are_misses(stored, master, tmp_pat
 def test_killed_master_costs_misses_not_exceptions(stored, master, tmp_path):
     """A killed master: lookups miss within the timeout, then at once (breaker); nothing raises.
     Restarted (every key lost), the clients re-register by themselves and the tier serves again."""
-    case, _, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path, timeout_s=2.0)
+    case, _, engine, tokens, bounds, src_tables, rng = reader(master, tmp_path, timeout_s=2.0)
     try:
         assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
         master.kill()
@@ -154,7 +89,7 @@ def test_killed_master_costs_misses_not_exceptions(stored, master, tmp_path):
         for _ in range(5):
             assert engine.lookup(fresh) == 0  # the breaker skips the tier: no timeout each time
         assert time.monotonic() - start < 1.0
-        tier = _tier(engine)
+        tier = tier_of(engine)
         assert tier.counters["timeouts"] + tier.counters["rpc_failures"] + tier.counters["rpc_timeouts"] >= 1
         assert not tier.healthy()
         assert engine.store(fresh, src_tables) == 3 * HYBRID_CHUNK  # into the pool; the tier write fails
@@ -181,8 +116,8 @@ def test_killed_master_costs_misses_not_exceptions(stored, master, tmp_path):
 def test_stalled_master_bounds_the_step(stored, master, tmp_path):
     """A master that accepts but never answers (SIGSTOP): each lookup returns within
     remote_timeout_s, then the breaker skips the tier; resumed, the tier serves again."""
-    _, _, engine, tokens, *_ = _reader(master, tmp_path, timeout_s=2.0)
-    tier = _tier(engine)
+    _, _, engine, tokens, *_ = reader(master, tmp_path, timeout_s=2.0)
+    tier = tier_of(engine)
     try:
         engine.storage.pool.clear()
         assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
@@ -208,14 +143,14 @@ def test_stalled_master_bounds_the_step(stored, master, tmp_path):
 
 
 def test_absent_master_start_is_immediate_and_joins_later(tmp_path):
-    from redis_server import free_port
+    from support.redis_server import free_port
 
     master = MooncakeMaster(tmp_path / "master", port=free_port())
     case, tokens, *_ = hybrid_case(SEED)
     start = time.monotonic()
     engine = hybrid_engine(case.clone(fill=0), master.url, SEGMENT, str(tmp_path), timeout_s=2.0)
     assert time.monotonic() - start < 5.0
-    tier = _tier(engine)
+    tier = tier_of(engine)
     try:
         start = time.monotonic()
         assert engine.lookup(tokens) == 0 and not tier.connected and not tier.healthy()
@@ -232,7 +167,7 @@ def test_absent_master_start_is_immediate_and_joins_later(tmp_path):
 def test_killed_segment_owner_is_a_miss(stored, master, tmp_path):
     """The process holding the data dies: reads fail at once (a miss, nothing written into the
     engine's memory); the master drops its keys a few seconds later and lookups say so."""
-    case, dst, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
+    case, dst, engine, tokens, bounds, src_tables, rng = reader(master, tmp_path)
     try:
         assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
         stored.kill()
@@ -242,7 +177,7 @@ def test_killed_segment_owner_is_a_miss(stored, master, tmp_path):
         assert engine.retrieve(tokens, tables) == 0
         assert time.monotonic() - start < 3.0
         assert dst.same_bytes(before)
-        assert _tier(engine).counters["transfer_failures"] >= 1
+        assert tier_of(engine).counters["transfer_failures"] >= 1
         deadline = time.monotonic() + 40.0
         while engine.lookup(tokens) and time.monotonic() < deadline:  # the lookup's hint clears too
             time.sleep(0.5)
@@ -260,7 +195,7 @@ def test_node_server_holds_the_cache_across_engine_restarts(master, tmp_path):
         writer = Peer("store-hybrid", master.address, "0", str(SEED))  # contributes no segment
         assert writer.result["flushed"] and writer.result["written"] == 3 + writer.result["window_pieces"] > 3, writer.result
         writer.finish()  # the storing engine exits
-        case, dst, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
+        case, dst, engine, tokens, bounds, src_tables, rng = reader(master, tmp_path)
         try:
             assert engine.lookup(tokens) == 3 * HYBRID_CHUNK
             dst_tables = zoo.random_tables(case, HYBRID_TOKENS, rng, keep=zoo.restore_keep(case, 3 * HYBRID_CHUNK))

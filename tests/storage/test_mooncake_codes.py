@@ -46,7 +46,7 @@ def test_concurrent_upserts_are_in_use_not_unknown(tmp_path):
 
     import numpy as np
 
-    from mooncake_master import MooncakeMaster, client_env, mooncake_available
+    from support.mooncake_master import MooncakeMaster, client_env, mooncake_available
 
     if mooncake_available() is not None:
         pytest.skip(mooncake_available())

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
+from support.mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
 from mooncake_peer import wait_connected
 
 from kvconnect import Config, GroupSpec, KVCacheEngine, KVLayout

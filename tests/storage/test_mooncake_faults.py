@@ -20,10 +20,10 @@ import weakref
 import numpy as np
 import pytest
 
-import zoo
-from mooncake_master import client_env, mooncake_available
+from support import zoo
+from support.mooncake_master import client_env, mooncake_available
 from mooncake_peer import HYBRID_CHUNK, HYBRID_TOKENS, hybrid_case, hybrid_engine, wait_connected
-from test_mooncake import SEED, SEGMENT, Peer, _reader, _tier, master, stored  # noqa: F401 (fixtures)
+from mooncake_rig import SEED, SEGMENT, Peer, master, reader, stored, tier_of  # noqa: F401 (fixtures)
 
 from kvconnect import KVCacheEngine
 
@@ -48,8 +48,8 @@ def _wait_healthy(tier, timeout_s: float = 30.0) -> None:
 def test_master_stalled_between_lookup_and_read_removes_nothing(stored, master, tmp_path):
     """The lookup answered, then the master stopped: the read returns within the RPC bound
     (not 30 s), is a miss, opens the breaker, and every chunk is still there afterwards."""
-    _, _, engine, tokens, *_ = _reader(master, tmp_path, timeout_s=1.0)
-    tier = _tier(engine)
+    _, _, engine, tokens, *_ = reader(master, tmp_path, timeout_s=1.0)
+    tier = tier_of(engine)
     try:
         keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
         assert all(m is not None for m in tier.masks(keys))  # the lookup answered
@@ -79,8 +79,8 @@ def test_master_stalled_between_lookup_and_read_removes_nothing(stored, master, 
 def test_a_large_read_stops_at_its_deadline_when_the_master_stalls(stored, master, tmp_path):
     """A read of many batches meets a stalled master: it ends after one RPC bound (the breaker
     opened), not one bound per batch."""
-    _, _, engine, tokens, *_ = _reader(master, tmp_path, timeout_s=1.0)
-    tier = _tier(engine)
+    _, _, engine, tokens, *_ = reader(master, tmp_path, timeout_s=1.0)
+    tier = tier_of(engine)
     try:
         keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
         rng = np.random.default_rng(3)
@@ -107,8 +107,8 @@ def test_a_chunk_whose_payload_was_evicted_is_no_longer_offered(stored, master, 
     """Header and payload are two objects, evicted independently. A lookup checks both, and a
     read that finds the payload gone removes the header too: lookups stop at that chunk
     instead of offering it forever (a false hit every time)."""
-    case, dst, engine, tokens, bounds, src_tables, rng = _reader(master, tmp_path)
-    tier = _tier(engine)
+    case, dst, engine, tokens, bounds, src_tables, rng = reader(master, tmp_path)
+    tier = tier_of(engine)
     try:
         keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
         assert all(m is not None for m in tier.masks(keys))
@@ -133,8 +133,8 @@ def test_a_chunk_whose_payload_was_evicted_is_no_longer_offered(stored, master, 
 
 
 def test_a_chunk_whose_header_was_evicted_leaves_no_payload_behind(stored, master, tmp_path):
-    _, _, engine, tokens, *_ = _reader(master, tmp_path)
-    tier = _tier(engine)
+    _, _, engine, tokens, *_ = reader(master, tmp_path)
+    tier = tier_of(engine)
     try:
         keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
         assert all(m is not None for m in tier.masks(keys))  # masks remembered from the headers
@@ -190,7 +190,7 @@ def test_closing_the_tier_stops_its_threads_and_frees_it(master, tmp_path):
     refs = []
     for i in range(4):
         engine = hybrid_engine(case.clone(fill=0), master.url, 0, str(tmp_path), timeout_s=2.0)
-        tier = _tier(engine)
+        tier = tier_of(engine)
         assert wait_connected(tier)
         rng = np.random.default_rng(i)
         fresh = zoo.random_tokens(rng, HYBRID_TOKENS)
@@ -219,7 +219,7 @@ def test_writes_refused_while_the_master_stalls_are_retried_not_dropped(master, 
 
     case, tokens, bounds, tables, _ = hybrid_case(SEED)
     producer = hybrid_engine(case, master.url, SEGMENT, str(tmp_path), timeout_s=1.0)
-    tier = _tier(producer)
+    tier = tier_of(producer)
     assert wait_connected(tier)
     writer = producer.storage.writers[0]
     try:
@@ -245,7 +245,7 @@ def test_writes_refused_while_the_master_stalls_are_retried_not_dropped(master, 
         assert all(figures.get("kvconnect_tier_failures_total", "mooncake", kind) == n for kind, n in failures.items())
         reader = hybrid_engine(case.clone(fill=0), master.url, 0, str(tmp_path), timeout_s=5.0)
         try:
-            assert wait_connected(_tier(reader))
+            assert wait_connected(tier_of(reader))
             assert reader.lookup(tokens) == 3 * HYBRID_CHUNK
         finally:
             reader.close()
@@ -260,7 +260,7 @@ def test_an_overfilled_segment_leaves_no_chunk_offered_that_cannot_be_read(maste
     lookup offers after one read pass is a chunk that reads back whole and verified."""
     case, _, _, tables, _ = hybrid_case(SEED)
     engine = hybrid_engine(case, master.url, 32 << 20, str(tmp_path), timeout_s=5.0)
-    tier = _tier(engine)
+    tier = tier_of(engine)
     assert wait_connected(tier)
     try:
         keys = []

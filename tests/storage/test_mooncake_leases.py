@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from mooncake_master import client_env, mooncake_available
-from test_mooncake import SEED, SEGMENT, Peer, _reader, _tier, master, stored  # noqa: F401 (fixtures)
+from support.mooncake_master import client_env, mooncake_available
+from mooncake_rig import master, reader, stored, tier_of  # noqa: F401 (fixtures)
 
 from kvconnect.storage.mooncake.codes import Meaning, meaning
 from kvconnect.storage.mooncake.config import MooncakeSpec, import_store
@@ -25,8 +25,8 @@ os.environ.update({k: v for k, v in client_env().items() if k.startswith(("MC_",
 
 
 def test_a_lookup_renews_both_parts_of_each_chunk(stored, master, tmp_path):
-    _, _, engine, tokens, *_ = _reader(master, tmp_path)
-    tier = _tier(engine)
+    _, _, engine, tokens, *_ = reader(master, tmp_path)
+    tier = tier_of(engine)
     other = import_store(MooncakeSpec(master_address=master.address))()
     assert other.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master.address) == 0
     try:

@@ -17,8 +17,8 @@ from kvconnect.storage.redis_tier import RedisTier, cluster_nodes, parse_url
 from kvconnect.throttled_warning import OnceWarnings
 
 import kv_rig
-from redis_server import RedisClusterNodes, RedisNode, redis_available
-from test_disk import FP, OTHER_FP, encoded, key_of, make_item
+from support.redis_server import RedisClusterNodes, RedisNode, redis_available
+from chunk_items import FP, OTHER_FP, encoded, key_of, make_item
 
 needs_redis = pytest.mark.skipif(redis_available() is not None, reason=str(redis_available()))
 pytestmark = pytest.mark.redis

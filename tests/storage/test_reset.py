@@ -3,8 +3,6 @@ engines on a shared tier keep their hits; a restart starts from the checkpoint's
 
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -14,10 +12,8 @@ from kvconnect import Config, KVCacheEngine
 from kvconnect.chunks.keys import ChunkKeyer
 from kvconnect.chunks.page_keys import PageKeyFolder
 from kvconnect.server import make_pool
-from redis_server import RedisNode, redis_available
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server"))
-from server_rig import socket_dir, server_thread  # noqa: E402
+from support.redis_server import RedisNode, redis_available
+from support.server_rig import socket_dir, server_thread  # noqa: E402
 
 HANG_GUARD_S = 30.0
 N = 4 * kv_rig.CHUNK_TOKENS

@@ -31,7 +31,7 @@ def run_child(mode: str, env_extra: dict) -> dict:
 
 
 def test_fresh_process_hits_disk_and_redis(tmp_path):
-    from redis_server import RedisNode, redis_available
+    from support.redis_server import RedisNode, redis_available
 
     reason = redis_available()
     disk = {"LMCACHE_LOCAL_DISK": str(tmp_path / "disk"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.05"}

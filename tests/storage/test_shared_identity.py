@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kv_rig
-from redis_server import RedisNode, redis_available
+from support.redis_server import RedisNode, redis_available
 
 from kvconnect import GroupSpec, KVCacheEngine, KVLayout
 from kvconnect.errors import ConfigError

@@ -18,8 +18,8 @@ from kvconnect.storage.disk import DiskTier
 from kvconnect.storage.tier import Breaker, LowerTier, StoreItem
 
 import kv_rig
-from redis_server import RedisNode, redis_available
-from test_disk import FP, encoded, key_of, make_item
+from support.redis_server import RedisNode, redis_available
+from chunk_items import FP, encoded, key_of, make_item
 
 HANG_GUARD_S = 20.0
 SLOT_BYTES = 8192

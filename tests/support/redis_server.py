@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from service_process import START_TIMEOUT_S, ServiceProcess
+from support.service_process import START_TIMEOUT_S, ServiceProcess
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")

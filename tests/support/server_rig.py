@@ -99,7 +99,7 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: f
 
 def run_worker(args: list[str], *, timeout_s: float = 90.0, **env: str) -> subprocess.CompletedProcess:
     """tests/server/engine_worker.py with ``args``, to completion (bounded)."""
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_worker.py")
+    worker = os.path.join(TESTS_DIR, "server", "engine_worker.py")
     return subprocess.run([sys.executable, worker, *args], capture_output=True, text=True, timeout=timeout_s,
                           env=clean_env(**env), cwd=REPO)
 
@@ -125,7 +125,7 @@ def prompt(name: str, chunk: int, num_tokens: int, seed: int):
     """(case, tokens, source tables, chunk bounds): the same in every process for equal args."""
     import numpy as np
 
-    import zoo
+    from support import zoo
 
     case = zoo.build(name, max_tokens=num_tokens, seed=seed)
     rng = np.random.default_rng(seed)
@@ -138,7 +138,7 @@ def prompt(name: str, chunk: int, num_tokens: int, seed: int):
 def restore_tables(case, name: str, num_tokens: int, boundary: int, seed: int) -> list:
     import numpy as np
 
-    import zoo
+    from support import zoo
 
     keep = zoo.restore_keep(case, boundary) if name in SPARSE_WINDOWS else None
     return zoo.random_tables(case, num_tokens, np.random.default_rng(seed + 1000), keep=keep)

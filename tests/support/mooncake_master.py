@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from redis_server import free_port
-from service_process import START_TIMEOUT_S, ServiceProcess
+from support.redis_server import free_port
+from support.service_process import START_TIMEOUT_S, ServiceProcess
 
 MASTER = shutil.which("mooncake_master")
 # what every Mooncake client a test starts needs: loopback only, quiet logs, and each RPC to a

@@ -1,6 +1,6 @@
 """LMCache's configuration names, read as DATA from an LMCache wheel (never imported).
 
-    python3 tests/lmcache_keys.py WHEEL > tests/data/lmcache_names_RELEASE.json   # a new release
+    python3 tests/support/lmcache_keys.py WHEEL > tests/data/lmcache_names_RELEASE.json   # a new release
 
 Reads, with ``ast`` only:
 - ``lmcache/v1/config.py``: the keys of ``_CONFIG_DEFINITIONS`` (each is a YAML key and an
@@ -79,7 +79,7 @@ def extract(wheel: Path) -> dict:
 
 if __name__ == "__main__":
     data = extract(Path(sys.argv[1]))
-    vendored = Path(__file__).parent / "data" / f"lmcache_names_{data['release']}.json"
+    vendored = Path(__file__).resolve().parents[1] / "data" / f"lmcache_names_{data['release']}.json"
     if vendored.exists():  # the provenance text and the LMCache-Ascend part are not in LMCache's wheel: keep them
         old = json.loads(vendored.read_text())
         data = {"provenance": old["provenance"], **data, **({"lmcache_ascend": old["lmcache_ascend"]} if "lmcache_ascend" in old else {})}

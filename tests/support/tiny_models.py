@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised models written locally for the vLLM end-to-end tests.
+"""Tiny, randomly initialised models written locally for the vLLM and SGLang end-to-end tests.
 
 Nothing is downloaded: each builder makes a ``transformers`` config, instantiates the
 model with seeded random weights and saves it (safetensors) under ``out_dir``. The tests

@@ -28,7 +28,7 @@ import torch
 
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import dsv4_cache  # noqa: E402  (the DeepSeek-V4 cache table lives with the demo)
 
 from kvconnect import Config, DCPSpec, GroupKind, GroupSpec, KVLayout  # noqa: E402
@@ -153,7 +153,7 @@ class ZooCase:
 # builders
 
 
-class _Builder:
+class CaseBuilder:
     """Accumulates layers whose tensors are views into zeroed backing buffers."""
 
     def __init__(self) -> None:
@@ -207,7 +207,7 @@ def llama(variant="flash", *, max_tokens=600, block_size=16, num_layers=2, num_h
     """Llama-like GQA: one full-attention group, K/V per layer in an engine layout."""
     hint, shape_of = LLAMA_SHAPES[variant]
     spec = GroupSpec(block_size=block_size)
-    nb, b = _blocks(spec, max_tokens), _Builder()
+    nb, b = _blocks(spec, max_tokens), CaseBuilder()
     for i in range(num_layers):
         b.add(f"layers.{i}.attn", b.tight(dtype, shape_of(nb, block_size, num_heads, head_dim), hint))
     return b.case(f"llama-{variant}", [spec], hints=hint, num_blocks=[nb], seed=seed, model_name="llama-zoo")
@@ -218,7 +218,7 @@ def _mla_family(kind, *, max_tokens=600, block_size=64, num_layers=2, dtype=torc
     spec = GroupSpec(block_size=block_size)
     groups = [spec] + ([GroupSpec(block_size=block_size, sliding_window=window)] if kind == "swa" else [])
     groups += [spec] if kind == "tuple-split" else []
-    nb, b, bs = _blocks(spec, max_tokens, dcp), _Builder(), block_size
+    nb, b, bs = _blocks(spec, max_tokens, dcp), CaseBuilder(), block_size
     for i in range(num_layers if kind != "swa" else 1):
         if kind in ("v3", "v32", "swa"):
             b.add(f"layers.{i}.attn", b.tight(dtype, (nb, bs, 576)))
@@ -311,7 +311,7 @@ def dsv4(*, packed=False, max_tokens=600, layer_kinds=("swa", "c4", "c128"), c4_
     caches = [(f"layers.{i}.{c}", c) for i, kind in enumerate(layer_kinds) for c in DSV4_LAYER_CACHES[kind]]
     page = {c: _align(specs[c].rows_per_block * DSV4_GROUPS[c][1], 576 if packed else DSV4_GROUPS[c][3]) for c in specs}
     nb = [num_blocks(n) for n in DSV4_NAMES]
-    b, backing, offset = _Builder(), None, 0
+    b, backing, offset = CaseBuilder(), None, 0
     if packed:  # one backing; a block is every layer's page, one after another
         nb = [sum(nb)] * len(nb)
         block_bytes = sum(page[c] for _, c in caches)
@@ -329,7 +329,7 @@ def dsv4(*, packed=False, max_tokens=600, layer_kinds=("swa", "c4", "c128"), c4_
 def gemma_swa(*, max_tokens=600, block_size=16, window=80, num_layers=6, num_heads=1, head_dim=32, seed=0) -> ZooCase:
     """Gemma-3-like hybrid: 5 sliding-window layers (group 1) per full layer (group 0), flash-attn layout."""
     groups = [GroupSpec(block_size=block_size), GroupSpec(block_size=block_size, sliding_window=window)]
-    nb, b = [_blocks(g, max_tokens) for g in groups], _Builder()
+    nb, b = [_blocks(g, max_tokens) for g in groups], CaseBuilder()
     for i in range(num_layers):
         g = 0 if i % 6 == 5 else 1
         b.add(f"layers.{i}.attn", b.tight(torch.bfloat16, (2, nb[g], block_size, num_heads, head_dim), "kv_first", g))
@@ -341,7 +341,7 @@ def gemma_swa_coarse(*, max_tokens=600, block_size=16, window=80, num_heads=1, h
     type): the 5 sliding-window layers side by side in one row, wider than a pool slot, so the
     engine stores their window rows in column slices (``KVLayout.with_sliced_planes``)."""
     groups = [GroupSpec(block_size=block_size), GroupSpec(block_size=block_size, sliding_window=window)]
-    nb, b = [_blocks(g, max_tokens) for g in groups], _Builder()
+    nb, b = [_blocks(g, max_tokens) for g in groups], CaseBuilder()
     b.add("full.attn", b.tight(torch.bfloat16, (2, nb[0], block_size, num_heads, head_dim), "kv_first", 0))
     b.add("window.attn", b.tight(torch.bfloat16, (2, nb[1], block_size, 5 * num_heads, head_dim), "kv_first", 1))
     return b.case("gemma3-swa-coarse", groups, hints="kv_first", num_blocks=nb, seed=seed, model_name="gemma-zoo-coarse")
@@ -351,7 +351,7 @@ def state_hybrid(*, max_tokens=600, block_size=16, state_block_size=64, seed=0) 
     """Qwen3-Next-like: one full-attention layer (group 0) + recurrent state layers (group 1),
     the state of each block one opaque page (conv fp32 [..,3,32] + temporal fp32 [..,4,16,16])."""
     groups = [GroupSpec(block_size=block_size), GroupSpec(block_size=state_block_size, kind=GroupKind.STATE)]
-    nb, b = [_blocks(g, max_tokens) for g in groups], _Builder()
+    nb, b = [_blocks(g, max_tokens) for g in groups], CaseBuilder()
     b.add("layers.3.attn", b.tight(torch.bfloat16, (2, nb[0], block_size, 1, 32), "kv_first", 0))
     for i in (0, 1):
         b.add(f"layers.{i}.conv", b.tight(torch.float32, (nb[1], 3, 32), "page", 1))
@@ -363,7 +363,7 @@ def state_hybrid(*, max_tokens=600, block_size=16, state_block_size=64, seed=0) 
 def vllm_cpu(*, max_tokens=600, block_size=16, num_layers=2, num_heads=2, head_dim=16, seed=0) -> ZooCase:
     """vLLM CPU backend: [NB, H, BS, 2*D] with K transposed inside the page; an opaque page plane."""
     spec = GroupSpec(block_size=block_size)
-    nb, b = _blocks(spec, max_tokens), _Builder()
+    nb, b = _blocks(spec, max_tokens), CaseBuilder()
     for i in range(num_layers):
         b.add(f"layers.{i}.attn", b.tight(torch.bfloat16, (nb, num_heads, block_size, 2 * head_dim), "page"))
     return b.case("vllm-cpu", [spec], hints="page", num_blocks=[nb], page_groups=frozenset({0}), seed=seed,
