@@ -334,6 +334,8 @@ def test_restore_points_at_prefill_step_ends():
     assert restore_points(chunks, 6, [False] * 10, 10**9, continues=True) == ([9], [])
     # a store from a hit (not a continuation) still makes its start a point
     assert restore_points(chunks, 6, [False] * 10, 10**9, step_end=True) == ([5], [])
+    # a step end inside an already stored prefix: the request may leave it right there, a kept point
+    assert restore_points(chunks[:6], 0, [True] * 6, 10**9, step_end=True) == ([5], [])
     # step-end parts kept: the step end becomes a short-lived point
     assert restore_points(chunks[:6], 0, [False] * 6, 256, step_end=True, step_end_parts=True) == ([3, 5], [5])
     # a step end that is also an interval point stays a kept point

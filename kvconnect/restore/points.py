@@ -44,7 +44,8 @@ def restore_points(chunks: Sequence[Chunk], first: int, present: Sequence[bool],
     ``chunks[first:]``, and those of them whose window part is first-evicted.
 
     ``present[k]``: chunk k's prefix part was stored before this store (known for k >= first).
-    Restore points: the last chunk's end (at a step end: only with ``step_end_parts``, short-lived);
+    Restore points: the last chunk's end (at a step end: only when that chunk was already stored,
+    or with ``step_end_parts``, short-lived);
     where the stored tokens leave an already stored prefix (the end of the last present chunk
     before the first absent one, the store's own start included); every interval point
     (``is_interval_point``). ``continues``: the store starts where the same request's previous
@@ -59,7 +60,9 @@ def restore_points(chunks: Sequence[Chunk], first: int, present: Sequence[bool],
     points.update(k for k in range(first, len(chunks)) if is_interval_point(chunks[k], interval_tokens))
     last = len(chunks) - 1
     short = []
-    if not step_end:
+    if not step_end or present[last]:
+        # a step end inside an already stored prefix may be where the request leaves it: the
+        # next (continuing) store cannot tell, so the branch point is made here
         points.add(last)
     elif step_end_parts and last not in points:
         points.add(last)
