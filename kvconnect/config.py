@@ -35,6 +35,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_PD_WAIT_TIMEOUT_S    | pd_wait_timeout_s    | float | 5.0     | P/D decode side: how long a request whose prefill a producer names waits for its chunks in the shared tier before it is recomputed (docs/vllm.md, "Prefill/decode disaggregation") |
 | KVCONNECT_PD_POLL_INTERVAL_S   | pd_poll_interval_s   | float | 0.005   | P/D decode side: at most one shared-tier lookup per waiting request per this interval |
 | KVCONNECT_RESTORE_INTERVAL_TOKENS | restore_interval_tokens | int | 4096 | hybrid layouts: also keep window/state rows (the window part) every this many tokens of a stored prompt, besides its end and branch points (the first chunk end at or past each multiple); 0: at every chunk end (docs/design.md, "Restore points") |
+| KVCONNECT_STEP_END_WINDOW_PARTS | step_end_window_parts | bool | false | hybrid layouts: also keep the window part where an engine's prefill step ends (vLLM's chunked prefill), first evicted: it serves a request that diverges exactly there while it lives, at one window part per step (docs/performance.md, "Through vLLM") |
 
 Every number is checked once (``check_number`` over ``NUMERIC_RANGES``): NaN, infinities
 and values out of range are a ``ConfigError`` naming the setting. Values are parsed as
@@ -156,6 +157,7 @@ class Config:
     pd_poll_interval_s: float = 0.005
     mooncake_config_path: Optional[str] = None
     restore_interval_tokens: int = 4096  # restore points (kvconnect/restore/parts.py); 0: every chunk end
+    step_end_window_parts: bool = False  # short-lived restore points at prefill step ends (restore/points.py)
 
     def __post_init__(self) -> None:
         for name, (low, high, low_open) in NUMERIC_RANGES.items():

@@ -137,7 +137,8 @@ class KVCacheEngine:
         writer = ObjectWriter(layout, self.storage, self.gather_to_pool)
         loader = ChunkLoader(layout, self.storage, self.scatter_from_pool, self.counters, self.ops)
         self.restore: RestoreScheme = (
-            WindowParts(layout, self.parts, self.storage, writer, loader, self.counters, self.ops, interval_tokens=self.config.restore_interval_tokens)
+            WindowParts(layout, self.parts, self.storage, writer, loader, self.counters, self.ops,
+                        interval_tokens=self.config.restore_interval_tokens, step_end_parts=self.config.step_end_window_parts)
             if self.parts.split else WholeChunks(layout, self.parts, self.storage, writer, loader, self.counters, self.ops))
 
     @property
@@ -238,14 +239,17 @@ class KVCacheEngine:
 
     # -- store -----------------------------------------------------------------------
     def store(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None,
-              generation: Optional[bytes] = None) -> int:
+              generation: Optional[bytes] = None, step_end: bool = False, continues: bool = False) -> int:
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
         With window groups (kvconnect/restore/parts.py), their rows are stored only at the restore points of
         this store: its end, where it leaves an already stored prefix, and every
         ``restore_interval_tokens``. ``generation``: the key generation to store under (None:
-        this engine's; kvconnect/chunks/keys.py).
+        this engine's; kvconnect/chunks/keys.py). ``step_end``: ``tokens`` end at an engine's
+        prefill step end, not where a request resumes (no restore point there, or a short-lived
+        one with ``step_end_window_parts``); ``continues``: the mask is this request's own
+        previous step-end store, so its end is no branch point (kvconnect/restore/points.py).
         """
         start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
@@ -257,7 +261,7 @@ class KVCacheEngine:
             return 0
         every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation)
         chunks = [c for c in every if c.start >= skip]
-        return self.restore.store(every, chunks, tables, start_s, (tok, every))
+        return self.restore.store(every, chunks, tables, start_s, (tok, every), step_end=step_end, continues=continues)
 
     def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
         """Store chunks whose keys the caller computed (e.g. ``kvconnect.chunks.page_keys``).

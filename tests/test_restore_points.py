@@ -314,16 +314,34 @@ def test_sizing_counts_the_engines_own_restore_points(rng):
 def test_restore_points_rule():
     chunks = [Chunk(i, i * 64, (i + 1) * 64, None) for i in range(10)]
     # a store of everything into an empty cache, interval 256: the end and every 4th chunk end
-    assert restore_points(chunks, 0, [False] * 10, 256) == [3, 7, 9]
+    assert restore_points(chunks, 0, [False] * 10, 256) == ([3, 7, 9], [])
     # interval 0: every chunk end
-    assert restore_points(chunks, 0, [False] * 10, 0) == list(range(10))
+    assert restore_points(chunks, 0, [False] * 10, 0) == (list(range(10)), [])
     # chunks 0-4 already stored: the branch point at 320 (index 4), and the end
-    assert restore_points(chunks, 0, [True] * 5 + [False] * 5, 10**9) == [4, 9]
+    assert restore_points(chunks, 0, [True] * 5 + [False] * 5, 10**9) == ([4, 9], [])
     # a masked store from chunk 6: its start is a restore point (where it leaves what is stored)
-    assert restore_points(chunks, 6, [False] * 10, 10**9) == [5, 9]
+    assert restore_points(chunks, 6, [False] * 10, 10**9) == ([5, 9], [])
     # an interval that is not a chunk multiple: the first chunk end at or past each multiple
-    assert restore_points(chunks, 0, [False] * 10, 200) == [3, 6, 9]
-    assert restore_points(chunks, 10, [False] * 10, 0) == []
+    assert restore_points(chunks, 0, [False] * 10, 200) == ([3, 6, 9], [])
+    assert restore_points(chunks, 10, [False] * 10, 0) == ([], [])
+
+
+def test_restore_points_at_prefill_step_ends():
+    chunks = [Chunk(i, i * 64, (i + 1) * 64, None) for i in range(10)]
+    # a store ending at a prefill step end: no point at its end (the engine computes on)
+    assert restore_points(chunks[:6], 0, [False] * 6, 256, step_end=True) == ([3], [])
+    # the next step's store continues it: its start is no branch point, its end (the prompt's) is one
+    assert restore_points(chunks, 6, [False] * 10, 10**9, continues=True) == ([9], [])
+    # a store from a hit (not a continuation) still makes its start a point
+    assert restore_points(chunks, 6, [False] * 10, 10**9, step_end=True) == ([5], [])
+    # a step end inside an already stored prefix: the request may leave it right there, a kept point
+    assert restore_points(chunks[:6], 0, [True] * 6, 10**9, step_end=True) == ([5], [])
+    # step-end parts kept: the step end becomes a short-lived point
+    assert restore_points(chunks[:6], 0, [False] * 6, 256, step_end=True, step_end_parts=True) == ([3, 5], [5])
+    # a step end that is also an interval point stays a kept point
+    assert restore_points(chunks[:8], 0, [False] * 8, 256, step_end=True, step_end_parts=True) == ([3, 7], [])
+    # chunks 0-4 already stored: the branch point (index 4) is kept, the step end past it short-lived
+    assert restore_points(chunks[:6], 0, [True] * 5 + [False], 10**9, step_end=True, step_end_parts=True) == ([4, 5], [5])
 
 
 def test_part_layout_sizes_slots_to_the_prefix_part():
@@ -412,3 +430,61 @@ def test_window_pieces_round_trip_through_redis(tmp_path, rng):
             assert len(reader.pool) == 300 // chunk + len(reader.parts.pieces)
         finally:
             reader.close()
+
+
+def _store_in_steps(engine, tokens, tables, step: int) -> None:
+    """Store ``tokens`` as vLLM's connector does under chunked prefill: the full chunks computed
+    by every step end, a step end short of the prompt's last full chunk (``step_end``)."""
+    chunk = engine.config.chunk_size
+    last, stored = len(tokens) // chunk * chunk, 0
+    for computed in range(step, len(tokens) + step, step):
+        end = min(computed, len(tokens)) // chunk * chunk
+        if end <= stored:
+            continue
+        mask = np.ones(end, np.bool_)
+        mask[:stored] = False
+        engine.store(tokens[:end], tables, mask, step_end=end < last, continues=stored > 0)
+        stored = end
+
+
+def test_prefill_step_ends_keep_no_window_part_by_default(rng):
+    case, chunk = zoo.build("gemma3-swa", max_tokens=400), 32
+    tokens = zoo.random_tokens(rng, 300)
+    tables = zoo.random_tables(case, 300, rng, keep=zoo.window_keep(case, zoo.chunk_bounds_ref(300, chunk, False)))
+    engine = _engine(case, chunk, 10**6)
+    _store_in_steps(engine, tokens, tables, 96)
+    assert engine.stats.stored_chunks == 9 and engine.stats.window_parts_stored == 1  # the prompt's end only
+    assert engine.lookup(tokens[:150]) == 0  # the step ends 96 and 192 are no restore points
+    _check_restore(case, engine, tokens, tables, 288, rng)
+
+
+def test_step_end_window_parts_are_first_evicted(rng):
+    """With ``step_end_window_parts`` a step end is a restore point while its window part lives; the
+    pool evicts those parts before any other object (kept restore points' parts, prefix parts)."""
+    case, chunk = _case("gemma3-swa-w24", max_tokens=700), 32  # a window within a chunk: points exact
+    tokens = zoo.random_tokens(rng, 300)
+    other = zoo.random_tokens(rng, 300)
+    tables = zoo.random_tables(case, 700, rng, keep=zoo.window_keep(case, zoo.chunk_bounds_ref(700, chunk, False)))
+    probe = _engine(case, chunk, 10**6, step_end_window_parts=True)
+    _store_in_steps(probe, tokens, tables, 96)
+    used, short_lived = probe.pool.stats().used_slots, probe.pool.stats().demotions
+    assert probe.stats.window_parts_stored == 3 and short_lived > 0
+    assert probe.lookup(tokens[:150]) == 96 and probe.lookup(tokens[:250]) == 192  # the step ends serve while they live
+    _check_restore(case, probe, tokens[:200], tables, 192, rng)
+    slot_gb = probe.pool.stats().slot_bytes / (1 << 30)
+    probe.close()
+
+    # a pool with room for this prompt and nothing else: the next store must evict
+    engine = _engine(case, chunk, 10**6, step_end_window_parts=True, max_local_cpu_size=used * slot_gb + 1e-12)
+    assert engine.pool.num_slots == used
+    _store_in_steps(engine, tokens, tables, 96)
+    evicted = []
+    engine.pool.on_evict.append(lambda entry: evicted.append(bytes(entry.key)))
+    engine.store(other[:2 * chunk], tables)  # two prefix parts and one window part's pieces (its end)
+    assert 0 < len(evicted) <= short_lived
+    short_keys = {bytes(window_key(c.key, p)) for c in engine._chunks(tokens, False, None, None)
+                  for p in range(len(engine.parts.pieces))}
+    assert set(evicted) <= short_keys  # only window pieces went, and only those of step ends
+    assert engine.lookup(tokens[:300]) == 288  # the prompt's end, a kept restore point, is whole
+    _check_restore(case, engine, tokens, tables, 288, rng)
+    engine.close()

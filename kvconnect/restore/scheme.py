@@ -53,8 +53,9 @@ class RestoreScheme(ABC):
 
     @abstractmethod
     def store(self, every: list[Chunk], chunks: list[Chunk], tables: BlockTables, start_s: float,
-              prompt: Optional[Prompt]) -> int:
-        """Store ``chunks`` (the chunks of ``every``, the whole prompt, beyond its masked prefix)."""
+              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False) -> int:
+        """Store ``chunks`` (the chunks of ``every``, the whole prompt, beyond its masked prefix).
+        ``step_end`` / ``continues``: ``KVCacheEngine.store``'s (restore points only)."""
 
     @abstractmethod
     def lookup(self, chunks: list[Chunk]) -> int:

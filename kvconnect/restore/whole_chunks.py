@@ -19,7 +19,7 @@ from .writes import Prompt, chunk_identity
 
 class WholeChunks(RestoreScheme):
     def store(self, every: list[Chunk], chunks: list[Chunk], tables: BlockTables, start_s: float,
-              prompt: Optional[Prompt]) -> int:
+              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False) -> int:
         return self._store(chunks, tables, start_s, prompt)
 
     def check_caller_keys(self, what: str) -> None:

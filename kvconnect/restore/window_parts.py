@@ -38,9 +38,11 @@ from .writes import ObjectWriter, Prompt, chunk_identity
 
 class WindowParts(RestoreScheme):
     def __init__(self, layout: KVLayout, parts: PartLayout, storage: StorageManager, writer: ObjectWriter,
-                 loader: ChunkLoader, counters: Counters, ops: OpLog, *, interval_tokens: int) -> None:
+                 loader: ChunkLoader, counters: Counters, ops: OpLog, *, interval_tokens: int,
+                 step_end_parts: bool = False) -> None:
         super().__init__(layout, parts, storage, writer, loader, counters, ops)
         self.interval_tokens = interval_tokens
+        self.step_end_parts = step_end_parts
         self.npieces = len(parts.pieces)
         self.piece_planes = parts.piece_planes(len(layout.planes))
         self.prefix_planes = np.array([(parts.prefix_mask >> p.group_index) & 1 == 1 for p in layout.planes], np.bool_)
@@ -51,7 +53,7 @@ class WindowParts(RestoreScheme):
 
     # -- store -----------------------------------------------------------------------
     def store(self, every: list[Chunk], chunks: list[Chunk], tables: BlockTables, start_s: float,
-              prompt: Optional[Prompt]) -> int:
+              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False) -> int:
         parts = self.parts
         first = chunks[0].index if chunks else len(every)
         prefix_plans = plan_store(self.layout, chunks, tables, groups=parts.prefix_mask) if parts.prefix_mask else []
@@ -59,7 +61,8 @@ class WindowParts(RestoreScheme):
         present = [False] * len(every)
         for p, m in zip(prefix_plans, prefix_existing):
             present[p.chunk.index] = m is not None and (m & parts.prefix_mask) == parts.prefix_mask
-        points = restore_points(every, first, present, self.interval_tokens)
+        points, short_lived = restore_points(every, first, present, self.interval_tokens, step_end=step_end,
+                                             continues=continues, step_end_parts=self.step_end_parts)
         window_of: dict[int, list[int]] = {}  # chunk index -> the restore points needing its window rows
         for k in points:
             for j in self._window(every, k):
@@ -79,6 +82,10 @@ class WindowParts(RestoreScheme):
         if points:  # what this store's restore points reach is worth keeping again
             last = points[-1]
             self.storage.pool.reinstate([k for (p, k), m in ordered if m is not None and p.chunk.index <= last])
+        if short_lived:  # a step end's own window rows: first evicted, unless another point needs them too
+            kept = {j for k in points if k not in short_lived for j in self._window(every, k)}
+            only = {j for k in short_lived for j in self._window(every, k)} - kept
+            self.storage.pool.demote([k for p, k in window_plans if p.chunk.index in only])
         prefix_writes = [p for p, k in writes if k not in window_set]
         window_writes = [(p, k) for p, k in writes if k in window_set]
         if self.events is not None and prefix_writes:

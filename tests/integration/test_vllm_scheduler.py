@@ -225,3 +225,21 @@ def test_reset_connector_reaches_the_disk_tier_and_stores_again(rig, tmp_path):
     r.run()
     assert _first_compute(r, after) == 192
     r.assert_no_leak()
+
+
+def test_chunked_prefill_saves_say_which_end_at_a_step_end(rig):
+    """Under chunked prefill (64-token steps over 64-token chunks) every save short of the prompt's
+    last full chunk is a step end, every save after the first continues one, and the rows stored
+    are those vLLM computed: a second request of the same prompt loads them byte-exact."""
+    r = rig(max_num_batched_tokens=64, enable_prefix_caching=False)  # the second request's hit is the connector's
+    tokens = _prompt(11, 230)  # full chunks end at 64, 128, 192
+    saves = []
+    req = r.add(tokens)
+    r.run(before_worker=lambda out: saves.extend(out.kv_connector_metadata.plan.saves))
+    assert [(len(j.tokens), j.stored_tokens, j.step_end, j.continues) for j in saves] == [
+        (64, 0, True, False), (128, 64, True, True), (192, 128, False, True)]
+    assert all(start + n <= len(tokens) + 1 for start, n in r.computed_log[req.request_id])
+    again = r.add(tokens)
+    r.run()  # the rig's forward checks every row vLLM counts as computed, the loaded ones included
+    assert _first_compute(r, again) == 192
+    r.assert_no_leak()

@@ -185,11 +185,14 @@ class Rig:
 def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chunk_size: int = 64,
              max_num_batched_tokens: int = 128, extra: Optional[dict] = None, dp_rank: int = 0,
              enable_prefix_caching: bool = True, start_scheduler: bool = True, kv_events_config=None,
-             engine_id: Optional[str] = None) -> Rig:
+             engine_id: Optional[str] = None, layer_specs: Optional[dict] = None, max_model_len: int = 2048) -> Rig:
     """A rig with vLLM's worker side up; its scheduler too unless ``start_scheduler`` is False
-    (then ``rig.start_scheduler()``: vLLM's engine core builds its workers, then its scheduler)."""
-    model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
-    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
+    (then ``rig.start_scheduler()``: vLLM's engine core builds its workers, then its scheduler).
+    ``layer_specs`` (layer name -> vLLM KVCacheSpec) replaces the default full-attention layers
+    (benchmarks/vllm_trace_replay.py: a sliding-window hybrid; the fake forward then writes
+    through group 0's block table only, so row checks hold for one-group layouts only)."""
+    model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
+    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     cache.kv_cache_layout = "LBHNC"  # what vLLM resolves for its CPU attention backend
@@ -202,8 +205,8 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
     if dp_rank:
         config.parallel_config.data_parallel_rank = dp_rank
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(NUM_LAYERS)}
-    (kv_cache_config,) = _kv_cache_configs(config, [specs], [num_blocks * NUM_LAYERS * spec.page_size_bytes])
+    specs = layer_specs or {f"model.layers.{i}.self_attn.attn": spec for i in range(NUM_LAYERS)}
+    (kv_cache_config,) = _kv_cache_configs(config, [specs], [num_blocks * sum(s.page_size_bytes for s in specs.values())])
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), cache.get_resolved_kv_cache_layout())
     worker = KVConnectorFactory.create_connector(config=config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config)

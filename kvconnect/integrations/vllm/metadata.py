@@ -69,6 +69,8 @@ class SaveJob:
     stored_tokens: int
     namespace: bytes = b""
     generation: Optional[bytes] = None
+    step_end: bool = False  # ``tokens`` end at a prefill step end (KVCacheEngine.store's step_end)
+    continues: bool = False  # ``stored_tokens`` is this request's previous step-end save
 
 
 @dataclass(frozen=True)

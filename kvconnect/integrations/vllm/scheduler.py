@@ -68,6 +68,7 @@ class _Tracked:
     namespace: bytes = b""
     store_tail: bool = False  # P/D: also store the prompt's partial last chunk (a prefill for a remote decode), to tail_end
     generation: bytes = b""  # the scheduler's key generation when the request was admitted: its saves' generation
+    step_ended: bool = False  # its latest save ended at a prefill step end (the next one continues it)
 
 
 class KVConnectScheduler:
@@ -248,8 +249,13 @@ class KVConnectScheduler:
             return None
         # a stored partial prompt tail is a chunk of its own: the full chunk over it is new
         stored = tracked.stored_tokens // self.chunk_tokens * self.chunk_tokens
-        job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace, tracked.generation)
         tail = end == len(tracked.prompt) or (tracked.store_tail and end == self.tail_end(len(tracked.prompt)))
+        # short of the prompt's own last save, vLLM prefills on next step: nobody resumes here
+        prompt_end = self._storable_end(tracked.prompt, len(tracked.prompt), len(tracked.prompt), tracked.store_tail)
+        step_end = end < prompt_end
+        job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace, tracked.generation,
+                      step_end=step_end, continues=tracked.step_ended)
+        tracked.step_ended = step_end
         tracked.stored_tokens = end if tail else end // self.chunk_tokens * self.chunk_tokens
         return job
 

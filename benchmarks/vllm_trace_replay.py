@@ -1,0 +1,191 @@
+"""Replay public request traces through vLLM's own scheduler and kvconnect's connector, at
+several chunked-prefill step sizes, beside the engine-API replay of the same requests.
+
+    /work/main/.venv-vllm/bin/python benchmarks/vllm_trace_replay.py [--trace synthetic|conversation]
+        [--steps 256,2048,8192] [--limit N] [--restore-interval 4096] [--json]
+
+The vLLM path is tests/integration/vllm_scheduler_rig.py: vLLM's VllmConfig, Scheduler and
+KVConnectorFactory, KV tensors from vLLM's allocate_kv_cache, the connector's scheduler and
+worker halves; only the forward is faked (it writes nothing: this measures what is stored and
+served, not values; the rig's tests check values). vLLM's prefix cache is off, so every hit is
+the connector's. A step size is vLLM's ``max_num_batched_tokens`` and
+``long_prefill_token_threshold``: a prompt is prefilled in steps of that many tokens and the
+connector saves at every step end, as it does in a served engine.
+
+The model is a DeepSeek V4-like hybrid scaled down: full-attention layers (the prefix part)
+and sliding-window layers of window 128 (the window part; DeepSeek V4's windows are <= 128),
+64-token blocks, 256-token chunks. Token ids come from the trace's hash ids as in
+benchmarks/trace_replay.py. The engine-API replay stores each prompt once beyond its hit, on
+the same layout and configuration. One request at a time, in arrival order.
+
+Reported per step size: the share of prompt tokens served from the cache, that share over the
+infinite-cache ideal (trace_replay.ideal_share), bytes written per cached prefix token (all
+objects: prefix parts and window parts), window parts and objects written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/support: the tiny models
+sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the scheduler rig
+
+from trace_replay import CHUNK, ideal_share, load_trace, prompt_tokens  # noqa: E402
+
+from kvconnect import Config, KVCacheEngine  # noqa: E402
+
+BLOCK = 64
+WINDOW = 128
+HEADS, HEAD_SIZE = 1, 8  # 64 bytes per token and layer: a replay of millions of tokens fits a few GB
+FULL_LAYERS, WINDOW_LAYERS = 1, 10  # window part / prefix part = 10 * 128 / 256 = 5.0: DeepSeek V4-Flash's 5.1 (4.78 / 0.94 MiB)
+POOL_GB = 3.0  # no eviction at the request counts this runs (check the evictions column): capacity is trace_replay.py's subject
+
+
+def layer_specs() -> dict:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
+                            sliding_window=WINDOW)
+    specs = {f"model.layers.{i}.self_attn.attn": full for i in range(FULL_LAYERS)}
+    specs.update({f"model.layers.{FULL_LAYERS + i}.self_attn.attn": swa for i in range(WINDOW_LAYERS)})
+    return specs
+
+
+def _no_write_forward(rig):
+    """The rig's forward without its row writes and checks: sample once a prompt is prefilled."""
+
+    def forward(out):
+        sampled = {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = rig.scheduler.requests[req_id]
+            sampled[req_id] = [7] if req.num_computed_tokens >= req.num_tokens else []
+        return sampled
+
+    return forward
+
+
+def vllm_replay(model_dir: str, trace: list[dict], step: int, interval: int, max_len: int, step_end_parts: bool) -> dict:
+    from vllm_scheduler_rig import make_rig
+
+    nblocks = 2 * (max_len // BLOCK + 2)
+    rig = make_rig(model_dir, block_size=BLOCK, num_blocks=nblocks, chunk_size=CHUNK, max_num_batched_tokens=step,
+                   enable_prefix_caching=False, layer_specs=layer_specs(), max_model_len=max_len,
+                   extra={"restore_interval_tokens": interval, "max_local_cpu_size": POOL_GB, "pool_prefault": False,
+                          "step_end_window_parts": step_end_parts})
+    rig.vllm_config.scheduler_config.long_prefill_token_threshold = step
+    rig._forward = _no_write_forward(rig)
+    served = total = steps = 0
+    start = time.perf_counter()
+
+    def count_hits(out):
+        nonlocal served
+        served += sum(r.num_computed_tokens for r in out.scheduled_new_reqs)
+
+    try:
+        for req in trace:
+            tok = prompt_tokens(req)
+            total += len(tok)
+            rig.add(tok, max_tokens=1)
+            steps += rig.run(max_steps=len(tok) // step + 20, before_worker=count_hits)
+        s = rig.engine.stats
+        return _row("vllm", step, served, total, s, rig.engine.pool.stats().evictions, steps, time.perf_counter() - start)
+    finally:
+        rig.close()
+
+
+def api_replay(layout, trace: list[dict], interval: int, max_len: int) -> dict:
+    """The engine-API replay (benchmarks/trace_replay.py's loop) on the rig's own layout."""
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=POOL_GB, num_threads=1, pool_prefault=False,
+                 restore_interval_tokens=interval, log_interval_s=0)
+    eng = KVCacheEngine(layout, cfg)
+    block_ids = [np.arange(max_len // BLOCK + 2, dtype=np.int64) for _ in layout.groups]
+    served = total = 0
+    start = time.perf_counter()
+    try:
+        for req in trace:
+            tok = prompt_tokens(req)
+            total += len(tok)
+            hit = min(eng.lookup(tok), (len(tok) - 1) // CHUNK * CHUNK)
+            loaded = eng.retrieve(tok[:hit], block_ids) if hit else 0
+            served += loaded
+            mask = None
+            if loaded:
+                mask = np.ones(len(tok), np.bool_)
+                mask[:loaded] = False
+            eng.store(tok, block_ids, mask)
+        return _row("engine API", 0, served, total, eng.stats, eng.pool.stats().evictions, 0, time.perf_counter() - start)
+    finally:
+        eng.close()
+
+
+def _row(path: str, step: int, served: int, total: int, s, evictions: int, steps: int, seconds: float) -> dict:
+    cached = s.stored_chunks * CHUNK
+    return {"path": path, "step_tokens": step, "served": served / total, "bytes_per_cached_token": s.stored_bytes / max(1, cached),
+            "stored_bytes": s.stored_bytes, "window_bytes": s.window_bytes_stored, "prefix_parts": s.stored_chunks,
+            "window_parts": s.window_parts_stored, "window_pieces": s.window_pieces_stored,
+            "restore_point_hits": s.restore_point_hits, "evictions": evictions, "engine_steps": steps, "seconds": seconds}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default="synthetic")
+    p.add_argument("--steps", default="256,2048,8192")
+    p.add_argument("--limit", type=int, default=20, help="replay only the first N requests")
+    p.add_argument("--restore-interval", type=int, default=Config().restore_interval_tokens)
+    p.add_argument("--step-end-parts", action="store_true",
+                   help="keep a short-lived window part at every prefill step end (step_end_window_parts)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from support import tiny_models
+
+    trace = load_trace(args.trace, args.limit)
+    max_len = (max(r["input_length"] for r in trace) // BLOCK + 2) * BLOCK
+    ideal = ideal_share(trace)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_models.make_llama(str(Path(tmp) / "llama"))
+        conf = Path(model_dir) / "config.json"  # only the forward is faked: the model's length cap is vLLM's check
+        conf.write_text(json.dumps({**json.loads(conf.read_text()), "max_position_embeddings": max_len}))
+        layout = None
+        for step in [int(x) for x in args.steps.split(",")]:
+            rows.append(vllm_replay(model_dir, trace, step, args.restore_interval, max_len, args.step_end_parts))
+        from vllm_scheduler_rig import make_rig
+
+        rig = make_rig(model_dir, block_size=BLOCK, num_blocks=max_len // BLOCK + 2, chunk_size=CHUNK,
+                       enable_prefix_caching=False, layer_specs=layer_specs(), max_model_len=max_len,
+                       extra={"max_local_cpu_size": 0.01, "pool_prefault": False})
+        try:
+            layout = rig.engine.layout
+            rows.append(api_replay(layout, trace, args.restore_interval, max_len))
+        finally:
+            rig.close()
+    api = rows[-1]
+    for row in rows:
+        row["of_ideal"] = row["served"] / ideal if ideal else 0.0
+        row["bytes_vs_api"] = row["bytes_per_cached_token"] / max(1e-9, api["bytes_per_cached_token"])
+        if not args.json:
+            name = f"vLLM steps {row['step_tokens']:>5}" if row["path"] == "vllm" else "engine API       "
+            print(f"{args.trace} {len(trace)} requests, {name}: served {row['served']:.3f} ({row['of_ideal']:.2f} of ideal "
+                  f"{ideal:.3f}), {row['bytes_per_cached_token']:.0f} B per cached token ({row['bytes_vs_api']:.2f}x API), "
+                  f"{row['prefix_parts']} prefix parts, {row['window_parts']} window parts ({row['window_pieces']} pieces), "
+                  f"{row['restore_point_hits']} restore-point hits, {row['evictions']} evictions, {row['seconds']:.0f} s", flush=True)
+    if args.json:
+        print(json.dumps({"trace": args.trace, "requests": len(trace), "ideal": ideal, "step_end_parts": args.step_end_parts,
+                          "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
