@@ -120,11 +120,11 @@ def test_vllm_roles_choose_from_what_both_hold(state_blocks, dcp, chosen):
     choice = choose_vllm_chunk_size(state_blocks, dcp)
     assert choice.tokens == chosen
     assert choice == choose_vllm_chunk_size(dict(state_blocks), dcp)  # a pure function: scheduler == worker
-    words = describe(Config(), choice)
-    assert words.startswith(f"chunk_size {chosen} (")
+    words = describe(choice)
+    assert words == choice.reason
     if state_blocks and chosen != 256:
         assert f"vLLM's state group 0 of {chosen}-token blocks" in words
-    assert describe(Config(chunk_size=512), None) == "chunk_size 512 (set)"
+    assert describe(None) == "set"
 
 
 @pytest.fixture

@@ -264,7 +264,7 @@ def test_with_no_setting_but_a_tier_a_fresh_engine_resumes_bit_exactly(runs):
     """No chunk size set: kvconnect chooses vLLM's 384-token align block (it used to keep 256,
     refuse the model and serve nothing), says so at start, and a fresh process resumes."""
     stored, load, plain = runs["defaults_store"], runs["defaults_load"], runs["plain"]
-    assert "chunk_size 384 (chosen from the layout" in stored["log"]
+    assert "per 384-token chunk (chosen from the layout" in stored["log"]
     assert "off for this model" not in stored["log"] + load["log"]
     assert load["fingerprint"] == stored["fingerprint"]
     assert [[(x["hit"], x["loaded"]) for x in loads] for loads in load["loads"]] == [[(768, 768)], [(768, 768)]]

@@ -12,7 +12,7 @@ size that fits, as a chunk size the user set that does not fit does.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 from ...layout.chunk_size import ChunkChoice, ChunkRule, choose_chunk_size
 from ...layout.spec import DCPSpec
@@ -30,8 +30,6 @@ def choose_vllm_chunk_size(state_blocks: Mapping[int, int], dcp: DCPSpec) -> Chu
     return choose_chunk_size(vllm_chunk_rules(state_blocks, dcp))
 
 
-def describe(config: Any, choice: ChunkChoice | None) -> str:
-    """The start-up words for the chunk size: set by the user, or chosen and why."""
-    if choice is None:
-        return f"chunk_size {config.chunk_size} (set)"
-    return f"chunk_size {choice.tokens} ({choice.reason})"
+def describe(choice: ChunkChoice | None) -> str:
+    """How the chunk size came to be, for the registration line: set by the user, or chosen and why."""
+    return "set" if choice is None else choice.reason

@@ -107,7 +107,6 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             config = dataclasses.replace(config, chunk_size=chunk_choice.tokens)
             self._config = config
         if role == KVConnectorRole.SCHEDULER:
-            logger.info("kvconnect: %s", chunk_size.describe(config, chunk_choice))
             ranks = parallel_ranks(vllm_config, in_worker=False)
             client = LookupClient([rank_address(channel, i) for i in range(ranks.num_workers)],
                                   timeout_s=float(adapter.get("lookup_timeout_s", 1.0)), token=config.lookup_token)
@@ -127,7 +126,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             # the scheduler hands the worker a partial last chunk only to store it (P/D prefills)
             worker_config = dataclasses.replace(config, save_unfull_chunk=True) if self._role.stores_prompt else config
             self._worker = KVConnectWorker(worker_config, rank_address(channel, self._ranks.worker_index),
-                                           chunk_words=chunk_size.describe(config, chunk_choice))
+                                           chunk_words=chunk_size.describe(chunk_choice))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -83,7 +83,7 @@ class Periodic:
 
 def registration_line(layout, config, pool, storage, chunk_words: str = "") -> str:
     """The INFO line a worker logs once its engine is built (``chunk_words``: how the chunk
-    size came to be, ``chunk_size.describe``)."""
+    size came to be, ``chunk_size.describe``: "set" or why it was chosen)."""
     chunk_bytes = getattr(pool, "slot_bytes", 0)
     tiers = ["cpu"] + [t.name for t in getattr(storage, "tiers", [])]
     pool_bytes = getattr(pool, "num_slots", 0) * chunk_bytes

@@ -63,7 +63,7 @@ _COUNTERS = ("loads", "load_failures", "loaded_tokens", "saves", "save_failures"
 class KVConnectWorker:
     def __init__(self, config: Config, channel_address: Optional[str], *, chunk_words: str = "") -> None:
         self.config = config
-        self.chunk_words = chunk_words or f"chunk_size {config.chunk_size} (set)"  # the start-up line's
+        self.chunk_words = chunk_words or "set"  # how the chunk size came to be, for the start-up line
         self.engine: Optional[KVCacheEngine] = None
         self.translation: Optional[Translation] = None
         self.counters = dict.fromkeys(_COUNTERS, 0)
