@@ -173,6 +173,19 @@ class Model:
         return s.stored_chunks * self.parts.prefix_bytes + s.window_pieces_stored * self.parts.window_bytes // pieces
 
 
+def serve_request(eng: KVCacheEngine, tok: np.ndarray, block_ids) -> int:
+    """One request through the engine API, as an engine would: look up, load the hit (at least one
+    token is computed), store the prompt beyond it. Returns the tokens loaded."""
+    hit = min(eng.lookup(tok), (len(tok) - 1) // CHUNK * CHUNK)
+    loaded = eng.retrieve(tok[:hit], block_ids) if hit else 0
+    mask = None
+    if loaded:
+        mask = np.ones(len(tok), np.bool_)
+        mask[:loaded] = False
+    eng.store(tok, block_ids, mask)
+    return loaded
+
+
 def replay(model: Model, trace: list[dict], config: str, pool_gb: float) -> dict:
     eng = model.engine(config, pool_gb)
     served = total = 0
@@ -181,15 +194,7 @@ def replay(model: Model, trace: list[dict], config: str, pool_gb: float) -> dict
         for req in trace:
             tok = prompt_tokens(req)
             total += len(tok)
-            hit = eng.lookup(tok)
-            hit = min(hit, (len(tok) - 1) // CHUNK * CHUNK)  # an engine computes at least one token
-            loaded = eng.retrieve(tok[:hit], model.block_ids) if hit else 0
-            served += loaded
-            mask = None
-            if loaded:
-                mask = np.ones(len(tok), np.bool_)
-                mask[:loaded] = False
-            eng.store(tok, model.block_ids, mask)
+            served += serve_request(eng, tok, model.block_ids)
         s = eng.stats
         cached_tokens = s.stored_chunks * CHUNK
         return {

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/support: the tiny models
 sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the scheduler rig
 
-from trace_replay import CHUNK, ideal_share, load_trace, prompt_tokens  # noqa: E402
+from trace_replay import CHUNK, ideal_share, load_trace, prompt_tokens, serve_request  # noqa: E402
 
 from kvconnect import Config, KVCacheEngine  # noqa: E402
 
@@ -117,14 +117,7 @@ def api_replay(layout, trace: list[dict], interval: int, max_len: int) -> dict:
         for req in trace:
             tok = prompt_tokens(req)
             total += len(tok)
-            hit = min(eng.lookup(tok), (len(tok) - 1) // CHUNK * CHUNK)
-            loaded = eng.retrieve(tok[:hit], block_ids) if hit else 0
-            served += loaded
-            mask = None
-            if loaded:
-                mask = np.ones(len(tok), np.bool_)
-                mask[:loaded] = False
-            eng.store(tok, block_ids, mask)
+            served += serve_request(eng, tok, block_ids)
         return _row("engine API", 0, served, total, eng.stats, eng.pool.stats().evictions, 0, time.perf_counter() - start)
     finally:
         eng.close()
