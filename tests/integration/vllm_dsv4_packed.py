@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import types
+from pathlib import Path
 
 os.environ["VLLM_PLUGINS"] = ""
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -53,19 +55,14 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers (tests/support)
+from support.npu_stand_ins import bare_module  # noqa: E402
+
 LAYERS = (0, 4, 128, 4)  # compress ratio per layer (0: SWA only), as in V4-Flash's pattern
 BLOCK = 256  # vLLM's DeepSeek V4 block size (tokens)
 STEP = 512  # prefill tokens per scheduler step
 CHUNK = 256  # kvconnect chunk
 CASES = ((1300, 7), (777, 8), (2100, 9))  # (prompt tokens, seed of the block tables and data)
-
-
-def _module(cls, **attrs):
-    obj = cls.__new__(cls)
-    torch.nn.Module.__init__(obj)
-    for key, value in attrs.items():
-        object.__setattr__(obj, key, value)
-    return obj
 
 
 def build(num_blocks: int):
@@ -89,23 +86,23 @@ def build(num_blocks: int):
     for i, ratio in enumerate(LAYERS):
         p = f"model.layers.{i}.attn"
         # DeepseekV4Attention.__init__: SWA cache of head_dim 512 in the fp8_ds_mla torch dtype
-        layers[f"{p}.swa_cache"] = _module(
+        layers[f"{p}.swa_cache"] = bare_module(
             DeepseekV4SWACache, head_dim=512, window_size=128, dtype=torch.uint8, block_size=64, cache_config=cache_config,
             prefix=f"{p}.swa_cache", bounded_replay=False, packed_bytes_per_token=584, packed_page_alignment=576,
             backend_cls=DeepseekSparseSWABackend)
         if ratio <= 1:
             continue
-        layers[p] = _module(DeepseekV4CPUAttention, compress_ratio=ratio, kv_cache_dtype="fp8_ds_mla", head_dim=512,
+        layers[p] = bare_module(DeepseekV4CPUAttention, compress_ratio=ratio, kv_cache_dtype="fp8_ds_mla", head_dim=512,
                             kv_cache_torch_dtype=torch.uint8, prefix=p)
         coff = 1 + (ratio == 4)  # DeepseekCompressor: overlapping windows at ratio 4
-        layers[f"{p}.compressor.state_cache"] = _module(
+        layers[f"{p}.compressor.state_cache"] = bare_module(
             CompressorStateCache, state_dim=2 * coff * 512, dtype=torch.float32, prefix=f"{p}.compressor.state_cache",
             sliding_window=coff * ratio, block_size=4 if ratio == 4 else 8)
         if ratio == 4:
-            layers[f"{p}.indexer.k_cache"] = _module(  # 128 fp8 + 4 B fp32 scale
+            layers[f"{p}.indexer.k_cache"] = bare_module(  # 128 fp8 + 4 B fp32 scale
                 DeepseekV4CPUIndexerCache, head_dim=132, dtype=torch.uint8, prefix=f"{p}.indexer.k_cache",
                 cache_config=cache_config, compress_ratio=4)
-            layers[f"{p}.indexer.compressor.state_cache"] = _module(
+            layers[f"{p}.indexer.compressor.state_cache"] = bare_module(
                 CompressorStateCache, state_dim=2 * coff * 128, dtype=torch.float32,
                 prefix=f"{p}.indexer.compressor.state_cache", sliding_window=coff * ratio, block_size=4)
     specs = {name: layer.get_kv_cache_spec(vc) for name, layer in layers.items()}

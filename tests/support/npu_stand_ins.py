@@ -79,9 +79,9 @@ def ns(**kw):
 
 
 def bare_module(cls, **attrs):
+    """An ``nn.Module`` of ``cls`` made without its ``__init__``, with ``attrs`` set."""
     import torch
 
-    """An ``nn.Module`` of ``cls`` made without its ``__init__``, with ``attrs`` set."""
     obj = cls.__new__(cls)
     torch.nn.Module.__init__(obj)
     for key, value in attrs.items():
