@@ -44,6 +44,7 @@ the group) and is never a hit: the restore falls back to an earlier point. With 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import blake3
 import numpy as np
@@ -60,22 +61,46 @@ def slice_wide_planes(layout: KVLayout, chunk_tokens: int, *, split: bool = True
     """``layout`` with every window plane whose rows of a chunk exceed
     ``max(prefix part, window / MAX_PIECES)`` cut into column slices of about that size; the
     layout itself where none does (every per-layer layout kvconnect has met) or parts are off."""
-    if not split:
+    split_bytes = _SplitBytes.of(layout, chunk_tokens) if split else None
+    if split_bytes is None or split_bytes.all_free:
         return layout
-    window_mask = sum(1 << g for g, geo in enumerate(layout.geometries) if geo.window_tokens is not None)
-    free_mask = window_free_mask(layout, chunk_tokens)
-    if window_mask & ~free_mask:
-        window_mask &= ~free_mask
-    else:
-        return layout
-    rows = max_group_rows(layout, chunk_tokens)
-    plane_bytes = [rows[p.group_index] * p.row_bytes for p in layout.planes]
-    in_window = [(window_mask >> p.group_index) & 1 == 1 for p in layout.planes]
-    prefix = sum(b for b, p, w in zip(plane_bytes, layout.planes, in_window) if not w and not (free_mask >> p.group_index) & 1)
-    window = sum(b for b, w in zip(plane_bytes, in_window) if w)
-    target = max(prefix, -(-window // MAX_PIECES), 1)
-    wide = {i: -(-b // target) for i, (b, w) in enumerate(zip(plane_bytes, in_window)) if w and b > target}
+    target = max(split_bytes.prefix, -(-split_bytes.window // MAX_PIECES), 1)
+    wide = {i: -(-split_bytes.plane_bytes[i] // target) for i in split_bytes.window_planes
+            if split_bytes.plane_bytes[i] > target}
     return layout.with_sliced_planes(wide)
+
+
+@dataclass(frozen=True)
+class _SplitBytes:
+    """A full chunk's bytes as the split sees them: which groups go in no part (window-free) and
+    which in the window part, each plane's rows, the prefix part and the window rows."""
+
+    window_mask: int
+    free_mask: int
+    all_free: bool  # every window group is window-free: kept in the window part (no part would hold a window)
+    plane_bytes: list[int]
+    window_planes: list[int]  # planes of the window part that hold rows
+    prefix: int
+    window: int
+
+    @classmethod
+    def of(cls, layout: KVLayout, chunk_tokens: int) -> "Optional[_SplitBytes]":
+        """None when nothing would be split off: no window group, or no window rows."""
+        window_mask = sum(1 << g for g, geo in enumerate(layout.geometries) if geo.window_tokens is not None)
+        free_mask = window_free_mask(layout, chunk_tokens)
+        all_free = not window_mask & ~free_mask
+        if all_free:
+            free_mask = 0
+        else:
+            window_mask &= ~free_mask  # never needed at a full chunk's end: in neither part
+        rows = max_group_rows(layout, chunk_tokens)
+        plane_bytes = [rows[p.group_index] * p.row_bytes for p in layout.planes]
+        window_planes = [i for i, p in enumerate(layout.planes) if (window_mask >> p.group_index) & 1 and plane_bytes[i]]
+        if not window_planes:
+            return None
+        prefix = sum(b for b, p in zip(plane_bytes, layout.planes) if not ((window_mask | free_mask) >> p.group_index) & 1)
+        return cls(window_mask, free_mask, all_free, plane_bytes, window_planes, prefix,
+                   sum(plane_bytes[i] for i in window_planes))
 
 
 def window_key(chunk_key: ChunkKey, piece: int) -> ChunkKey:
@@ -107,20 +132,12 @@ class PartLayout:
     @classmethod
     def of(cls, layout: KVLayout, chunk_tokens: int, *, split: bool = True) -> "PartLayout":
         all_groups = (1 << layout.num_groups) - 1
-        window_mask = sum(1 << g for g, geo in enumerate(layout.geometries) if geo.window_tokens is not None)
-        free_mask = window_free_mask(layout, chunk_tokens)
-        if split and window_mask & ~free_mask:
-            window_mask &= ~free_mask  # never needed at a full chunk's end: in neither part
-        else:
-            free_mask = 0
-        rows = max_group_rows(layout, chunk_tokens)
-        plane_bytes = [rows[p.group_index] * p.row_bytes for p in layout.planes]
-        whole = max_chunk_payload_bytes(layout, chunk_tokens)
-        window_planes = [i for i, p in enumerate(layout.planes) if (window_mask >> p.group_index) & 1 and plane_bytes[i]]
-        if not split or not window_mask or not window_planes:
+        sb = _SplitBytes.of(layout, chunk_tokens) if split else None
+        if sb is None:
+            whole = max_chunk_payload_bytes(layout, chunk_tokens)
             return cls(all_groups, 0, (), max(whole, 1), whole, 0)
-        prefix = sum(b for i, b in enumerate(plane_bytes) if not ((window_mask | free_mask) >> layout.planes[i].group_index) & 1)
-        window = sum(plane_bytes[i] for i in window_planes)
+        plane_bytes, window_planes, window_mask, free_mask = sb.plane_bytes, sb.window_planes, sb.window_mask, sb.free_mask
+        prefix, window = sb.prefix, sb.window
         slot = max(prefix, max(plane_bytes[i] for i in window_planes), -(-window // MAX_PIECES), 1)
         pieces: list[list[int]] = [[]]
         used = 0
