@@ -211,7 +211,7 @@ class KVLayout:
         for i, (p, t) in enumerate(zip(self.planes, self.tensors)):
             n = int(slices.get(i, 1))
             if n <= 1:
-                pieces = [(p, t, 0, 1)]
+                pieces = [(p, t)]
             else:
                 width = -(-p.row_bytes // n)
                 width = -(-width // 16) * 16 if p.row_bytes > 16 * n else width
@@ -224,8 +224,8 @@ class KVLayout:
                     view = torch.as_strided(flat, (p.num_blocks, p.rows_per_block, b - a),
                                             (p.block_stride_bytes, p.row_stride_bytes, 1), base + a)
                     pieces.append((dataclasses.replace(p, row_bytes=b - a, dtype="uint8", slice_index=k,
-                                                       num_slices=len(cuts)), view, k, len(cuts)))
-            for spec, view, _, _ in pieces:
+                                                       num_slices=len(cuts)), view))
+            for spec, view in pieces:
                 index = per_layer.get(spec.layer_name, 0)
                 per_layer[spec.layer_name] = index + 1
                 planes.append(dataclasses.replace(spec, plane_index=index))
