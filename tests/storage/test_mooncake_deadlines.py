@@ -101,11 +101,13 @@ def test_a_large_read_on_a_healthy_link_is_not_cut_short(stored, tmp_path):
         _seen_and_healthy(tier, keys)
         slots = reader.pool.reserve(NUM_CHUNKS)
         assert len(slots) == NUM_CHUNKS
-        before = dict(tier.counters)  # the 10 ms lookups above were cut short, not this read
         headers = tier.read_many_into(keys, [memoryview(reader.pool.slot_view(s).numpy()) for s in slots])
         reader.pool.abort(slots)
         assert sum(h is not None for h in headers) == NUM_CHUNKS  # each verified (checksum) by the tier
-        assert tier.counters["short_reads"] == 0 and tier.counters["cut_short"] == before["cut_short"]
+        # ``short_reads`` counts reads stopped between batches; ``cut_short`` is not checked:
+        # a 10 ms lookup of _seen_and_healthy the caller stopped waiting for may still be
+        # running on its worker and count its own cut after any snapshot taken here
+        assert tier.counters["short_reads"] == 0
         assert tier.stats().corrupt == 0
         assert tier.reader.read_budget_s(NUM_CHUNKS * reader.pool.slot_bytes) > 50 * tier.timeout_s
     finally:
