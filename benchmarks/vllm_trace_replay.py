@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ BLOCK = 64
 WINDOW = 128
 HEADS, HEAD_SIZE = 1, 8  # 64 bytes per token and layer: a replay of millions of tokens fits a few GB
 FULL_LAYERS, WINDOW_LAYERS = 1, 10  # window part / prefix part = 10 * 128 / 256 = 5.0: DeepSeek V4-Flash's 5.1 (4.78 / 0.94 MiB)
-POOL_GB = 3.0  # no eviction at the request counts this runs (check the evictions column): capacity is trace_replay.py's subject
+POOL_GB = 3.0  # no eviction at 200 requests (check the evictions column); --pool-gb smaller to replay under pressure
 
 
 def layer_specs() -> dict:
@@ -76,13 +77,14 @@ def _no_write_forward(rig):
     return forward
 
 
-def vllm_replay(model_dir: str, trace: list[dict], step: int, interval: int, max_len: int, step_end_parts: bool) -> dict:
+def vllm_replay(model_dir: str, trace: list[dict], step: int, interval: int, max_len: int, step_end_parts: bool,
+                pool_gb: float = POOL_GB, specs: Optional[dict] = None) -> dict:
     from vllm_scheduler_rig import make_rig
 
     nblocks = 2 * (max_len // BLOCK + 2)
     rig = make_rig(model_dir, block_size=BLOCK, num_blocks=nblocks, chunk_size=CHUNK, max_num_batched_tokens=step,
-                   enable_prefix_caching=False, layer_specs=layer_specs(), max_model_len=max_len,
-                   extra={"restore_interval_tokens": interval, "max_local_cpu_size": POOL_GB, "pool_prefault": False,
+                   enable_prefix_caching=False, layer_specs=specs or layer_specs(), max_model_len=max_len,
+                   extra={"restore_interval_tokens": interval, "max_local_cpu_size": pool_gb, "pool_prefault": False,
                           "step_end_window_parts": step_end_parts})
     rig.vllm_config.scheduler_config.long_prefill_token_threshold = step
     rig._forward = _no_write_forward(rig)
@@ -105,9 +107,86 @@ def vllm_replay(model_dir: str, trace: list[dict], step: int, interval: int, max
         rig.close()
 
 
-def api_replay(layout, trace: list[dict], interval: int, max_len: int) -> dict:
+def peer_rig(model_dir: str, *, step: int, max_len: int, pool_gb: float, specs: Optional[dict] = None):
+    """The scheduler rig with vLLM's OffloadingConnector in kvconnect's place: vLLM's CPU
+    offloading spec with the copy worker of benchmarks/offloading_cpu_shim.py (vLLM's refuses a
+    CPU device), offloaded chunks of CHUNK tokens, a host pool of ``pool_gb``; ``specs`` None:
+    the rig's own full-attention layers (its forward then writes and checks every row)."""
+    from vllm.config import KVTransferConfig
+    from vllm_scheduler_rig import make_rig
+
+    transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"spec_name": "CPUCopyOffloadingSpec",
+                                                           "spec_module_path": "offloading_cpu_shim",
+                                                           "block_size": CHUNK, "cpu_bytes_to_use": int(pool_gb * 1e9)})
+    rig = make_rig(model_dir, block_size=BLOCK, num_blocks=2 * (max_len // BLOCK + 2), max_num_batched_tokens=step,
+                   enable_prefix_caching=False, layer_specs=specs, max_model_len=max_len, transfer=transfer)
+    rig.vllm_config.scheduler_config.long_prefill_token_threshold = step
+    return rig
+
+
+def run_peer(rig, before_worker=None, max_steps: int = 200) -> int:
+    """Step until every request's blocks are freed: the OffloadingConnector holds them until
+    the worker reported their stores done, and the manager counts a store only then, so the
+    next request can hit (kvconnect's rig drains its worker instead)."""
+    steps = 0
+    while rig.scheduler.has_unfinished_requests() or rig.scheduler.requests:
+        rig.step(before_worker)
+        steps += 1
+        assert steps < max_steps, "the peer did not drain"
+    return steps
+
+
+def peer_replay(model_dir: str, trace: list[dict], step: int, max_len: int, pool_gb: float,
+                specs: Optional[dict] = None) -> dict:
+    """vLLM's OffloadingConnector on the same requests, steps and layout as ``vllm_replay``."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    rig = peer_rig(model_dir, step=step, max_len=max_len, pool_gb=pool_gb, specs=specs or layer_specs())
+    rig._forward = _no_write_forward(rig)
+    copier = rig.worker.connector_worker.worker
+    full = [g for g, group in enumerate(rig.kv_cache_config.kv_cache_groups)
+            if isinstance(group.kv_cache_spec, FullAttentionSpec)]
+    served = total = steps = 0
+    start = time.perf_counter()
+
+    def count_hits(out):
+        nonlocal served
+        served += sum(r.num_computed_tokens for r in out.scheduled_new_reqs)
+
+    try:
+        for req in trace:
+            tok = prompt_tokens(req)
+            total += len(tok)
+            rig.add(tok, max_tokens=1)
+            steps += run_peer(rig, count_hits, max_steps=len(tok) // step + 20)
+        stored = sum(copier.bytes_stored)
+        cached = min(copier.blocks_stored[g] for g in full) * BLOCK  # tokens whose prefix rows were offloaded
+        return {"path": "OffloadingConnector", "step_tokens": step, "served": served / total,
+                "bytes_per_cached_token": stored / max(1, cached), "stored_bytes": stored,
+                "window_bytes": stored - sum(copier.bytes_stored[g] for g in full), "prefix_parts": cached // CHUNK,
+                "window_parts": None, "window_pieces": None, "restore_point_hits": None, "evictions": None,
+                "engine_steps": steps, "seconds": time.perf_counter() - start}
+    finally:
+        rig.close()
+
+
+def rig_layout(model_dir: str, max_len: int):
+    """kvconnect's layout of the rig's KV tensors (the engine-API replay's), as its worker builds it."""
+    from vllm_scheduler_rig import make_rig
+
+    rig = make_rig(model_dir, block_size=BLOCK, num_blocks=max_len // BLOCK + 2, chunk_size=CHUNK,
+                   enable_prefix_caching=False, layer_specs=layer_specs(), max_model_len=max_len,
+                   extra={"max_local_cpu_size": 0.01, "pool_prefault": False})
+    try:
+        return rig.engine.layout
+    finally:
+        rig.close()
+
+
+def api_replay(layout, trace: list[dict], interval: int, max_len: int, pool_gb: float = POOL_GB) -> dict:
     """The engine-API replay (benchmarks/trace_replay.py's loop) on the rig's own layout."""
-    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=POOL_GB, num_threads=1, pool_prefault=False,
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=pool_gb, num_threads=1, pool_prefault=False,
                  restore_interval_tokens=interval, log_interval_s=0)
     eng = KVCacheEngine(layout, cfg)
     block_ids = [np.arange(max_len // BLOCK + 2, dtype=np.int64) for _ in layout.groups]
@@ -139,6 +218,9 @@ def main(argv=None) -> int:
     p.add_argument("--restore-interval", type=int, default=Config().restore_interval_tokens)
     p.add_argument("--step-end-parts", action="store_true",
                    help="keep a short-lived window part at every prefill step end (step_end_window_parts)")
+    p.add_argument("--pool-gb", type=float, default=POOL_GB, help="host pool of every path, GB")
+    p.add_argument("--peer", action="store_true",
+                   help="also replay through vLLM's OffloadingConnector (benchmarks/offloading_cpu_shim.py) at each step size")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from support import tiny_models
@@ -151,31 +233,31 @@ def main(argv=None) -> int:
         model_dir = tiny_models.make_llama(str(Path(tmp) / "llama"))
         conf = Path(model_dir) / "config.json"  # only the forward is faked: the model's length cap is vLLM's check
         conf.write_text(json.dumps({**json.loads(conf.read_text()), "max_position_embeddings": max_len}))
-        layout = None
         for step in [int(x) for x in args.steps.split(",")]:
-            rows.append(vllm_replay(model_dir, trace, step, args.restore_interval, max_len, args.step_end_parts))
-        from vllm_scheduler_rig import make_rig
-
-        rig = make_rig(model_dir, block_size=BLOCK, num_blocks=max_len // BLOCK + 2, chunk_size=CHUNK,
-                       enable_prefix_caching=False, layer_specs=layer_specs(), max_model_len=max_len,
-                       extra={"max_local_cpu_size": 0.01, "pool_prefault": False})
-        try:
-            layout = rig.engine.layout
-            rows.append(api_replay(layout, trace, args.restore_interval, max_len))
-        finally:
-            rig.close()
+            rows.append(vllm_replay(model_dir, trace, step, args.restore_interval, max_len, args.step_end_parts,
+                                    args.pool_gb))
+            if args.peer:
+                rows.append(peer_replay(model_dir, trace, step, max_len, args.pool_gb))
+        rows.append(api_replay(rig_layout(model_dir, max_len), trace, args.restore_interval, max_len, args.pool_gb))
     api = rows[-1]
     for row in rows:
         row["of_ideal"] = row["served"] / ideal if ideal else 0.0
         row["bytes_vs_api"] = row["bytes_per_cached_token"] / max(1e-9, api["bytes_per_cached_token"])
         if not args.json:
-            name = f"vLLM steps {row['step_tokens']:>5}" if row["path"] == "vllm" else "engine API       "
-            print(f"{args.trace} {len(trace)} requests, {name}: served {row['served']:.3f} ({row['of_ideal']:.2f} of ideal "
-                  f"{ideal:.3f}), {row['bytes_per_cached_token']:.0f} B per cached token ({row['bytes_vs_api']:.2f}x API), "
-                  f"{row['prefix_parts']} prefix parts, {row['window_parts']} window parts ({row['window_pieces']} pieces), "
-                  f"{row['restore_point_hits']} restore-point hits, {row['evictions']} evictions, {row['seconds']:.0f} s", flush=True)
+            name = {"vllm": f"vLLM steps {row['step_tokens']:>5}", "engine API": "engine API       "}.get(
+                row["path"], f"peer steps {row['step_tokens']:>5}")
+            line = (f"{args.trace} {len(trace)} requests, {name}: served {row['served']:.3f} ({row['of_ideal']:.2f} of ideal "
+                    f"{ideal:.3f}), {row['bytes_per_cached_token']:.0f} B per cached token ({row['bytes_vs_api']:.2f}x API), "
+                    f"{row['prefix_parts']} prefix chunks, ")
+            if row["path"] == "OffloadingConnector":
+                line += f"{row['window_bytes'] / 1e6:.1f} MB of window rows (vLLM's OffloadingConnector), "
+            else:
+                line += (f"{row['window_parts']} window parts ({row['window_pieces']} pieces), "
+                         f"{row['restore_point_hits']} restore-point hits, {row['evictions']} evictions, ")
+            print(line + f"{row['seconds']:.0f} s", flush=True)
     if args.json:
         print(json.dumps({"trace": args.trace, "requests": len(trace), "ideal": ideal, "step_end_parts": args.step_end_parts,
+                          "pool_gb": args.pool_gb,
                           "rows": rows}, indent=1))
     return 0
 

@@ -239,7 +239,8 @@ class KVCacheEngine:
 
     # -- store -----------------------------------------------------------------------
     def store(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None,
-              generation: Optional[bytes] = None, step_end: bool = False, continues: bool = False) -> int:
+              generation: Optional[bytes] = None, step_end: bool = False, continues: bool = False,
+              then: Optional[Tokens] = None) -> int:
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
@@ -249,7 +250,9 @@ class KVCacheEngine:
         this engine's; kvconnect/chunks/keys.py). ``step_end``: ``tokens`` end at an engine's
         prefill step end, not where a request resumes (no restore point there, or a short-lived
         one with ``step_end_window_parts``); ``continues``: the mask is this request's own
-        previous step-end store, so its end is no branch point (kvconnect/restore/points.py).
+        previous step-end store, so its end is no branch point (kvconnect/restore/points.py);
+        ``then``: at a step end, the prompt tokens the engine computes next (a chunk of them
+        tells whether the request walks on along a stored prefix or leaves it here).
         """
         start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
@@ -259,9 +262,17 @@ class KVCacheEngine:
             # a replica with no pool of its own to keep: the writer's store lands for it
             self.counters.add(replica_stores_left=1)
             return 0
-        every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation)
+        next_chunk = None
+        if step_end and then is not None and len(tok) % self.config.chunk_size == 0:
+            ahead = tokens_as_int64(then)[: self.config.chunk_size]
+            every = self._chunks(np.concatenate([tok, ahead]), False, namespace, generation)
+            if len(every) * self.config.chunk_size > len(tok):
+                next_chunk = every.pop()
+        else:
+            every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation)
         chunks = [c for c in every if c.start >= skip]
-        return self.restore.store(every, chunks, tables, start_s, (tok, every), step_end=step_end, continues=continues)
+        return self.restore.store(every, chunks, tables, start_s, (tok, every), step_end=step_end, continues=continues,
+                                  next_chunk=next_chunk)
 
     def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
         """Store chunks whose keys the caller computed (e.g. ``kvconnect.chunks.page_keys``).

@@ -336,6 +336,10 @@ def test_restore_points_at_prefill_step_ends():
     assert restore_points(chunks, 6, [False] * 10, 10**9, step_end=True) == ([5], [])
     # a step end inside an already stored prefix: the request may leave it right there, a kept point
     assert restore_points(chunks[:6], 0, [True] * 6, 10**9, step_end=True) == ([5], [])
+    assert restore_points(chunks[:6], 0, [True] * 6, 10**9, step_end=True, next_present=False) == ([5], [])
+    # ... unless the prompt's next chunk is stored too: the request walks on along the prefix
+    assert restore_points(chunks[:6], 0, [True] * 6, 10**9, step_end=True, next_present=True) == ([], [])
+    assert restore_points(chunks[:8], 6, [True] * 8, 256, step_end=True, next_present=True) == ([7], [])  # an interval point stays
     # step-end parts kept: the step end becomes a short-lived point
     assert restore_points(chunks[:6], 0, [False] * 6, 256, step_end=True, step_end_parts=True) == ([3, 5], [5])
     # a step end that is also an interval point stays a kept point
@@ -432,9 +436,10 @@ def test_window_pieces_round_trip_through_redis(tmp_path, rng):
             reader.close()
 
 
-def _store_in_steps(engine, tokens, tables, step: int) -> None:
+def _store_in_steps(engine, tokens, tables, step: int, lookahead: bool = True) -> None:
     """Store ``tokens`` as vLLM's connector does under chunked prefill: the full chunks computed
-    by every step end, a step end short of the prompt's last full chunk (``step_end``)."""
+    by every step end, a step end short of the prompt's last full chunk (``step_end``), with
+    the prompt's next chunk of tokens (``then``; none with ``lookahead`` False)."""
     chunk = engine.config.chunk_size
     last, stored = len(tokens) // chunk * chunk, 0
     for computed in range(step, len(tokens) + step, step):
@@ -443,7 +448,8 @@ def _store_in_steps(engine, tokens, tables, step: int) -> None:
             continue
         mask = np.ones(end, np.bool_)
         mask[:stored] = False
-        engine.store(tokens[:end], tables, mask, step_end=end < last, continues=stored > 0)
+        then = tokens[end : end + chunk] if lookahead and end < last else None
+        engine.store(tokens[:end], tables, mask, step_end=end < last, continues=stored > 0, then=then)
         stored = end
 
 
@@ -456,6 +462,35 @@ def test_prefill_step_ends_keep_no_window_part_by_default(rng):
     assert engine.stats.stored_chunks == 9 and engine.stats.window_parts_stored == 1  # the prompt's end only
     assert engine.lookup(tokens[:150]) == 0  # the step ends 96 and 192 are no restore points
     _check_restore(case, engine, tokens, tables, 288, rng)
+
+
+def test_a_prefix_walked_again_in_steps_keeps_only_its_branch_point(rng):
+    """A request that recomputes a stored prefix (its window rows were never kept where it
+    diverges) in one-chunk steps: each step end lies inside the stored prefix. With the prompt's
+    next chunk known, only the step end where it leaves the prefix (192) gets a window part, as
+    the engine API's single store makes; without it, every step end in the prefix does."""
+    case, chunk = _case("gemma3-swa-w24", max_tokens=700), 32
+    tokens = zoo.random_tokens(rng, 300)
+    branch = np.concatenate([tokens[:192], zoo.random_tokens(rng, 108)])
+    tables = zoo.random_tables(case, 700, rng, keep=zoo.window_keep(case, zoo.chunk_bounds_ref(700, chunk, False)))
+    parts = {}
+    for lookahead in (True, False):
+        engine = _engine(case, chunk, 10**6)
+        engine.store(tokens, tables)
+        assert engine.lookup(branch) == 0  # no window rows at 192: the branch recomputes from 0
+        before = engine.stats.window_parts_stored
+        _store_in_steps(engine, branch, tables, chunk, lookahead)
+        parts[lookahead] = engine.stats.window_parts_stored - before
+        assert engine.lookup(branch[:250]) == 192
+        _check_restore(case, engine, branch[:250], tables, 192, rng)
+        engine.close()
+    api = _engine(case, chunk, 10**6)
+    api.store(tokens, tables)
+    before = api.stats.window_parts_stored
+    api.store(branch, tables)
+    assert parts[True] == api.stats.window_parts_stored - before == 2  # the branch point and the end
+    assert parts[False] == 7  # 32, 64, ..., 192 and the end
+    api.close()
 
 
 def test_step_end_window_parts_are_first_evicted(rng):

@@ -12,6 +12,11 @@ of the prompt next step, nobody resumes there) makes no restore point at its end
 pool's first-evicted class (``ChunkPool.demote``), where it still serves a request that
 diverges there until the pool needs the slot, and a use puts it back under the policy.
 Points that are also an interval point or a branch point are kept as any restore point.
+A step end inside an already stored prefix is the branch point when the request leaves that
+prefix there: the next step's store cannot make it (it does not know the chunk was stored
+before this request), so this one does, unless the prompt's next chunk is stored too
+(``next_present``: the engine looked it up; then the request walks on along the prefix, as
+a request recomputing a shared prefix whose window rows were not kept does at every step).
 
 Interval 0 puts a restore point at every chunk end: every group's rows are then stored in
 every chunk anyway, so the engine keeps each chunk whole (``splits_window_groups``).
@@ -21,7 +26,7 @@ every chunk anyway, so the engine keeps each chunk whole (``splits_window_groups
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..chunks.keys import Chunk
 
@@ -39,13 +44,15 @@ def is_interval_point(chunk: Chunk, interval_tokens: int) -> bool:
 
 
 def restore_points(chunks: Sequence[Chunk], first: int, present: Sequence[bool], interval_tokens: int, *,
-                   step_end: bool = False, continues: bool = False, step_end_parts: bool = False) -> tuple[list[int], list[int]]:
+                   step_end: bool = False, continues: bool = False, step_end_parts: bool = False,
+                   next_present: Optional[bool] = None) -> tuple[list[int], list[int]]:
     """(kept, short_lived): indices k whose chunk end is a restore point of a store of
     ``chunks[first:]``, and those of them whose window part is first-evicted.
 
     ``present[k]``: chunk k's prefix part was stored before this store (known for k >= first).
-    Restore points: the last chunk's end (at a step end: only when that chunk was already stored,
-    or with ``step_end_parts``, short-lived);
+    Restore points: the last chunk's end (at a step end: only when that chunk was already stored
+    and the prompt's next chunk is not, or not known (``next_present``), or with
+    ``step_end_parts``, short-lived);
     where the stored tokens leave an already stored prefix (the end of the last present chunk
     before the first absent one, the store's own start included); every interval point
     (``is_interval_point``). ``continues``: the store starts where the same request's previous
@@ -60,7 +67,7 @@ def restore_points(chunks: Sequence[Chunk], first: int, present: Sequence[bool],
     points.update(k for k in range(first, len(chunks)) if is_interval_point(chunks[k], interval_tokens))
     last = len(chunks) - 1
     short = []
-    if not step_end or present[last]:
+    if not step_end or (present[last] and not next_present):
         # a step end inside an already stored prefix may be where the request leaves it: the
         # next (continuing) store cannot tell, so the branch point is made here
         points.add(last)

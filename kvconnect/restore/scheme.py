@@ -53,9 +53,11 @@ class RestoreScheme(ABC):
 
     @abstractmethod
     def store(self, every: list[Chunk], chunks: list[Chunk], tables: BlockTables, start_s: float,
-              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False) -> int:
+              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False,
+              next_chunk: Optional[Chunk] = None) -> int:
         """Store ``chunks`` (the chunks of ``every``, the whole prompt, beyond its masked prefix).
-        ``step_end`` / ``continues``: ``KVCacheEngine.store``'s (restore points only)."""
+        ``step_end`` / ``continues``: ``KVCacheEngine.store``'s; ``next_chunk``: at a step end,
+        the prompt's chunk the engine computes next, if known (restore points only)."""
 
     @abstractmethod
     def lookup(self, chunks: list[Chunk]) -> int:

@@ -19,7 +19,8 @@ from .writes import Prompt, chunk_identity
 
 class WholeChunks(RestoreScheme):
     def store(self, every: list[Chunk], chunks: list[Chunk], tables: BlockTables, start_s: float,
-              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False) -> int:
+              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False,
+              next_chunk: Optional[Chunk] = None) -> int:
         return self._store(chunks, tables, start_s, prompt)
 
     def check_caller_keys(self, what: str) -> None:

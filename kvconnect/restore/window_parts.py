@@ -53,7 +53,8 @@ class WindowParts(RestoreScheme):
 
     # -- store -----------------------------------------------------------------------
     def store(self, every: list[Chunk], chunks: list[Chunk], tables: BlockTables, start_s: float,
-              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False) -> int:
+              prompt: Optional[Prompt], *, step_end: bool = False, continues: bool = False,
+              next_chunk: Optional[Chunk] = None) -> int:
         parts = self.parts
         first = chunks[0].index if chunks else len(every)
         prefix_plans = plan_store(self.layout, chunks, tables, groups=parts.prefix_mask) if parts.prefix_mask else []
@@ -61,8 +62,13 @@ class WindowParts(RestoreScheme):
         present = [False] * len(every)
         for p, m in zip(prefix_plans, prefix_existing):
             present[p.chunk.index] = m is not None and (m & parts.prefix_mask) == parts.prefix_mask
+        next_present = None
+        if step_end and next_chunk is not None and parts.prefix_mask and prefix_plans and present[len(every) - 1]:
+            (m,) = self.storage.masks([next_chunk.key])
+            next_present = m is not None and (m & parts.prefix_mask) == parts.prefix_mask
         points, short_lived = restore_points(every, first, present, self.interval_tokens, step_end=step_end,
-                                             continues=continues, step_end_parts=self.step_end_parts)
+                                             continues=continues, step_end_parts=self.step_end_parts,
+                                             next_present=next_present)
         window_of: dict[int, list[int]] = {}  # chunk index -> the restore points needing its window rows
         for k in points:
             for j in self._window(every, k):

@@ -238,6 +238,9 @@ def test_chunked_prefill_saves_say_which_end_at_a_step_end(rig):
     r.run(before_worker=lambda out: saves.extend(out.kv_connector_metadata.plan.saves))
     assert [(len(j.tokens), j.stored_tokens, j.step_end, j.continues) for j in saves] == [
         (64, 0, True, False), (128, 64, True, True), (192, 128, False, True)]
+    # a step end carries the prompt's next chunk (the engine looks it up: walks on, or leaves a prefix)
+    assert [None if j.then is None else j.then.tolist() for j in saves] == [
+        tokens[64:128].tolist(), tokens[128:192].tolist(), None]
     assert all(start + n <= len(tokens) + 1 for start, n in r.computed_log[req.request_id])
     again = r.add(tokens)
     r.run()  # the rig's forward checks every row vLLM counts as computed, the loaded ones included

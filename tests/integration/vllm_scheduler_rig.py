@@ -185,18 +185,21 @@ class Rig:
 def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chunk_size: int = 64,
              max_num_batched_tokens: int = 128, extra: Optional[dict] = None, dp_rank: int = 0,
              enable_prefix_caching: bool = True, start_scheduler: bool = True, kv_events_config=None,
-             engine_id: Optional[str] = None, layer_specs: Optional[dict] = None, max_model_len: int = 2048) -> Rig:
+             engine_id: Optional[str] = None, layer_specs: Optional[dict] = None, max_model_len: int = 2048,
+             transfer: Optional[KVTransferConfig] = None) -> Rig:
     """A rig with vLLM's worker side up; its scheduler too unless ``start_scheduler`` is False
     (then ``rig.start_scheduler()``: vLLM's engine core builds its workers, then its scheduler).
     ``layer_specs`` (layer name -> vLLM KVCacheSpec) replaces the default full-attention layers
     (benchmarks/vllm_trace_replay.py: a sliding-window hybrid; the fake forward then writes
-    through group 0's block table only, so row checks hold for one-group layouts only)."""
+    through group 0's block table only, so row checks hold for one-group layouts only).
+    ``transfer`` replaces kvconnect's KV-transfer config: another connector (the benchmark's
+    peer) in the same rig; ``engine`` and ``run`` are then kvconnect's no more."""
     model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     cache.kv_cache_layout = "LBHNC"  # what vLLM resolves for its CPU attention backend
-    transfer = KVTransferConfig(kv_connector="KVConnectConnector", kv_connector_module_path="kvconnect.integrations.vllm",
+    transfer = transfer or KVTransferConfig(kv_connector="KVConnectConnector", kv_connector_module_path="kvconnect.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy="recompute",
                                 kv_connector_extra_config={"chunk_size": chunk_size, **(extra or {})},
                                 **({"engine_id": engine_id} if engine_id else {}))

@@ -71,6 +71,7 @@ class SaveJob:
     generation: Optional[bytes] = None
     step_end: bool = False  # ``tokens`` end at a prefill step end (KVCacheEngine.store's step_end)
     continues: bool = False  # ``stored_tokens`` is this request's previous step-end save
+    then: Optional[np.ndarray] = None  # at a step end: the prompt's next chunk of tokens (KVCacheEngine.store's then)
 
 
 @dataclass(frozen=True)

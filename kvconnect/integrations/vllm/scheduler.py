@@ -254,7 +254,8 @@ class KVConnectScheduler:
         prompt_end = self._storable_end(tracked.prompt, len(tracked.prompt), len(tracked.prompt), tracked.store_tail)
         step_end = end < prompt_end
         job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace, tracked.generation,
-                      step_end=step_end, continues=tracked.step_ended)
+                      step_end=step_end, continues=tracked.step_ended,
+                      then=tracked.prompt[end : end + self.chunk_tokens] if step_end else None)
         tracked.step_ended = step_end
         tracked.stored_tokens = end if tail else end // self.chunk_tokens * self.chunk_tokens
         return job

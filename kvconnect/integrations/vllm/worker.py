@@ -260,7 +260,7 @@ class KVConnectWorker:
                 mask = np.ones(len(job.tokens), dtype=bool)
                 mask[: job.stored_tokens] = False
             self.engine.store(job.tokens, tables, mask=mask, namespace=job.namespace, generation=job.generation,
-                              step_end=job.step_end, continues=job.continues)
+                              step_end=job.step_end, continues=job.continues, then=job.then)
             self._count("saves")
         except Exception:
             logger.warning("kvconnect: save of %s failed; it will be a miss", job.req_id, exc_info=True)
