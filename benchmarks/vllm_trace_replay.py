@@ -1,8 +1,9 @@
 """Replay public request traces through vLLM's own scheduler and kvconnect's connector, at
 several chunked-prefill step sizes, beside the engine-API replay of the same requests.
 
-    /work/main/.venv-vllm/bin/python benchmarks/vllm_trace_replay.py [--trace synthetic|conversation]
-        [--steps 256,2048,8192] [--limit N] [--restore-interval 4096] [--json]
+    PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_trace_replay.py [--trace synthetic|conversation]
+        [--steps 256,2048,8192] [--limit N] [--restore-interval 4096] [--pool-gb 3] [--peer]
+        [--step-end-parts] [--json]
 
 The vLLM path is tests/integration/vllm_scheduler_rig.py: vLLM's VllmConfig, Scheduler and
 KVConnectorFactory, KV tensors from vLLM's allocate_kv_cache, the connector's scheduler and
@@ -21,6 +22,11 @@ the same layout and configuration. One request at a time, in arrival order.
 Reported per step size: the share of prompt tokens served from the cache, that share over the
 infinite-cache ideal (trace_replay.ideal_share), bytes written per cached prefix token (all
 objects: prefix parts and window parts), window parts and objects written.
+
+``--peer``: vLLM's OffloadingConnector in the same rig at each step size, the same requests,
+layout and pool size (``peer_rig``: vLLM's offloading scheduler, manager and worker; only its
+CUDA copy worker is replaced, benchmarks/offloading_cpu_shim.py). Its bytes are those its copy
+worker moved to the host; its cached tokens, the full-attention blocks it stored.
 """
 
 from __future__ import annotations
@@ -88,23 +94,31 @@ def vllm_replay(model_dir: str, trace: list[dict], step: int, interval: int, max
                           "step_end_window_parts": step_end_parts})
     rig.vllm_config.scheduler_config.long_prefill_token_threshold = step
     rig._forward = _no_write_forward(rig)
-    served = total = steps = 0
     start = time.perf_counter()
+    try:
+        served, total, steps = _drive(rig, trace, step, lambda before, n: rig.run(max_steps=n, before_worker=before))
+        s = rig.engine.stats
+        return _row("vllm", step, served, total, s, rig.engine.pool.stats().evictions, steps, time.perf_counter() - start)
+    finally:
+        rig.close()
+
+
+def _drive(rig, trace: list[dict], step: int, run) -> tuple[int, int, int]:
+    """Each request of ``trace`` in turn, one output token, run to its end by ``run(before_worker,
+    max_steps)``: (prompt tokens served from the cache, prompt tokens, engine steps). Every hit is
+    the connector's (vLLM's prefix cache is off): what a request starts from when first scheduled."""
+    served = total = steps = 0
 
     def count_hits(out):
         nonlocal served
         served += sum(r.num_computed_tokens for r in out.scheduled_new_reqs)
 
-    try:
-        for req in trace:
-            tok = prompt_tokens(req)
-            total += len(tok)
-            rig.add(tok, max_tokens=1)
-            steps += rig.run(max_steps=len(tok) // step + 20, before_worker=count_hits)
-        s = rig.engine.stats
-        return _row("vllm", step, served, total, s, rig.engine.pool.stats().evictions, steps, time.perf_counter() - start)
-    finally:
-        rig.close()
+    for req in trace:
+        tok = prompt_tokens(req)
+        total += len(tok)
+        rig.add(tok, max_tokens=1)
+        steps += run(count_hits, len(tok) // step + 20)
+    return served, total, steps
 
 
 def peer_rig(model_dir: str, *, step: int, max_len: int, pool_gb: float, specs: Optional[dict] = None):
@@ -147,19 +161,9 @@ def peer_replay(model_dir: str, trace: list[dict], step: int, max_len: int, pool
     copier = rig.worker.connector_worker.worker
     full = [g for g, group in enumerate(rig.kv_cache_config.kv_cache_groups)
             if isinstance(group.kv_cache_spec, FullAttentionSpec)]
-    served = total = steps = 0
     start = time.perf_counter()
-
-    def count_hits(out):
-        nonlocal served
-        served += sum(r.num_computed_tokens for r in out.scheduled_new_reqs)
-
     try:
-        for req in trace:
-            tok = prompt_tokens(req)
-            total += len(tok)
-            rig.add(tok, max_tokens=1)
-            steps += run_peer(rig, count_hits, max_steps=len(tok) // step + 20)
+        served, total, steps = _drive(rig, trace, step, lambda before, n: run_peer(rig, before, n))
         stored = sum(copier.bytes_stored)
         cached = min(copier.blocks_stored[g] for g in full) * BLOCK  # tokens whose prefix rows were offloaded
         return {"path": "OffloadingConnector", "step_tokens": step, "served": served / total,
