@@ -185,6 +185,11 @@ def test_unpinned_queued_write_evicted_before_its_turn_is_counted():
     slow.gate.clear()
     manager = StorageManager(ChunkPool(2 * SLOT_BYTES, SLOT_BYTES), FP, [slow], max_pending_write_bytes=4096)
     commit(manager, make_item(0))  # pinned: the thread blocks on it
+    # alone: a thread slow to wake would batch item 1 with it and pin both slots of the pool
+    deadline = time.monotonic() + HANG_GUARD_S
+    while ("put", 1) not in slow.calls:
+        assert time.monotonic() < deadline, "the writer never took item 0"
+        time.sleep(0.01)
     for i in (1, 2, 3):
         commit(manager, make_item(i))  # unpinned: 1 and 2 are evicted by later commits
     slow.gate.set()
