@@ -85,14 +85,9 @@ def _no_write_forward(rig):
 
 def vllm_replay(model_dir: str, trace: list[dict], step: int, interval: int, max_len: int, step_end_parts: bool,
                 pool_gb: float = POOL_GB, specs: Optional[dict] = None) -> dict:
-    from vllm_scheduler_rig import make_rig
-
-    nblocks = 2 * (max_len // BLOCK + 2)
-    rig = make_rig(model_dir, block_size=BLOCK, num_blocks=nblocks, chunk_size=CHUNK, max_num_batched_tokens=step,
-                   enable_prefix_caching=False, layer_specs=specs or layer_specs(), max_model_len=max_len,
-                   extra={"restore_interval_tokens": interval, "max_local_cpu_size": pool_gb, "pool_prefault": False,
-                          "step_end_window_parts": step_end_parts})
-    rig.vllm_config.scheduler_config.long_prefill_token_threshold = step
+    rig = _stepped_rig(model_dir, step, max_len, specs or layer_specs(), chunk_size=CHUNK,
+                       extra={"restore_interval_tokens": interval, "max_local_cpu_size": pool_gb,
+                              "pool_prefault": False, "step_end_window_parts": step_end_parts})
     rig._forward = _no_write_forward(rig)
     start = time.perf_counter()
     try:
@@ -101,6 +96,17 @@ def vllm_replay(model_dir: str, trace: list[dict], step: int, interval: int, max
         return _row("vllm", step, served, total, s, rig.engine.pool.stats().evictions, steps, time.perf_counter() - start)
     finally:
         rig.close()
+
+
+def _stepped_rig(model_dir: str, step: int, max_len: int, specs: Optional[dict], **connector):
+    """The scheduler rig prefilling in ``step``-token steps, vLLM's prefix cache off, blocks for
+    two of the longest prompts; ``connector``: make_rig's connector arguments."""
+    from vllm_scheduler_rig import make_rig
+
+    rig = make_rig(model_dir, block_size=BLOCK, num_blocks=2 * (max_len // BLOCK + 2), max_num_batched_tokens=step,
+                   enable_prefix_caching=False, layer_specs=specs, max_model_len=max_len, **connector)
+    rig.vllm_config.scheduler_config.long_prefill_token_threshold = step
+    return rig
 
 
 def _drive(rig, trace: list[dict], step: int, run) -> tuple[int, int, int]:
@@ -127,16 +133,12 @@ def peer_rig(model_dir: str, *, step: int, max_len: int, pool_gb: float, specs: 
     CPU device), offloaded chunks of CHUNK tokens, a host pool of ``pool_gb``; ``specs`` None:
     the rig's own full-attention layers (its forward then writes and checks every row)."""
     from vllm.config import KVTransferConfig
-    from vllm_scheduler_rig import make_rig
 
     transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                 kv_connector_extra_config={"spec_name": "CPUCopyOffloadingSpec",
                                                            "spec_module_path": "offloading_cpu_shim",
                                                            "block_size": CHUNK, "cpu_bytes_to_use": int(pool_gb * 1e9)})
-    rig = make_rig(model_dir, block_size=BLOCK, num_blocks=2 * (max_len // BLOCK + 2), max_num_batched_tokens=step,
-                   enable_prefix_caching=False, layer_specs=specs, max_model_len=max_len, transfer=transfer)
-    rig.vllm_config.scheduler_config.long_prefill_token_threshold = step
-    return rig
+    return _stepped_rig(model_dir, step, max_len, specs, transfer=transfer)
 
 
 def run_peer(rig, before_worker=None, max_steps: int = 200) -> int:
