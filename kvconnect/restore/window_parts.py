@@ -59,13 +59,17 @@ class WindowParts(RestoreScheme):
         first = chunks[0].index if chunks else len(every)
         prefix_plans = plan_store(self.layout, chunks, tables, groups=parts.prefix_mask) if parts.prefix_mask else []
         prefix_existing = self.storage.masks([p.chunk.key for p in prefix_plans])
+
+        def whole_prefix(mask: Optional[int]) -> bool:
+            return mask is not None and (mask & parts.prefix_mask) == parts.prefix_mask
+
         present = [False] * len(every)
         for p, m in zip(prefix_plans, prefix_existing):
-            present[p.chunk.index] = m is not None and (m & parts.prefix_mask) == parts.prefix_mask
-        next_present = None
-        if step_end and next_chunk is not None and parts.prefix_mask and prefix_plans and present[len(every) - 1]:
+            present[p.chunk.index] = whole_prefix(m)
+        next_present = None  # looked up only where it decides: a step end inside a stored prefix
+        if step_end and next_chunk is not None and prefix_plans and present[-1]:
             (m,) = self.storage.masks([next_chunk.key])
-            next_present = m is not None and (m & parts.prefix_mask) == parts.prefix_mask
+            next_present = whole_prefix(m)
         points, short_lived = restore_points(every, first, present, self.interval_tokens, step_end=step_end,
                                              continues=continues, step_end_parts=self.step_end_parts,
                                              next_present=next_present)
