@@ -2,13 +2,14 @@
 # Installs kvconnect and what its core tests need on a fresh machine (Python >= 3.10, gcc, pip).
 # Idempotent; says what it does (about 2-3 minutes with a warm pip cache).
 #
-# Which python: $PYTHON, else python3. A python whose packages the OS manages (Debian /
-# Ubuntu: "externally-managed-environment") is not installed into: a virtual environment
-# .venv is made from it and used instead, and the last line says which python to run.
+# Which python: an active virtual environment (VIRTUAL_ENV, or $PYTHON inside one) is installed
+# into; otherwise a virtual environment .venv is made from $PYTHON (else python3) and used, so
+# torch and kvconnect never land in a machine's global interpreter (pyenv, conda, /usr/local, or
+# the OS's). The last line says which python to run, and .ci/python holds its path.
 #
 # torch: an importable torch 2.13 is kept. Otherwise the CPU build, torch==2.13.0+cpu, from pip's
 # configured sources or else the PyTorch CPU index (.ci/cpu_torch.sh): plain PyPI's Linux torch
-# pulls ~5 GB of CUDA packages. For a GPU, install the CUDA torch 2.13 first; it is kept.
+# pulls ~5 GB of CUDA packages. For a GPU, install the CUDA torch 2.13 first (in the venv); it is kept.
 # The compiled kernels never link libtorch, so any torch 2.x build serves.
 #
 # The last line names the python to run kvconnect with; .ci/run reads it from .ci/python.
@@ -22,18 +23,18 @@ PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null || { echo "setup: no '$PY' on PATH; set PYTHON=/path/to/python3 (>= 3.10)" >&2; exit 1; }
 "$PY" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null \
     || { echo "setup: $("$PY" --version 2>&1) is too old; kvconnect needs Python >= 3.10 (set PYTHON=...)" >&2; exit 1; }
-externally_managed() {
-    "$1" - <<'PY'
-import os, sys, sysconfig
-in_venv = sys.prefix != sys.base_prefix
-marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
-sys.exit(0 if (os.path.exists(marker) and not in_venv) else 1)
-PY
+in_venv() {
+    "$1" -c 'import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)' 2>/dev/null
 }
-if externally_managed "$PY"; then
-    say "$PY's packages are managed by the OS (externally-managed-environment): installing into .venv instead"
+if [ -z "${PYTHON:-}" ] && [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+    PY=$VIRTUAL_ENV/bin/python
+fi
+if in_venv "$PY"; then
+    say "installing into the active virtual environment ($("$PY" -c 'import sys; print(sys.prefix)'))"
+else
     if [ ! -x .venv/bin/python ]; then
-        "$PY" -m venv .venv || { echo "setup: cannot create .venv; install python3-venv (apt-get install python3-venv) or set PYTHON to a python you may install into" >&2; exit 1; }
+        say "making a virtual environment .venv from $("$PY" -c 'import sys; print(sys.executable)')"
+        "$PY" -m venv .venv || { echo "setup: cannot create .venv; install python3-venv (apt-get install python3-venv), or activate a virtual environment and run setup again" >&2; exit 1; }
     fi
     PY=.venv/bin/python
 fi
@@ -63,5 +64,5 @@ for spec in lmcache==0.4.5 lmcache==0.5.6; do
         || echo "setup: could not download $spec; tests/test_lmcache_names.py checks its vendored list only"
 done
 # the interpreter chosen above, for .ci/run and anyone scripting after setup (git-ignored)
-"$PY" -c "import sys; print(sys.executable)" > .ci/python
+"$PY" -c "import os, sys; print(os.path.abspath(sys.executable))" > .ci/python
 say "done: run kvconnect with $PY (e.g. $PY examples/quickstart.py)"

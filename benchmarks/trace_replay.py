@@ -52,7 +52,7 @@ from kvconnect.restore.plan import max_chunk_payload_bytes  # noqa: E402
 from kvconnect.restore.points import splits_window_groups  # noqa: E402
 from kvconnect.storage import host_memory  # noqa: E402
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES = Path(__file__).resolve().parent / "data" / "traces"  # shipped with the repository (README there: source, licence)
 BLOCK_TOKENS = 512  # one trace hash id
 CHUNK = 256
 GB = 1 << 30

@@ -16,13 +16,23 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Optional
 
 from support.redis_server import free_port
 from support.service_process import START_TIMEOUT_S, ServiceProcess
 
-MASTER = shutil.which("mooncake_master")
+def _beside_interpreter(name: str) -> Optional[str]:
+    """``name`` from this interpreter's scripts directory (where pip put it: a venv's or pyenv's bin,
+    never on PATH by itself), else from PATH."""
+    path = Path(sysconfig.get_path("scripts")) / name
+    if path.is_file() and os.access(path, os.X_OK):
+        return str(path)
+    return shutil.which(name)
+
+
+MASTER = _beside_interpreter("mooncake_master")
 # what every Mooncake client a test starts needs: loopback only, quiet logs, and each RPC to a
 # stalled master answered (-901) within 2 s rather than Mooncake's 30 s (the product sets this
 # from remote_timeout_s; the tests fix it, since one process holds tiers of several timeouts)
