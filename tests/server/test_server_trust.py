@@ -125,7 +125,9 @@ def test_ipc_peer_of_another_uid_is_refused_even_through_a_loose_socket_mode():
 @needs_root
 def test_allowed_group_is_admitted_but_its_sessions_are_bounded():
     peers = PeerPolicy(allow_gid=NOBODY, max_sessions_per_peer=8)
-    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock", peers=peers) as server:
+    # a lease no held session can outlive on a loaded machine: the peer opens its 20 sessions one
+    # by one and sends no heartbeat, so a 1 s lease let early sessions lapse before the last hello
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock", peers=peers, lease_s=600.0) as server:
         open_dir(d)
         for path in (f"{d}/kvc.sock", server.segment.path):
             st = os.stat(path)

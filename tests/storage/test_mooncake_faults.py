@@ -283,11 +283,16 @@ def test_an_overfilled_segment_leaves_no_chunk_offered_that_cannot_be_read(maste
 
         first = offered()
         assert len(first) < len(keys)  # the segment could not hold them all
+        # Which parts Mooncake evicted depends on timing: on a quiet machine it may have taken
+        # both parts of every chunk it dropped. One offered chunk loses its payload here as an
+        # eviction would, so the read pass meets at least one half-evicted chunk whatever the timing.
+        planted = first[len(first) // 2]
+        assert Peer("remove", master.address, tier.object_keys(planted)[1]).result["rc"] in ([0], [-704])  # -704: evicted already
         read(first)  # finds the chunks with a part evicted, and removes them
-        faults = tier.counters["parts_missing"] + tier.counters["half_written"] + tier.counters["no_space"]
-        assert faults >= 1, tier.counters
+        assert tier.counters["parts_missing"] >= 1, tier.counters
         second = offered()
         assert second, "some chunks must survive"
+        assert planted not in second
         headers = read(second)
         assert all(h is not None for h in headers), (sum(h is None for h in headers), len(second), tier.counters)
         assert tier.stats().corrupt == 0
