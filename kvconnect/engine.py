@@ -60,7 +60,8 @@ from .restore.whole_chunks import WholeChunks
 from .restore.window_parts import WindowParts
 from .restore.writes import ObjectWriter
 from .storage.manager import StorageManager
-from .storage.pool_protocol import Pool, PoolFactory, private_pool
+from .server import make_pool
+from .storage.pool_protocol import Pool, PoolFactory
 from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def _stores_nothing_reason(config: Config, pool: Pool, slot_bytes: int) -> Optio
 
 class KVCacheEngine:
     def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None,
-                 window_parts: bool = True, shared_writer: bool = True, pool_factory: PoolFactory = private_pool) -> None:
+                 window_parts: bool = True, shared_writer: bool = True, pool_factory: PoolFactory = make_pool) -> None:
         """``window_parts=False`` stores every group's rows in one object per chunk (engines
         that hand over pages under their own keys: ``store_chunks``), as does a restore interval
         of 0; by default a layout with window groups stores them only at restore points
@@ -92,9 +93,10 @@ class KVCacheEngine:
         with ``local_cpu`` off (the pool only a buffer for the tiers), stores nothing (``store``
         returns 0). Every rank then reads the writer's one copy.
 
-        ``pool_factory`` makes the CPU pool once the slot size is known: a private pool by
-        default; ``kvconnect.server.make_pool`` gives the node cache server's shared pool when
-        ``config.server_url`` is set (every adapter passes it).
+        ``pool_factory`` makes the CPU pool once the slot size is known; the default,
+        ``kvconnect.server.make_pool``, gives the node cache server's shared pool when
+        ``config.server_url`` (``KVCONNECT_SERVER_URL``) is set and a private pool otherwise:
+        a URL in the configuration is enough.
         """
         config = config or Config.from_env()
         self.layout = layout = _named(layout, config.model_name)

@@ -26,6 +26,7 @@ from kvconnect.errors import ConfigError
 from kvconnect.server import make_pool
 from kvconnect.server.client import SharedPoolClient
 from kvconnect.server.protocol import Limits
+from kvconnect.server.index import STATS_FIELDS
 from kvconnect.server.server import CacheServer
 from kvconnect.server.shm import SHM_DIR, segment_name
 from support.server_rig import PAGE, server_thread, socket_dir, wait_until
@@ -78,8 +79,8 @@ def test_two_engine_processes_share_the_pool(server_proc):
         boundary = zoo.expected_boundary(case, bounds, zoo.store_masks(case, src_tables, bounds))
         assert boundary > 0
         dst = case.clone(fill=0)
-        engine = KVCacheEngine(dst.layout(), Config(chunk_size=chunk, num_threads=2, server_url=server_proc, remote_timeout_s=5.0),
-                               pool_factory=make_pool)
+        # the public engine with a server URL reaches the server by itself (no pool_factory: issue 41)
+        engine = KVCacheEngine(dst.layout(), Config(chunk_size=chunk, num_threads=2, server_url=server_proc, remote_timeout_s=5.0))
         try:
             assert engine.pool.connected
             assert engine.lookup(tokens) == boundary  # the worker's close() left the shared entries alone
@@ -272,9 +273,33 @@ def test_make_pool_picks_the_private_pool_without_a_server_url():
     assert len(pool) == 0
 
 
-def test_an_engine_made_without_the_server_factory_refuses_a_server_url():
-    """The core never reaches the server itself: an engine with ``server_url`` set but the
-    default private pool would share nothing, so it refuses before allocating anything."""
+def test_a_server_url_in_the_environment_is_enough_for_the_public_engine():
+    """KVCONNECT_SERVER_URL (and a model identity, a shared tier's requirement) and nothing else:
+    the engine's default pool is the server's, and what one engine stores the other finds there."""
+    case, tokens, tables, _ = server_rig.prompt("llama-flash", 64, 128, seed=3)
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock") as server:
+        env = {"KVCONNECT_SERVER_URL": server.url, "LMCACHE_CHUNK_SIZE": "64", "KVCONNECT_NUM_THREADS": "1"}
+        with pytest.raises(ConfigError, match="KVCONNECT_MODEL_NAME"):
+            KVCacheEngine(case.layout(model_name=""), Config.from_env(env))
+        env["KVCONNECT_MODEL_NAME"] = "zoo/llama-flash@test"
+        writer = KVCacheEngine(case.layout(model_name=""), Config.from_env(env))
+        reader = KVCacheEngine(case.layout(model_name=""), Config.from_env(env))
+        try:
+            assert isinstance(writer.pool, SharedPoolClient) and writer.pool.connected
+            assert writer.store(tokens, tables) == 128
+            assert server.index.stats(None)[STATS_FIELDS.index("num_entries")] == 2  # in the server's pool
+            assert reader.lookup(tokens) == 128  # another engine finds them there
+        finally:
+            writer.close()
+            reader.close()
+
+
+def test_an_engine_given_the_private_pool_factory_refuses_a_server_url():
+    """``pool_factory=private_pool`` with ``server_url`` set would share nothing: refused before
+    anything is allocated."""
+    from kvconnect.storage.pool_protocol import private_pool
+
     case = zoo.build("llama-flash", max_tokens=64)
-    with pytest.raises(ConfigError, match="pool_factory=kvconnect.server.make_pool"):
-        KVCacheEngine(case.layout(), Config(chunk_size=64, server_url="ipc:///tmp/kvc-never-started.sock"))
+    with pytest.raises(ConfigError, match="leave pool_factory at its default"):
+        KVCacheEngine(case.layout(), Config(chunk_size=64, model_name="m", server_url="ipc:///tmp/kvc-never-started.sock"),
+                      pool_factory=private_pool)
