@@ -62,6 +62,7 @@ from .restore.writes import ObjectWriter
 from .storage.manager import StorageManager
 from .server import make_pool
 from .storage.pool_protocol import Pool, PoolFactory
+from .throttled_warning import RepeatingWarning
 from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class KVCacheEngine:
         self.store_threads = self.config.num_threads
         self.load_threads = self.config.num_threads
         self.events: Optional[ChunkEventLog] = None  # enable_events(): chunk events for KV-aware routers
+        self._all_absent = RepeatingWarning(logger.warning)  # stores handed only -1 block ids (store())
         writer = ObjectWriter(layout, self.storage, self.gather_to_pool)
         loader = ChunkLoader(layout, self.storage, self.scatter_from_pool, self.counters, self.ops)
         self.restore: RestoreScheme = (
@@ -246,6 +248,8 @@ class KVCacheEngine:
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
+        A one-group layout also takes one flat list of block ids. Block ids that are all -1
+        (absent) write nothing, and a WARNING (at once, then at most once a minute) says so.
         With window groups (kvconnect/restore/parts.py), their rows are stored only at the restore points of
         this store: its end, where it leaves an already stored prefix, and every
         ``restore_interval_tokens``. ``generation``: the key generation to store under (None:
@@ -273,8 +277,13 @@ class KVCacheEngine:
         else:
             every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation)
         chunks = [c for c in every if c.start >= skip]
-        return self.restore.store(every, chunks, tables, start_s, (tok, every), step_end=step_end, continues=continues,
-                                  next_chunk=next_chunk)
+        stored = self.restore.store(every, chunks, tables, start_s, (tok, every), step_end=step_end, continues=continues,
+                                    next_chunk=next_chunk)
+        if chunks and tables.all_absent:
+            self._all_absent.failed("kvconnect: store of %d tokens got block ids that are all -1 (absent) in every "
+                                    "group: nothing written (%d tokens were stored before); pass the ids of the blocks "
+                                    "that hold their KV", len(tok), stored)
+        return stored
 
     def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
         """Store chunks whose keys the caller computed (e.g. ``kvconnect.chunks.page_keys``).

@@ -255,12 +255,40 @@ def test_cli_policy_second_server_and_info(capsys):
         with pytest.raises(ConfigError, match="already serves"):
             CacheServer(server.url, 1 << 20)
         assert cli_main(["info", "--url", server.url, "--json"]) == 0
-        info = json.loads(capsys.readouterr().out)
+        out = capsys.readouterr().out
+        assert out.endswith("}\n")  # a shell prompt after it starts on its own line
+        info = json.loads(out)
         assert info["num_pages"] == server.index.allocator.num_pages and info["page_bytes"] == PAGE
         assert cli_main(["info", "--url", server.url]) == 0  # human-readable by default
         text = capsys.readouterr().out
         assert f"{info['num_pages']} pages of {PAGE // 1024} KiB" in text and "evictions" in text
+        assert text.endswith("requests\n") and not text.endswith("\n\n")  # the last line ends, once
     assert cli_main(["info", "--url", f"ipc://{d}/kvc.sock", "--timeout-s", "0.2"]) == 1
+
+
+def test_a_pool_larger_than_the_host_is_refused_as_the_engine_refuses_it(capsys, tmp_path):
+    """``kvconnect server --size-gb N`` past the host's memory: the engine's check (storage.host_memory),
+    a clear error and exit 2, before any shared memory is reserved."""
+    from kvconnect.storage import host_memory
+
+    room, why = host_memory.host_room()
+    size_gb = (room + (4 << 30)) / (1 << 30)
+    with socket_dir() as d:
+        assert cli_main(["server", "--url", f"ipc://{d}/kvc.sock", "--size-gb", f"{size_gb:.1f}"]) == 2
+        err = capsys.readouterr().err
+        assert f"the server's pool (--size-gb, LMCACHE_MAX_LOCAL_CPU_SIZE) = {size_gb:.1f} GB asks for" in err, err
+        assert why in err and "lower --size-gb" in err
+        assert not os.path.exists(os.path.join(SHM_DIR, segment_name(f"ipc://{d}/kvc.sock")))
+        with pytest.raises(ConfigError, match="host memory"):
+            CacheServer(f"ipc://{d}/kvc.sock", room + (4 << 30), shm_dir=str(tmp_path))
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_server_help_names_its_default_url(capsys, monkeypatch):
+    monkeypatch.delenv("KVCONNECT_SERVER_URL", raising=False)
+    with pytest.raises(SystemExit):
+        cli_main(["server", "--help"])
+    assert "(default ipc:///tmp/kvconnect.sock: KVCONNECT_SERVER_URL" in " ".join(capsys.readouterr().out.split())
 
 
 def test_make_pool_picks_the_private_pool_without_a_server_url():
