@@ -62,7 +62,8 @@ def test_the_vendored_list_is_the_release(release):
     from support.lmcache_keys import extract
 
     fresh = extract(wheels[0])
-    for part in ("config_keys", "old_names", "variables", "extra_config_keys"):
+    for part in ("config_keys", "old_names", "variables", "extra_config_keys", "vllm_extra_config_keys",
+                 "vllm_extra_config_prefixes"):
         assert sorted(fresh[part]) == sorted(RELEASES[release][part]), (
             f"LMCache {fresh['release']}'s {part} changed: regenerate tests/data/lmcache_names_{release}.json with "
             "tests/support/lmcache_keys.py, then give each new name its answer in kvconnect/lmcache_names.py and docs/migrating.md")
