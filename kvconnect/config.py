@@ -261,15 +261,13 @@ class Config:
         source = "kv_connector_extra_config"
         plain: dict[str, Any] = {}
         given: dict[str, tuple[str, Any]] = {}  # setting name -> (the key that gave it, value)
-        discard = False
+        discard = False  # skip_last_n_tokens, LMCache's other VLLM_READ key, is kvconnect's setting of that name
         for given_key, raw in values.items():
             key = given_key
             if key == "discard_partial_chunks":
                 discard = raw is not None and _to_bool(raw, f"{key} ({source})")
                 continue
-            if key in lmcache_names.VLLM_READ:
-                pass  # skip_last_n_tokens: kvconnect's setting of the same name
-            elif lmcache_names.vllm_extra_config(key) is not None:
+            if key not in lmcache_names.VLLM_READ and lmcache_names.vllm_extra_config(key) is not None:
                 if not _as_kvconnect(key, raw):
                     warn(f"vllm:{key}", "kvconnect: %s=%r (%s) is an LMCache vLLM setting kvconnect does not use: %s",
                          key, raw, source, lmcache_names.vllm_extra_config(key))
