@@ -36,6 +36,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_PD_POLL_INTERVAL_S   | pd_poll_interval_s   | float | 0.005   | P/D decode side: at most one shared-tier lookup per waiting request per this interval |
 | KVCONNECT_RESTORE_INTERVAL_TOKENS | restore_interval_tokens | int | 4096 | hybrid layouts: also keep window/state rows (the window part) every this many tokens of a stored prompt, besides its end and branch points (the first chunk end at or past each multiple); 0: at every chunk end (docs/design.md, "Restore points") |
 | KVCONNECT_STEP_END_WINDOW_PARTS | step_end_window_parts | bool | false | hybrid layouts: also keep the window part where an engine's prefill step ends (vLLM's chunked prefill), first evicted: it serves a request that diverges exactly there while it lives, at one window part per step (docs/performance.md, "Through vLLM") |
+| KVCONNECT_SKIP_LAST_N_TOKENS   | skip_last_n_tokens   | int   | 0       | vLLM adapter: the lookup leaves a request's last N prompt tokens out, so a hit never covers them (LMCache's vLLM key of the same name) |
 
 Every number is checked once (``check_number`` over ``NUMERIC_RANGES``): NaN, infinities
 and values out of range are a ``ConfigError`` naming the setting. Values are parsed as
@@ -48,7 +49,13 @@ means in LMCache: no CPU cache, the disk and remote tiers still work (the pool o
 ``max_local_cpu_size`` is then only the buffer they are written and read through).
 LMCache's other names (``kvconnect/lmcache_names.py``, docs/migrating.md) are read where the
 meaning maps (``min_retrieve_tokens``, ``cache_policy``, ``lookup_timeout_ms``,
-``extra_config``) and otherwise warned about once, naming what kvconnect does instead.
+``extra_config``) and otherwise warned about once, naming what kvconnect does instead, unless
+the value is one under which LMCache does what kvconnect does (``enable_p2p: false``;
+``lmcache_names.AS_KVCONNECT``): only a setting that changes behaviour is warned about.
+LMCache's vLLM keys of ``kv_connector_extra_config`` (``lmcache.<key>``,
+``discard_partial_chunks``, ``skip_last_n_tokens``) are read by ``Config.from_vllm_extra_config``.
+Warnings are once per process; ``quiet=True`` reads without them (a vLLM worker: the scheduler
+process reads the same settings and warns).
 
 Variables kvconnect does not read but sets for a library it loads: when a Mooncake tier
 connects, ``kvconnect/storage/mooncake/config.py`` gives Mooncake's native client its own
@@ -67,7 +74,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from . import lmcache_names
 from .errors import ConfigError
@@ -100,6 +107,7 @@ NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "pd_wait_timeout_s": (0, 3600, False),
     "pd_poll_interval_s": (0, 60, False),
     "restore_interval_tokens": (0, MAX_TOKENS, False),
+    "skip_last_n_tokens": (0, MAX_TOKENS, False),
 }
 _LMCACHE_NAMED = {"chunk_size", "max_local_cpu_size", "max_local_disk_size", "local_cpu", "local_disk", "remote_url",
                   "save_unfull_chunk", "save_decode_cache"}
@@ -158,6 +166,7 @@ class Config:
     mooncake_config_path: Optional[str] = None
     restore_interval_tokens: int = 4096  # restore points (kvconnect/restore/parts.py); 0: every chunk end
     step_end_window_parts: bool = False  # short-lived restore points at prefill step ends (restore/points.py)
+    skip_last_n_tokens: int = 0  # vLLM adapter: lookups leave the prompt's last N tokens out (LMCache's vLLM key)
 
     def __post_init__(self) -> None:
         for name, (low, high, low_open) in NUMERIC_RANGES.items():
@@ -200,14 +209,16 @@ class Config:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config", base: Optional["Config"] = None,
-                  environment: bool = False) -> "Config":
+                  environment: bool = False, quiet: bool = False) -> "Config":
         """A Config from YAML-spelled keys (``LMCACHE_``/``KVCONNECT_`` prefixes allowed).
 
         LMCache's names are read where the meaning maps (``lmcache_names.ALIASES``,
         ``extra_config``); every other name is warned about once, naming what kvconnect does
         instead (LMCache files carry many). A kvconnect key wins over an LMCache alias of it.
         ``environment``: values are environment strings, unquoted as LMCache unquotes them.
+        ``quiet``: read without warnings (another process of the same engine warns).
         """
+        warn = _quiet if quiet else warn_once
         fields = {f.name: f for f in dataclasses.fields(cls)}
         updates: dict[str, Any] = {}
         aliased: dict[str, Any] = {}
@@ -220,24 +231,78 @@ class Config:
                 updates[name] = _parse(name, raw, fields[name], where)
             elif name in lmcache_names.ALIASES:
                 target = lmcache_names.ALIASES[name]
-                value = _alias_value(name, raw, fields[target], where)
+                value = _alias_value(name, raw, fields[target], where, warn)
                 if value is not None:
                     aliased[target] = value
             elif name == "extra_config":
-                _read_extra_config(raw, where)
-            else:
-                _warn_unknown(key, name, source)
+                _read_extra_config(raw, where, warn)
+            elif not _as_kvconnect(name, raw):
+                _warn_unknown(key, name, source, warn)
         return dataclasses.replace(base or cls(), **{**aliased, **updates})
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":
+    def from_vllm_extra_config(cls, values: Mapping[str, Any], *, base: Optional["Config"] = None,
+                               quiet: bool = False) -> "Config":
+        """vLLM's ``kv_connector_extra_config`` read as LMCache's vLLM connector reads it
+        (LMCache 0.5.6, lmcache/integration/vllm/vllm_v1_adapter.py), over ``base``:
+
+        - ``lmcache.<key>``: LMCache's configuration key ``<key>`` (``lmcache.max_local_cpu_size``),
+          read as that key is read anywhere, over the file and the environment. A key LMCache's
+          configuration does not have is warned about (LMCache warns and ignores it). The same
+          setting given twice (``chunk_size`` and ``lmcache.chunk_size``) with two values is refused.
+        - ``discard_partial_chunks``: true stores no partial last chunk, whatever ``save_unfull_chunk``
+          says (LMCache: ``discard_partial_chunks or not save_unfull_chunk``); false changes nothing.
+        - ``skip_last_n_tokens``: kvconnect's setting of the same name and meaning.
+        - LMCache's other vLLM keys (``lmcache.mp.*``, ``lmcache.max_tokens_per_load``, ...): warned
+          about with what kvconnect does instead, unless set to what kvconnect does.
+        - any other key: as ``from_dict`` reads it (kvconnect's settings, LMCache's names).
+        """
+        warn = _quiet if quiet else warn_once
+        source = "kv_connector_extra_config"
+        plain: dict[str, Any] = {}
+        given: dict[str, tuple[str, Any]] = {}  # setting name -> (the key that gave it, value)
+        discard = False  # skip_last_n_tokens, LMCache's other VLLM_READ key, is kvconnect's setting of that name
+        for given_key, raw in values.items():
+            key = given_key
+            if key == "discard_partial_chunks":
+                discard = raw is not None and _to_bool(raw, f"{key} ({source})")
+                continue
+            if key not in lmcache_names.VLLM_READ and lmcache_names.vllm_extra_config(key) is not None:
+                if not _as_kvconnect(key, raw):
+                    warn(f"vllm:{key}", "kvconnect: %s=%r (%s) is an LMCache vLLM setting kvconnect does not use: %s",
+                         key, raw, source, lmcache_names.vllm_extra_config(key))
+                continue
+            elif key.startswith(lmcache_names.VLLM_CONFIG_PREFIX):
+                name = key[len(lmcache_names.VLLM_CONFIG_PREFIX):]
+                if lmcache_names.instead(name) is not None:  # LMCache's meaning, even where kvconnect has the name
+                    if not _as_kvconnect(name, raw):
+                        warn(f"name:{name}", "kvconnect: %s (%s) is an LMCache setting kvconnect does not use: %s",
+                             key, source, lmcache_names.instead(name))
+                    continue
+                if not (name in lmcache_names.SAME or name in lmcache_names.ALIASES or name == "extra_config"):
+                    warn(f"vllm:{key}", "kvconnect: ignoring %r (%s): LMCache's configuration has no key %r, so "
+                         "LMCache ignores it too", key, source, name)
+                    continue
+                key = name
+            setting = _name_of(key, {f.name: f for f in dataclasses.fields(cls)})
+            if setting in given and given[setting][1] != raw:
+                first, value = given[setting]
+                raise ConfigError(f"{source}: {first}={value!r} and {given_key}={raw!r} both set {setting!r}: keep one")
+            given[setting] = (given_key, raw)
+            plain[key] = raw
+        config = cls.from_dict(plain, source=source, base=base, quiet=quiet)
+        return dataclasses.replace(config, save_unfull_chunk=False) if discard else config
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, *, quiet: bool = False) -> "Config":
         """Defaults, then the YAML file of ``LMCACHE_CONFIG_FILE``, then ``LMCACHE_*`` /
-        ``KVCONNECT_*`` variables (and Mooncake's ``MOONCAKE_CONFIG_PATH``)."""
+        ``KVCONNECT_*`` variables (and Mooncake's ``MOONCAKE_CONFIG_PATH``). ``quiet``: as in
+        ``from_dict``."""
         env = os.environ if environ is None else environ
         config = cls()
         path = env.get("LMCACHE_CONFIG_FILE")
         if path:
-            config = cls.from_dict(_read_yaml(path), source=path, base=config)
+            config = cls.from_dict(_read_yaml(path), source=path, base=config, quiet=quiet)
         overrides = {
             var: value for var, value in env.items()
             if var.startswith(("LMCACHE_", "KVCONNECT_")) and var not in lmcache_names.NOT_SETTINGS
@@ -246,13 +311,37 @@ class Config:
             overrides["mooncake_config_path"] = env["MOONCAKE_CONFIG_PATH"]
         if not overrides:
             return config
-        return cls.from_dict(overrides, source="environment", base=config, environment=True)
+        return cls.from_dict(overrides, source="environment", base=config, environment=True, quiet=quiet)
 
 
 warn_once = OnceWarnings(logger.warning).warn  # (topic, message, *args): each topic once per process
 
 
-def _warn_unknown(key: str, name: str, source: str) -> None:
+def _quiet(topic: str, message: str, *args: Any) -> None:
+    """``warn_once``'s shape, saying nothing (``quiet=True``)."""
+
+
+def _canonical(raw: Any) -> Any:
+    """A value as ``AS_KVCONNECT`` holds it: booleans and numbers as such, words in lower case."""
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _as_kvconnect(name: str, raw: Any) -> bool:
+    """LMCache's ``name`` set to ``raw`` does what kvconnect does anyway (or sets nothing): no warning."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return True
+    return _canonical(raw) in lmcache_names.AS_KVCONNECT.get(name, ())
+
+
+def _warn_unknown(key: str, name: str, source: str, warn_once: Callable[..., None]) -> None:
     text = lmcache_names.instead_of_variable(key) if source == "environment" else lmcache_names.instead(name)
     if text is not None:
         warn_once(f"name:{key}", "kvconnect: %s (%s) is an LMCache setting kvconnect does not use: %s", key, source, text)
@@ -305,7 +394,7 @@ def _one_disk_path(value: str) -> Optional[str]:
     return paths[0] if paths else None
 
 
-def _alias_value(name: str, raw: Any, target: dataclasses.Field, where: str) -> Any:
+def _alias_value(name: str, raw: Any, target: dataclasses.Field, where: str, warn_once: Callable[..., None]) -> Any:
     """The kvconnect value an LMCache alias means, or None (warned) where it has none."""
     if name == "min_retrieve_tokens":
         tokens = _parse(target.name, raw, target, where)
@@ -327,7 +416,7 @@ def _alias_value(name: str, raw: Any, target: dataclasses.Field, where: str) -> 
     raise AssertionError(name)  # every ALIASES entry is converted above
 
 
-def _read_extra_config(raw: Any, where: str) -> None:
+def _read_extra_config(raw: Any, where: str, warn_once: Callable[..., None]) -> None:
     """LMCache's ``extra_config`` (a mapping, or JSON in ``LMCACHE_EXTRA_CONFIG``): each key is
     read and its kvconnect meaning logged once; a malformed value is refused."""
     if raw is None or raw == "":
@@ -340,6 +429,8 @@ def _read_extra_config(raw: Any, where: str) -> None:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: must be a mapping of keys (a JSON object), got {type(raw).__name__}")
     for key, value in raw.items():
+        if _as_kvconnect(key, value):
+            continue
         text = lmcache_names.extra_config(key)
         warn_once(f"extra:{key}", "kvconnect: extra_config %s=%r (%s): %s", key, value, where, text)
 
@@ -359,6 +450,18 @@ def _read_yaml(path: str) -> Mapping[str, Any]:
     return data
 
 
+def _to_bool(raw: Any, where: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{where}: not a boolean: {raw!r}; write true or false (or 1 or 0): LMCache reads any other "
+                      "word, 'yes' and 'on' included, as false, so kvconnect refuses it rather than guess")
+
+
 def _parse(name: str, raw: Any, field: dataclasses.Field, where: str) -> Any:
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
     if raw is None:
@@ -367,15 +470,7 @@ def _parse(name: str, raw: Any, field: dataclasses.Field, where: str) -> Any:
         raise ConfigError(f"{where}: a value is required")
     try:
         if kind == "bool":
-            if isinstance(raw, bool):
-                return raw
-            text = str(raw).strip().lower()
-            if text in _TRUE:
-                return True
-            if text in _FALSE:
-                return False
-            raise ValueError(f"not a boolean: {raw!r}; write true or false (or 1 or 0): LMCache reads any other "
-                             "word, 'yes' and 'on' included, as false, so kvconnect refuses it rather than guess")
+            return _to_bool(raw, where)
         if kind == "int":
             if isinstance(raw, float) and not raw.is_integer():
                 raise ValueError(f"not an integer: {raw!r}")

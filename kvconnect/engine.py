@@ -60,7 +60,9 @@ from .restore.whole_chunks import WholeChunks
 from .restore.window_parts import WindowParts
 from .restore.writes import ObjectWriter
 from .storage.manager import StorageManager
-from .storage.pool_protocol import Pool, PoolFactory, private_pool
+from .server import make_pool
+from .storage.pool_protocol import Pool, PoolFactory
+from .throttled_warning import RepeatingWarning
 from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ def _stores_nothing_reason(config: Config, pool: Pool, slot_bytes: int) -> Optio
 
 class KVCacheEngine:
     def __init__(self, layout: KVLayout, config: Optional[Config] = None, *, backend: Optional[str] = None,
-                 window_parts: bool = True, shared_writer: bool = True, pool_factory: PoolFactory = private_pool) -> None:
+                 window_parts: bool = True, shared_writer: bool = True, pool_factory: PoolFactory = make_pool) -> None:
         """``window_parts=False`` stores every group's rows in one object per chunk (engines
         that hand over pages under their own keys: ``store_chunks``), as does a restore interval
         of 0; by default a layout with window groups stores them only at restore points
@@ -92,9 +94,10 @@ class KVCacheEngine:
         with ``local_cpu`` off (the pool only a buffer for the tiers), stores nothing (``store``
         returns 0). Every rank then reads the writer's one copy.
 
-        ``pool_factory`` makes the CPU pool once the slot size is known: a private pool by
-        default; ``kvconnect.server.make_pool`` gives the node cache server's shared pool when
-        ``config.server_url`` is set (every adapter passes it).
+        ``pool_factory`` makes the CPU pool once the slot size is known; the default,
+        ``kvconnect.server.make_pool``, gives the node cache server's shared pool when
+        ``config.server_url`` (``KVCONNECT_SERVER_URL``) is set and a private pool otherwise:
+        a URL in the configuration is enough.
         """
         config = config or Config.from_env()
         self.layout = layout = _named(layout, config.model_name)
@@ -134,6 +137,7 @@ class KVCacheEngine:
         self.store_threads = self.config.num_threads
         self.load_threads = self.config.num_threads
         self.events: Optional[ChunkEventLog] = None  # enable_events(): chunk events for KV-aware routers
+        self._all_absent = RepeatingWarning(logger.warning)  # stores handed only -1 block ids (store())
         writer = ObjectWriter(layout, self.storage, self.gather_to_pool)
         loader = ChunkLoader(layout, self.storage, self.scatter_from_pool, self.counters, self.ops)
         self.restore: RestoreScheme = (
@@ -244,6 +248,8 @@ class KVCacheEngine:
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
+        A one-group layout also takes one flat list of block ids. Block ids that are all -1
+        (absent) write nothing, and a WARNING (at once, then at most once a minute) says so.
         With window groups (kvconnect/restore/parts.py), their rows are stored only at the restore points of
         this store: its end, where it leaves an already stored prefix, and every
         ``restore_interval_tokens``. ``generation``: the key generation to store under (None:
@@ -271,8 +277,13 @@ class KVCacheEngine:
         else:
             every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation)
         chunks = [c for c in every if c.start >= skip]
-        return self.restore.store(every, chunks, tables, start_s, (tok, every), step_end=step_end, continues=continues,
-                                  next_chunk=next_chunk)
+        stored = self.restore.store(every, chunks, tables, start_s, (tok, every), step_end=step_end, continues=continues,
+                                    next_chunk=next_chunk)
+        if chunks and tables.all_absent:
+            self._all_absent.failed("kvconnect: store of %d tokens got block ids that are all -1 (absent) in every "
+                                    "group: nothing written (%d tokens were stored before); pass the ids of the blocks "
+                                    "that hold their KV", len(tok), stored)
+        return stored
 
     def store_chunks(self, chunks: list[Chunk], block_ids) -> int:
         """Store chunks whose keys the caller computed (e.g. ``kvconnect.chunks.page_keys``).

@@ -15,6 +15,11 @@ Kinds of names:
 - ``EXTRA_CONFIG``: keys of LMCache's ``extra_config`` mapping (``LMCACHE_EXTRA_CONFIG``);
   ``EXTRA_CONFIG_PREFIXES``: families of them read by prefix.
 - ``ENV_PREFIXES``: families of variables read by prefix.
+- ``AS_KVCONNECT``: values of ignored names under which LMCache does what kvconnect does: a
+  name set to one of them (or left empty) is read without a warning.
+- ``VLLM_*``: keys LMCache's vLLM connectors read from vLLM's ``kv_connector_extra_config``
+  (``lmcache.<key>``: LMCache's configuration key ``<key>``; ``discard_partial_chunks`` and
+  ``skip_last_n_tokens``, read with their meaning by ``Config.from_vllm_extra_config``).
 """
 
 from __future__ import annotations
@@ -227,6 +232,46 @@ ENV_PREFIXES: dict[str, str] = {
     "LMCACHE_ASCEND_": "an LMCache-Ascend switch kvconnect has no use for: the layout of every group is read from the engine",
 }
 
+# LMCache values with which LMCache behaves as kvconnect does: set to one of them (or empty), an ignored
+# name is read silently. An ordinary LMCache file lists its switches off (enable_p2p: false, ...): a
+# warning there would say nothing (issue 41). Booleans, numbers and lower-case words, compared as
+# kvconnect.config reads the value (``1``/``true`` is True).
+AS_KVCONNECT: dict[str, tuple] = {
+    **dict.fromkeys(("enable_p2p", "enable_blending", "use_layerwise", "enable_controller", "enable_pd",
+                     "local_cpu_use_hugepages", "enable_lazy_memory_allocator", "enable_chunk_statistics",
+                     "internal_api_server_enabled", "run_script_api_enabled", "enable_hidden_state_cache",
+                     "enable_scheduler_bypass_lookup", "chunk_statistics_auto_start_statistics", "track_usage",
+                     "enable_xpyd"), (False,)),
+    "py_enable_gc": (True,),  # LMCache's default: the collector stays on, as kvconnect leaves it
+    "disable_banner": (True,),  # kvconnect prints no banner
+    "remote_serde": ("naive",),  # raw bytes, as kvconnect stores them ("cachegen" compresses: warned)
+    "reserve_local_cpu_size": (0,),
+    "blend_recompute_ratios": (), "blend_thresholds": (),  # None only (no CacheBlend either way)
+    # extra_config: the first rank writes replicated (MLA) KV once, as kvconnect always does
+    "save_only_first_rank": (True,), "remote_enable_mla_worker_id_as0": (True,),
+    # vLLM: 0 is LMCache's "no cap", kvconnect's only behaviour
+    "lmcache.max_tokens_per_load": (0,),
+}
+
+# -- LMCache's vLLM connectors (lmcache/integration/vllm): keys of vLLM's kv_connector_extra_config.
+# ``lmcache.<key>`` sets LMCache's configuration key <key> over the file and the environment
+# (vllm_v1_adapter._apply_extra_config); kvconnect reads <key> as it reads that key anywhere.
+VLLM_CONFIG_PREFIX = "lmcache."
+VLLM_READ = {
+    "discard_partial_chunks": ("true: a prompt's partial last chunk is never stored, whatever save_unfull_chunk "
+                               "says (LMCache: discard = discard_partial_chunks or not save_unfull_chunk)"),
+    "skip_last_n_tokens": ("the lookup leaves a request's last N prompt tokens out: a hit never covers them "
+                           "(kvconnect setting skip_last_n_tokens, KVCONNECT_SKIP_LAST_N_TOKENS)"),
+}
+VLLM_EXTRA_CONFIG: dict[str, str] = {
+    "lmcache.max_tokens_per_load": ("no per-step load cap: kvconnect reports a request's whole hit at once and "
+                                    "loads it before the request's first forward (0, LMCache's default, is the same)"),
+    "lmcache_rpc_port": _LOOKUP,
+}
+VLLM_EXTRA_CONFIG_PREFIXES: dict[str, str] = {
+    "lmcache.mp.": _MP,  # LMCacheMPConnector's keys (server address, autostart, prefetch, ...)
+}
+
 # variables read by kvconnect or by the build and test harness, never warned about
 NOT_SETTINGS = ("LMCACHE_CONFIG_FILE", "KVCONNECT_BUILD_CUDA", "KVCONNECT_SGLANG_CPU_HARNESS", "KVCONNECT_RESULT",
                 "KVCONNECT_WHEEL_ADAPTERS", "KVCONNECT_HIVMC_KEEP",
@@ -244,6 +289,15 @@ def extra_config(key: str) -> str:
     text = EXTRA_CONFIG.get(key)
     if text is None:
         text = next((t for prefix, t in EXTRA_CONFIG_PREFIXES.items() if key.startswith(prefix)), EXTRA_CONFIG_OTHER)
+    return text
+
+
+def vllm_extra_config(key: str) -> Optional[str]:
+    """What kvconnect does instead of LMCache's vLLM ``kv_connector_extra_config`` key ``key``, or
+    None where it is not one of those (``VLLM_READ`` keys and ``lmcache.<key>`` are read)."""
+    text = VLLM_EXTRA_CONFIG.get(key)
+    if text is None:
+        text = next((t for prefix, t in VLLM_EXTRA_CONFIG_PREFIXES.items() if key.startswith(prefix)), None)
     return text
 
 

@@ -84,6 +84,46 @@ def test_absent_block_where_a_restore_needs_it(world):
     assert world.engine.retrieve(world.tokens, outside) == N
 
 
+@pytest.mark.parametrize("form", ["list", "numpy", "torch"])
+@pytest.mark.parametrize("op", ["store", "retrieve"])
+def test_a_flat_block_id_list_is_refused_for_a_multi_group_layout(world, op, form):
+    """One flat list (not one per group) cannot say which ids are whose: a typed error naming the
+    groups, before anything moves, whether its length matches the groups or not."""
+    full, _ = world.dst_tables
+    tokens = world.other_tokens if op == "store" else world.tokens
+    for flat in (full, full[:2]):  # 2 ids for 2 groups once read as two groups' one block each
+        ids = {"list": flat, "numpy": np.array(flat), "torch": torch.tensor(flat)}[form]
+        with pytest.raises(BlockTableError, match="one flat sequence of .* 2 KV-cache groups: pass one sequence per group"):
+            getattr(world.engine, op)(tokens, ids)
+        world.assert_unchanged()
+
+
+def test_a_flat_block_id_list_is_the_one_group_of_a_one_group_layout(rng):
+    case = zoo.build("llama-flash", max_tokens=N)
+    engine = KVCacheEngine(case.layout(), zoo.small_config(CHUNK))
+    tokens = zoo.random_tokens(rng, N)
+    (ids,) = zoo.random_tables(case, N, rng)
+    try:
+        assert engine.store(tokens, ids) == N  # the same as [ids]
+        assert engine.lookup(tokens) == N
+    finally:
+        engine.close()
+
+
+def test_all_absent_block_ids_store_nothing_and_say_so(world, rng, caplog):
+    """-1 everywhere: the store writes nothing and a WARNING says why (not a silent 0)."""
+    caplog.set_level("WARNING", logger="kvconnect")
+    full, swa = world.tables
+    fresh = zoo.random_tokens(rng, N)
+    assert world.engine.store(fresh, [[-1] * len(full), [-1] * len(swa)]) == 0
+    world.assert_unchanged()
+    (warned,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "all -1 (absent) in every group: nothing written" in warned
+    caplog.clear()
+    assert world.engine.store(fresh, [full, [-1] * 4 + swa[4:]]) == N  # some absent (outside the window): no word
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_store_checks_every_chunk_before_writing(world, rng):
     """Ids for the first chunk only: the whole call fails, even chunk 0 is not stored."""
     fresh = zoo.random_tokens(rng, N)

@@ -59,3 +59,46 @@ def test_ci_run_uses_the_python_setup_chose():
         if "pytest" in line and "tests --ignore=tests/integration" in line or "examples/quickstart.py" in line:
             assert '"$PY"' in line and "python3 " not in line, line
     assert ".ci/python" in (ROOT / ".gitignore").read_text()
+
+
+def _adapters(root: Path, mode: str) -> subprocess.CompletedProcess:
+    """check_wheel.sh's ``check_adapters`` over the engine venvs under ``root``. The import itself
+    (wheel venv + engine site-packages) is replaced by a line naming it: the real one runs in
+    ``.ci/run``'s wheel stage; what is tested here is which adapters are checked, skipped or failed."""
+    script = (f"source {CI / 'check_wheel.sh'}; ROOT={root}; "
+              'import_adapter() { echo "import $1 against $2 (env $3)"; }; '
+              f"check_adapters {mode}")
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+
+
+def _engine_venv(root: Path, name: str) -> None:
+    (root / name / "bin").mkdir(parents=True)
+    (root / name / "bin" / "python").symlink_to(sys.executable)
+
+
+def test_check_wheel_checks_each_adapter_whose_engine_is_installed_and_names_the_skipped(tmp_path):
+    _engine_venv(tmp_path, ".venv-vllm")  # SGLang's venv absent, as on a machine with vLLM only
+    out = _adapters(tmp_path, "auto")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "import kvconnect.integrations.vllm against .venv-vllm (env -)" in out.stdout
+    assert "adapters checked: kvconnect.integrations.vllm" in out.stdout
+    assert ("adapter skipped: kvconnect.integrations.sglang: .venv-sglang is not installed "
+            "(bash .ci/install_sglang.sh installs it)") in out.stdout
+    assert "sglang against" not in out.stdout
+
+
+def test_check_wheel_in_ci_mode_fails_on_an_absent_engine_venv(tmp_path):
+    _engine_venv(tmp_path, ".venv-sglang")
+    out = _adapters(tmp_path, "all")
+    assert out.returncode == 1
+    assert ".venv-vllm is not installed: cannot import kvconnect.integrations.vllm" in out.stdout
+    assert "import kvconnect.integrations.sglang against .venv-sglang (env TORCH_DEVICE_BACKEND_AUTOLOAD=0)" in out.stdout
+    assert "KVCONNECT_WHEEL_ADAPTERS=all bash .ci/check_wheel.sh" in (CI / "run").read_text()
+
+
+def test_check_wheel_with_no_engine_and_with_adapters_off(tmp_path):
+    out = _adapters(tmp_path, "auto")
+    assert out.returncode == 0 and "adapters checked: none" in out.stdout and out.stdout.count("adapter skipped:") == 2
+    out = _adapters(tmp_path, "0")
+    assert out.returncode == 0 and "not checked" in out.stdout
+    assert _adapters(tmp_path, "yes").returncode == 1

@@ -176,3 +176,45 @@ def test_every_numeric_field_is_validated():
     for name in numeric:
         with pytest.raises(ConfigError, match=name):
             Config(**{name: float("nan")})
+
+
+# --- LMCache 0.5.6's vLLM keys (kv_connector_extra_config), issue 41 item 2 ----------------------
+def test_lmcache_dot_keys_are_lmcaches_config_keys_over_the_environment():
+    """LMCache's vllm_v1_adapter._apply_extra_config: ``lmcache.<key>`` sets config key <key> over
+    the file and the environment; kvconnect reads <key> as it reads it anywhere (aliases too)."""
+    base = Config.from_env({"LMCACHE_MAX_LOCAL_CPU_SIZE": "2", "LMCACHE_CHUNK_SIZE": "128"})
+    c = Config.from_vllm_extra_config({"lmcache.max_local_cpu_size": 7.5, "lmcache.save_decode_cache": "true",
+                                       "lmcache.cache_policy": "LRU", "lmcache.lookup_timeout_ms": 250}, base=base)
+    assert (c.max_local_cpu_size, c.chunk_size, c.save_decode_cache, c.eviction, c.remote_timeout_s) == (7.5, 128, True, "lru", 0.25)
+
+
+def test_lmcache_dot_is_never_a_kvconnect_only_setting():
+    """``lmcache.server_url`` is LMCache's server, ``lmcache.num_threads`` no LMCache key: neither sets kvconnect's."""
+    c = Config.from_vllm_extra_config({"lmcache.server_url": "ipc:///tmp/lm", "lmcache.num_threads": 3}, base=Config(num_threads=2))
+    assert c == Config(num_threads=2)
+
+
+def test_one_setting_given_twice_with_two_values_is_refused():
+    with pytest.raises(ConfigError, match=r"chunk_size=128 and lmcache.chunk_size=256 both set 'chunk_size'"):
+        Config.from_vllm_extra_config({"chunk_size": 128, "lmcache.chunk_size": 256})
+    assert Config.from_vllm_extra_config({"chunk_size": 128, "lmcache.chunk_size": 128}).chunk_size == 128
+
+
+@pytest.mark.parametrize("save_unfull, discard, stored", [
+    (True, True, False), (True, False, True), (False, False, False), (False, True, False), (True, None, True)])
+def test_discard_partial_chunks_as_lmcache_reads_it(save_unfull, discard, stored):
+    """LMCache: ``discard = discard_partial_chunks or not save_unfull_chunk``; stored = not discard."""
+    extra = {"lmcache.save_unfull_chunk": save_unfull} | ({} if discard is None else {"discard_partial_chunks": discard})
+    assert Config.from_vllm_extra_config(extra).save_unfull_chunk is stored
+
+
+def test_discard_partial_chunks_refuses_a_word_it_cannot_read():
+    with pytest.raises(ConfigError, match="discard_partial_chunks .*not a boolean"):
+        Config.from_vllm_extra_config({"discard_partial_chunks": "yes"})
+
+
+def test_skip_last_n_tokens_is_read_and_checked():
+    assert Config.from_vllm_extra_config({"skip_last_n_tokens": 16}).skip_last_n_tokens == 16
+    assert Config.from_env({"KVCONNECT_SKIP_LAST_N_TOKENS": "8"}).skip_last_n_tokens == 8
+    with pytest.raises(ConfigError, match="skip_last_n_tokens"):
+        Config.from_vllm_extra_config({"skip_last_n_tokens": -1})

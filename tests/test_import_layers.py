@@ -24,10 +24,9 @@ FLOORS = (
     {"config", "layout"},  # the one reader of the environment; what a KV cache looks like
     {"chunks", "metrics", "transfer"},  # keys and the stored format; counters; byte movers
     {"storage"},  # the pool and the lower tiers
-    {"restore"},  # restore points: what is stored, found and loaded
-    {"engine", "sizing"},  # the Python API every adapter calls; what a layout stores
+    {"restore", "server"},  # restore points: what is stored, found and loaded; the node cache server and its client
+    {"engine", "sizing"},  # the Python API every adapter calls (its default pool reaches the server); what a layout stores
     {"page_store"},  # pages under engine keys, over an engine
-    {"server"},  # the node cache server
     {"integrations"},  # engine adapters and the presets of their allocations
     {"cli"},  # the kvconnect command
 )

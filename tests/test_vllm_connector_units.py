@@ -134,6 +134,20 @@ def test_hits_leave_a_token_and_count_beyond_vllms_own():
     assert sched.num_new_matched_tokens(_view(537, cacheable=False), 0) == (0, False)
 
 
+class AllStored:
+    """A tier that holds every whole chunk of whatever it is asked about (what the lookup is asked is the point)."""
+
+    def lookup(self, tokens, namespace=b"", generation=None):
+        return len(tokens) // CHUNK * CHUNK
+
+
+@pytest.mark.parametrize("skip, hit", [(0, 576), (24, 576), (25, 512), (100, 448), (600, 0)])
+def test_skip_last_n_tokens_leaves_the_prompts_last_tokens_out_of_the_lookup(skip, hit):
+    """LMCache's vLLM key: the lookup is asked about the prompt without its last N tokens."""
+    sched = KVConnectScheduler(AllStored(), chunk_tokens=CHUNK, skip_last_n_tokens=skip)
+    assert sched.num_new_matched_tokens(_view(600), 0) == (hit, hit > 0)
+
+
 def test_a_load_is_planned_once_with_vllms_counts():
     sched = KVConnectScheduler(FixedHits(512), chunk_tokens=CHUNK)
     req = _view(537)

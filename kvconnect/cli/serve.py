@@ -22,7 +22,9 @@ DEFAULT_URL = "ipc:///tmp/kvconnect.sock"
 def add_parsers(sub, config: Config) -> None:
     for name, helptext in (("server", "run the node-level cache server"), ("info", "print a running server's counters")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--url", default=config.server_url or DEFAULT_URL, help="ipc:///path or tcp://127.0.0.1:PORT")
+        p.add_argument("--url", default=config.server_url or DEFAULT_URL,
+                       help="ipc:///path or tcp://127.0.0.1:PORT (default %(default)s: KVCONNECT_SERVER_URL, else "
+                            f"{DEFAULT_URL})")
         p.add_argument("--token", default=None, help="shared secret (prefer KVCONNECT_SERVER_TOKEN or --token-file)")
         p.add_argument("--token-file", default=None, help="read the shared secret from this file")
         p.add_argument("-v", "--verbose", action="store_true")

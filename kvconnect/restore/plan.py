@@ -65,10 +65,17 @@ class BlockTables:
 
     @classmethod
     def of(cls, layout: KVLayout, block_ids) -> "BlockTables":
+        """``block_ids``: one sequence per group. A one-group layout also takes one flat sequence
+        (that group's ids); a multi-group layout refuses one, which no group's ids can be told from."""
         groups = layout.num_groups
-        if isinstance(block_ids, (torch.Tensor, np.ndarray)) and block_ids.ndim == 1 and groups == 1:
-            block_ids = [block_ids]
-        elif isinstance(block_ids, (list, tuple)) and groups == 1 and (not block_ids or isinstance(block_ids[0], (int, np.integer))):
+        flat = ((isinstance(block_ids, (torch.Tensor, np.ndarray)) and block_ids.ndim == 1)
+                or (isinstance(block_ids, (list, tuple)) and bool(block_ids) and isinstance(block_ids[0], (int, np.integer))))
+        if flat and groups > 1:
+            raise BlockTableError(
+                f"block_ids is one flat sequence of {len(block_ids)} ids, but this layout has {groups} KV-cache groups: "
+                f"pass one sequence per group ([ids of group 0, ..., ids of group {groups - 1}], -1 for an absent block); "
+                "a flat sequence is read as the block ids of a one-group layout only")
+        if groups == 1 and (flat or (isinstance(block_ids, (list, tuple)) and not block_ids)):
             block_ids = [block_ids]
         if not isinstance(block_ids, (list, tuple)) or len(block_ids) != groups:
             got = len(block_ids) if isinstance(block_ids, (list, tuple)) else type(block_ids).__name__
@@ -89,6 +96,11 @@ class BlockTables:
                 raise BlockTableError(f"group {g}: block id {bad} is out of range (the group's planes have {limit} blocks)")
             tables.append(np.where(arr < 0, -1, arr))
         return cls(layout, tables)
+
+    @property
+    def all_absent(self) -> bool:
+        """Every block id of every group is -1 (absent), and there is at least one: nothing can be stored."""
+        return any(t.size for t in self.tables) and all(bool((t < 0).all()) for t in self.tables)
 
     def slots(self, group: int, rows: RowRange, *, required: bool, what: str) -> Optional[np.ndarray]:
         """Slots of rows [r0, r1) of a group; None if a block is absent and not required."""

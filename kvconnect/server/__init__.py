@@ -11,8 +11,11 @@ Modules, by who runs them:
   over the shared segment, on ``session``'s ``ServerSession`` (hello, heartbeat, reconnect,
   the mapped segment, whose server to trust) (engine processes).
 
-``make_pool`` is the pool factory that chooses between the in-process pool and the server
-(``KVCacheEngine(..., pool_factory=make_pool)``).
+``make_pool`` is the pool factory that chooses between the in-process pool and the server:
+``KVCacheEngine``'s default, so ``server_url`` in the configuration is enough. The package sits
+beside ``restore`` on the floor under the engine (docs/design.md, "The map"): it imports
+``config``, ``layout``, ``chunks`` and ``storage`` only, and this ``__init__`` imports no
+ZMQ (``client`` is imported when a URL is set).
 """
 
 from __future__ import annotations

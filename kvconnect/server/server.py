@@ -34,6 +34,7 @@ import zmq
 
 from ..errors import ConfigError
 from ..storage.eviction import DEFAULT_POLICY
+from ..storage.host_memory import check_fits_host
 from . import protocol
 from .admission import Gate, PeerPolicy, parse_peer_address
 from .index import CacheIndex, ClientState, RequestError
@@ -82,6 +83,9 @@ class CacheServer:
         self._ipc_path = protocol.ipc_path(url)
         self._gate = Gate(peers, ipc=self._ipc_path is not None)
         self._refuse_if_live()
+        # the segment lives in RAM (tmpfs) and every page of it is written: the engine's check of its own pool
+        check_fits_host(size_bytes, f"the server's pool (--size-gb, LMCACHE_MAX_LOCAL_CPU_SIZE) = {size_bytes / (1 << 30):g} GB",
+                        advice="lower --size-gb")
         self.segment = Segment.create(url, self.instance, page_bytes, num_pages, shm_dir=shm_dir)
         try:
             try:

@@ -76,10 +76,10 @@ class PoolFactory(Protocol):
 def private_pool(config: Config, slot_bytes: int, *, pin_memory: bool, fingerprint: Optional[Fingerprint] = None) -> ChunkPool:
     """A ``ChunkPool`` of ``config.private_pool_bytes`` (with ``local_cpu`` false: only the
     buffer the lower tiers go through, 0 without one, as in LMCache). Raises ConfigError when
-    ``config.server_url`` names a node server: the engine was made without the factory that
-    reaches it, and a private pool in its place would silently share nothing."""
+    ``config.server_url`` names a node server: the engine was given this factory in place of the
+    default one that reaches the server, and a private pool would silently share nothing."""
     if config.server_url:
-        raise ConfigError(f"server_url ({config.server_url}) is set but this engine was made with a private pool: "
-                          "pass pool_factory=kvconnect.server.make_pool to KVCacheEngine (the adapters do)")
+        raise ConfigError(f"server_url ({config.server_url}) is set but this engine was given pool_factory=private_pool: "
+                          "leave pool_factory at its default (kvconnect.server.make_pool), which reaches the server")
     return ChunkPool(config.private_pool_bytes, slot_bytes, pin_memory=pin_memory, eviction=config.eviction,
                      prefault=config.pool_prefault)

@@ -246,3 +246,34 @@ def test_chunked_prefill_saves_say_which_end_at_a_step_end(rig):
     r.run()  # the rig's forward checks every row vLLM counts as computed, the loaded ones included
     assert _first_compute(r, again) == 192
     r.assert_no_leak()
+
+
+@pytest.mark.parametrize("discard, stored", [(True, 192), (False, 200)])
+def test_lmcache_vllm_keys_are_read_with_lmcaches_meaning_and_warned_once_by_the_scheduler(rig, monkeypatch, discard, stored):
+    """LMCache 0.5.6's kv_connector_extra_config keys (issue 41): ``lmcache.<key>`` is LMCache's config
+    key, ``skip_last_n_tokens`` leaves the prompt's last tokens out of the lookup (vLLM then computes
+    them), ``discard_partial_chunks`` stores no partial chunk; a setting kvconnect does not use is
+    warned about by the scheduler's connector only, and a value that matches kvconnect is silent."""
+    from kvconnect import config as config_module
+    from kvconnect.throttled_warning import OnceWarnings
+
+    warned: list[str] = []
+    monkeypatch.setattr(config_module, "warn_once", OnceWarnings(lambda msg, *a: warned.append(msg % a)).warn)
+    extra = {"lmcache.max_local_cpu_size": 0.125, "lmcache.save_unfull_chunk": True, "discard_partial_chunks": discard,
+             "skip_last_n_tokens": 72, "lmcache.enable_p2p": True, "lmcache.enable_blending": False}
+    r = rig(extra=extra, start_scheduler=False)
+    config = r.engine.config  # the worker's (it stores whatever partial chunk the scheduler hands it: P/D)
+    assert (config.max_local_cpu_size, config.skip_last_n_tokens) == (0.125, 72)
+    assert warned == []  # the worker reads quietly
+    r.start_scheduler()
+    assert len(warned) == 1 and "lmcache.enable_p2p" in warned[0], warned  # enable_blending: false is kvconnect's
+    tokens = _prompt(5, 200)
+    _store(r, tokens)
+    assert r.engine.lookup(tokens) == stored  # 3 whole chunks, and the partial one unless discarded
+    req = r.add(tokens)
+    r.step()
+    r.step()
+    assert _first_compute(r, req) == 128  # the lookup saw 200 - 72 = 128 tokens: 2 chunks
+    r.check_rows(req, 128)
+    r.run()
+    r.assert_no_leak()

@@ -26,6 +26,7 @@ from kvconnect.errors import ConfigError
 from kvconnect.server import make_pool
 from kvconnect.server.client import SharedPoolClient
 from kvconnect.server.protocol import Limits
+from kvconnect.server.index import STATS_FIELDS
 from kvconnect.server.server import CacheServer
 from kvconnect.server.shm import SHM_DIR, segment_name
 from support.server_rig import PAGE, server_thread, socket_dir, wait_until
@@ -78,8 +79,8 @@ def test_two_engine_processes_share_the_pool(server_proc):
         boundary = zoo.expected_boundary(case, bounds, zoo.store_masks(case, src_tables, bounds))
         assert boundary > 0
         dst = case.clone(fill=0)
-        engine = KVCacheEngine(dst.layout(), Config(chunk_size=chunk, num_threads=2, server_url=server_proc, remote_timeout_s=5.0),
-                               pool_factory=make_pool)
+        # the public engine with a server URL reaches the server by itself (no pool_factory: issue 41)
+        engine = KVCacheEngine(dst.layout(), Config(chunk_size=chunk, num_threads=2, server_url=server_proc, remote_timeout_s=5.0))
         try:
             assert engine.pool.connected
             assert engine.lookup(tokens) == boundary  # the worker's close() left the shared entries alone
@@ -254,12 +255,40 @@ def test_cli_policy_second_server_and_info(capsys):
         with pytest.raises(ConfigError, match="already serves"):
             CacheServer(server.url, 1 << 20)
         assert cli_main(["info", "--url", server.url, "--json"]) == 0
-        info = json.loads(capsys.readouterr().out)
+        out = capsys.readouterr().out
+        assert out.endswith("}\n")  # a shell prompt after it starts on its own line
+        info = json.loads(out)
         assert info["num_pages"] == server.index.allocator.num_pages and info["page_bytes"] == PAGE
         assert cli_main(["info", "--url", server.url]) == 0  # human-readable by default
         text = capsys.readouterr().out
         assert f"{info['num_pages']} pages of {PAGE // 1024} KiB" in text and "evictions" in text
+        assert text.endswith("requests\n") and not text.endswith("\n\n")  # the last line ends, once
     assert cli_main(["info", "--url", f"ipc://{d}/kvc.sock", "--timeout-s", "0.2"]) == 1
+
+
+def test_a_pool_larger_than_the_host_is_refused_as_the_engine_refuses_it(capsys, tmp_path):
+    """``kvconnect server --size-gb N`` past the host's memory: the engine's check (storage.host_memory),
+    a clear error and exit 2, before any shared memory is reserved."""
+    from kvconnect.storage import host_memory
+
+    room, why = host_memory.host_room()
+    size_gb = (room + (4 << 30)) / (1 << 30)
+    with socket_dir() as d:
+        assert cli_main(["server", "--url", f"ipc://{d}/kvc.sock", "--size-gb", f"{size_gb:.1f}"]) == 2
+        err = capsys.readouterr().err
+        assert f"the server's pool (--size-gb, LMCACHE_MAX_LOCAL_CPU_SIZE) = {size_gb:.1f} GB asks for" in err, err
+        assert why in err and "lower --size-gb" in err
+        assert not os.path.exists(os.path.join(SHM_DIR, segment_name(f"ipc://{d}/kvc.sock")))
+        with pytest.raises(ConfigError, match="host memory"):
+            CacheServer(f"ipc://{d}/kvc.sock", room + (4 << 30), shm_dir=str(tmp_path))
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_server_help_names_its_default_url(capsys, monkeypatch):
+    monkeypatch.delenv("KVCONNECT_SERVER_URL", raising=False)
+    with pytest.raises(SystemExit):
+        cli_main(["server", "--help"])
+    assert "(default ipc:///tmp/kvconnect.sock: KVCONNECT_SERVER_URL" in " ".join(capsys.readouterr().out.split())
 
 
 def test_make_pool_picks_the_private_pool_without_a_server_url():
@@ -272,9 +301,33 @@ def test_make_pool_picks_the_private_pool_without_a_server_url():
     assert len(pool) == 0
 
 
-def test_an_engine_made_without_the_server_factory_refuses_a_server_url():
-    """The core never reaches the server itself: an engine with ``server_url`` set but the
-    default private pool would share nothing, so it refuses before allocating anything."""
+def test_a_server_url_in_the_environment_is_enough_for_the_public_engine():
+    """KVCONNECT_SERVER_URL (and a model identity, a shared tier's requirement) and nothing else:
+    the engine's default pool is the server's, and what one engine stores the other finds there."""
+    case, tokens, tables, _ = server_rig.prompt("llama-flash", 64, 128, seed=3)
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock") as server:
+        env = {"KVCONNECT_SERVER_URL": server.url, "LMCACHE_CHUNK_SIZE": "64", "KVCONNECT_NUM_THREADS": "1"}
+        with pytest.raises(ConfigError, match="KVCONNECT_MODEL_NAME"):
+            KVCacheEngine(case.layout(model_name=""), Config.from_env(env))
+        env["KVCONNECT_MODEL_NAME"] = "zoo/llama-flash@test"
+        writer = KVCacheEngine(case.layout(model_name=""), Config.from_env(env))
+        reader = KVCacheEngine(case.layout(model_name=""), Config.from_env(env))
+        try:
+            assert isinstance(writer.pool, SharedPoolClient) and writer.pool.connected
+            assert writer.store(tokens, tables) == 128
+            assert server.index.stats(None)[STATS_FIELDS.index("num_entries")] == 2  # in the server's pool
+            assert reader.lookup(tokens) == 128  # another engine finds them there
+        finally:
+            writer.close()
+            reader.close()
+
+
+def test_an_engine_given_the_private_pool_factory_refuses_a_server_url():
+    """``pool_factory=private_pool`` with ``server_url`` set would share nothing: refused before
+    anything is allocated."""
+    from kvconnect.storage.pool_protocol import private_pool
+
     case = zoo.build("llama-flash", max_tokens=64)
-    with pytest.raises(ConfigError, match="pool_factory=kvconnect.server.make_pool"):
-        KVCacheEngine(case.layout(), Config(chunk_size=64, server_url="ipc:///tmp/kvc-never-started.sock"))
+    with pytest.raises(ConfigError, match="leave pool_factory at its default"):
+        KVCacheEngine(case.layout(), Config(chunk_size=64, model_name="m", server_url="ipc:///tmp/kvc-never-started.sock"),
+                      pool_factory=private_pool)

@@ -7,7 +7,11 @@ Reads, with ``ast`` only:
   ``LMCACHE_<KEY>`` variable), ``_CONFIG_ALIASES`` and ``_DEPRECATED_CONFIGS`` (old names);
 - every ``.py`` of the wheel: string constants ``LMCACHE_*`` (variables read outside the
   config module, e.g. ``LMCACHE_LOG_LEVEL``) and the keys of ``extra_config`` it reads
-  (``get_extra_config_value("k")``, ``extra_config.get("k")``, ``extra_config["k"]``).
+  (``get_extra_config_value("k")``, ``extra_config.get("k")``, ``extra_config["k"]``);
+- ``lmcache/integration`` and ``lmcache/v1/lookup_client``: the keys its vLLM connectors read from
+  vLLM's ``kv_connector_extra_config`` (``get_from_extra_config("k")``, ``kv_extra.get("k")``, a
+  module constant handed to ``_get_extra_config_value``) and the prefixes they read a family of
+  keys by (``key.startswith("lmcache.")`` in a function that reads ``kv_connector_extra_config``).
 
 tests/test_lmcache_names.py compares each vendored list (tests/data/lmcache_names_*.json, one per
 release kvconnect answers for) with this extraction when that wheel is in the CI cache
@@ -52,12 +56,59 @@ def _extra_config_keys(tree: ast.AST) -> set[str]:
     return keys
 
 
+_VLLM_FILES = ("lmcache/integration/", "lmcache/v1/lookup_client/")
+_VLLM_MAPPINGS = ("kv_extra", "kv_connector_extra_config")  # local names of vLLM's mapping in LMCache's code
+
+
+def _constants(tree: ast.Module) -> dict[str, str]:
+    return {node.targets[0].id: node.value.value for node in tree.body
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+
+
+def _vllm_extra_config(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(keys, prefixes) LMCache's vLLM connectors read from ``kv_connector_extra_config``."""
+    constants = _constants(tree)
+    keys: set[str] = set()
+    prefixes: set[str] = set()
+
+    def text(node: ast.AST):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return constants.get(node.id) if isinstance(node, ast.Name) else None
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Attribute, ast.Name)):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id
+        if name == "get_from_extra_config" and node.args:
+            keys.add(text(node.args[0]))
+        elif (name == "get" and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+              and f.value.id in _VLLM_MAPPINGS and node.args):
+            keys.add(text(node.args[0]))
+        elif name == "_get_extra_config_value" and len(node.args) >= 2:
+            keys.add(text(node.args[1]))
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        reads = any(isinstance(n, ast.Attribute) and n.attr == "kv_connector_extra_config" for n in ast.walk(function))
+        for node in ast.walk(function) if reads else ():
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith"
+                    and node.args and text(node.args[0])):
+                prefixes.add(text(node.args[0]))
+    keys.discard(None)
+    return keys, prefixes
+
+
 def extract(wheel: Path) -> dict:
     """The names of the LMCache release in ``wheel``, as tests/data/lmcache_names_*.json hold them."""
     with zipfile.ZipFile(wheel) as z:
         config = ast.parse(z.read(CONFIG_MODULE).decode())
         variables: set[str] = set()
         extra: set[str] = set()
+        vllm_keys: set[str] = set()
+        vllm_prefixes: set[str] = set()
         for name in z.namelist():
             if not name.endswith(".py") or not name.startswith("lmcache/"):
                 continue
@@ -65,6 +116,10 @@ def extract(wheel: Path) -> dict:
             variables |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
                           and _VAR.match(n.value)}
             extra |= _extra_config_keys(tree)
+            if name.startswith(_VLLM_FILES):
+                keys, prefixes = _vllm_extra_config(tree)
+                vllm_keys |= keys
+                vllm_prefixes |= prefixes
     version = re.match(r"lmcache-([^-]+)-", wheel.name)
     return {
         "release": version.group(1) if version else "",
@@ -74,6 +129,8 @@ def extract(wheel: Path) -> dict:
         "old_names": sorted(set(_dict_keys(config, "_CONFIG_ALIASES")) | set(_dict_keys(config, "_DEPRECATED_CONFIGS"))),
         "variables": sorted(variables),
         "extra_config_keys": sorted(extra),
+        "vllm_extra_config_keys": sorted(vllm_keys),
+        "vllm_extra_config_prefixes": sorted(vllm_prefixes),
     }
 
 

@@ -47,7 +47,6 @@ from kvconnect.engine import KVCacheEngine
 from kvconnect.errors import LayoutError
 from kvconnect.layout.kv_layout import KVLayout
 from kvconnect.page_store import PageStore, restorable_prefixes
-from kvconnect.server import make_pool
 from kvconnect.layout.spec import GroupSpec
 
 from .flat_pages import FlatPages
@@ -186,7 +185,7 @@ class KVConnectStorage(HiCacheStorage):
             config = dataclasses.replace(self.config, chunk_size=page_tokens)
             # SGLang hands over pages under its own keys and asks for them page by page: each page is
             # one whole object (its hybrid pools' restores are SGLang's own), not restore-point parts
-            engine = KVCacheEngine(layout, config, window_parts=False, pool_factory=make_pool)
+            engine = KVCacheEngine(layout, config, window_parts=False)
             self._store = PageStore(engine)
             if KV in self._groups:
                 self._flat = FlatPages(engine, self._pools[KV], self._store.page_bytes(self._groups[KV]))

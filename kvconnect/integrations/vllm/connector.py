@@ -78,7 +78,10 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         logs.route_to_vllm()  # kvconnect's log records follow vLLM's logging configuration
         extra = translate.extra_config(vllm_config)
         adapter = {key: extra.pop(key) for key in _ADAPTER_KEYS if key in extra}
-        config = Config.from_dict(extra, source="kv_connector_extra_config", base=Config.from_env())
+        # LMCache's vLLM keys too (lmcache.<key>, discard_partial_chunks, skip_last_n_tokens); the scheduler's
+        # process warns about settings kvconnect does not use, each worker reads the same ones quietly
+        quiet = role != KVConnectorRole.SCHEDULER
+        config = Config.from_vllm_extra_config(extra, base=Config.from_env(quiet=quiet), quiet=quiet)
         if not config.model_name:
             config = dataclasses.replace(config, model_name=translate.model_identity(vllm_config))
         # --- P/D roles (roles.py): a bad role or a role without a shared tier fails here, at start
@@ -116,7 +119,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                                                  min_load_tokens=config.effective_min_load_tokens,
                                                  log_interval_s=config.log_interval_s, role=self._role,
                                                  tail_align_tokens=pd.engine_block_tokens(vllm_config, kv_cache_config),
-                                                 exact_resume=bool(self._state_blocks))
+                                                 exact_resume=bool(self._state_blocks),
+                                                 skip_last_n_tokens=config.skip_last_n_tokens)
             self._pd = pd.PDScheduler(self._scheduler, self._role, pd.ServerIdentity(
                 chunk_tokens=config.chunk_size, tp_size=ranks.tp_size, model=config.model_name,
                 engine_id=str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")),

@@ -12,7 +12,8 @@ Hits come from the workers through the lookup channel (restore-gated, minimum ov
 A hit never covers the whole prompt (vLLM must compute one token to sample) and counts only
 tokens beyond vLLM's own prefix cache; a hit of fewer than ``min_load_tokens`` such tokens is
 not reported (the load would cost the request a whole engine step to save less prefill
-than that step: docs/vllm.md, "Small loads"). Loads are asynchronous in vLLM's sense: the request
+than that step: docs/vllm.md, "Small loads"). With ``skip_last_n_tokens`` (LMCache's vLLM key)
+the lookup leaves the last N tokens of the prompt out, so a hit never covers them. Loads are asynchronous in vLLM's sense: the request
 waits one step while the workers scatter the chunks and report it through get_finished.
 
 Saves: each step, the chunks a request completes in that step (chunk ends in
@@ -74,8 +75,11 @@ class _Tracked:
 class KVConnectScheduler:
     def __init__(self, hits: HitSource, *, chunk_tokens: int, save_unfull_chunk: bool = False,
                  save_decode_cache: bool = False, min_load_tokens: int = 0, log_interval_s: float = 0.0,
-                 role: RolePolicy = BOTH, tail_align_tokens: int = 1, exact_resume: bool = False) -> None:
+                 role: RolePolicy = BOTH, tail_align_tokens: int = 1, exact_resume: bool = False,
+                 skip_last_n_tokens: int = 0) -> None:
         self.hits = hits
+        # LMCache's vLLM key: every lookup leaves the last this many tokens of what it asks about out
+        self.skip_last_n_tokens = skip_last_n_tokens
         # recurrent-state layouts (recurrent.py): a restore point P is the state after exactly P tokens, so
         # vLLM must resume at P itself; the lookup covers prompt[:-1], leaving the last token to compute
         self.exact_resume = exact_resume
@@ -124,6 +128,8 @@ class KVConnectScheduler:
         asked = prompt[:remote_prefill_tokens] if remote_prefill else prompt
         if self.exact_resume:
             asked = asked[: req.num_tokens - 1]
+        if self.skip_last_n_tokens:
+            asked = asked[: max(0, len(asked) - self.skip_last_n_tokens)]
         boundary = self.hits.lookup(asked, req.namespace, generation=generation)
         self.lookup_stats["lookup_us"] += int((time.perf_counter() - start) * 1e6)
         # vLLM must compute at least one token itself to produce logits.

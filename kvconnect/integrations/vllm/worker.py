@@ -42,7 +42,6 @@ import numpy as np
 
 from kvconnect.config import Config
 from kvconnect.engine import KVCacheEngine
-from kvconnect.server import make_pool
 from kvconnect.transfer.placement import pin_current_thread, plan_copy_threads
 
 from .lookup_channel import LookupServer
@@ -92,7 +91,7 @@ class KVConnectWorker:
         Raises LayoutError when the engine cannot serve the layout (e.g. a chunk size that is
         not a multiple of a page group's block size); the worker then stays off (0 hits).
         """
-        engine = KVCacheEngine(translation.layout, self.config, shared_writer=shared_writer, pool_factory=make_pool)
+        engine = KVCacheEngine(translation.layout, self.config, shared_writer=shared_writer)
         if engine.stores_nothing:  # the engine has said why, once
             engine.close()
             logger.debug("kvconnect: off for this engine: %s", engine.stores_nothing)
