@@ -35,11 +35,12 @@ import dataclasses
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from .chunks.extra_keys import MediaItem, media_extras, media_items
 from .chunks.keys import Chunk, ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
 from .metrics.prometheus import register_engine, start_exporter, unregister
 from .metrics.recorders import OpLog
@@ -210,9 +211,9 @@ class KVCacheEngine:
 
     # -- keys ------------------------------------------------------------------------
     def chunks(self, tokens: Tokens, *, include_partial: bool, namespace: Namespace = None,
-               generation: Optional[bytes] = None) -> list[Chunk]:
+               generation: Optional[bytes] = None, media: Sequence[MediaItem] = ()) -> list[Chunk]:
         """The chunks of a token sequence with their keys."""
-        return self._chunks(tokens_as_int64(tokens), include_partial, namespace, generation)
+        return self._chunks(tokens_as_int64(tokens), include_partial, namespace, generation, media)
 
     def _keyer_of(self, generation: Optional[bytes]) -> ChunkKeyer:
         """The keyer of ``generation`` (None: this engine's own). Another engine's generation is
@@ -223,10 +224,15 @@ class KVCacheEngine:
         return ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=generation_bytes(generation))
 
     def _chunks(self, tok: np.ndarray, include_partial: bool, namespace: Namespace,
-                generation: Optional[bytes] = None) -> list[Chunk]:
+                generation: Optional[bytes] = None, media: Sequence[MediaItem] = ()) -> list[Chunk]:
+        """``media``: the prompt's multimodal items (kvconnect/chunks/extra_keys.py): the chunks
+        that cover part of one are keyed by it too."""
         bounds = chunk_bounds(len(tok), self.config.chunk_size, include_partial)
-        keys = self._keyer_of(generation).keys(tok, bounds, namespace)
-        return [Chunk(i, s, e, k) for i, ((s, e), k) in enumerate(zip(bounds, keys))]
+        extras = media_extras(media_items(media), bounds) if media else None
+        keys = self._keyer_of(generation).keys(tok, bounds, namespace, extras)
+        if extras is None:
+            return [Chunk(i, s, e, k) for i, ((s, e), k) in enumerate(zip(bounds, keys))]
+        return [Chunk(i, s, e, k, x) for i, ((s, e), k, x) in enumerate(zip(bounds, keys, extras))]
 
     def _masked_prefix(self, mask, num_tokens: int, *, chunk_aligned: bool = True) -> int:
         if mask is None:
@@ -244,7 +250,7 @@ class KVCacheEngine:
     # -- store -----------------------------------------------------------------------
     def store(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None,
               generation: Optional[bytes] = None, step_end: bool = False, continues: bool = False,
-              then: Optional[Tokens] = None) -> int:
+              then: Optional[Tokens] = None, media: Sequence[MediaItem] = ()) -> int:
         """Store the KV rows of ``tokens`` held in the blocks ``block_ids`` (one list per group).
 
         Returns the number of tokens (beyond the mask) whose chunks are stored after the call.
@@ -259,6 +265,8 @@ class KVCacheEngine:
         previous step-end store, so its end is no branch point (kvconnect/restore/points.py);
         ``then``: at a step end, the prompt tokens the engine computes next (a chunk of them
         tells whether the request walks on along a stored prefix or leaves it here).
+        ``media``: the prompt's multimodal items (placeholder ranges and hashes): the chunks
+        covering part of one are keyed by it (kvconnect/chunks/extra_keys.py).
         """
         start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
@@ -271,11 +279,11 @@ class KVCacheEngine:
         next_chunk = None
         if step_end and then is not None and len(tok) % self.config.chunk_size == 0:
             ahead = tokens_as_int64(then)[: self.config.chunk_size]
-            every = self._chunks(np.concatenate([tok, ahead]), False, namespace, generation)
+            every = self._chunks(np.concatenate([tok, ahead]), False, namespace, generation, media)
             if len(every) * self.config.chunk_size > len(tok):
                 next_chunk = every.pop()
         else:
-            every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation)
+            every = self._chunks(tok, self.config.save_unfull_chunk, namespace, generation, media)
         chunks = [c for c in every if c.start >= skip]
         stored = self.restore.store(every, chunks, tables, start_s, (tok, every), step_end=step_end, continues=continues,
                                     next_chunk=next_chunk)
@@ -297,16 +305,17 @@ class KVCacheEngine:
         return self.restore.store_chunks(list(chunks), BlockTables.of(self.layout, block_ids), time.perf_counter())
 
     # -- lookup ----------------------------------------------------------------------
-    def lookup(self, tokens: Tokens, *, namespace: Namespace = None, generation: Optional[bytes] = None) -> int:
+    def lookup(self, tokens: Tokens, *, namespace: Namespace = None, generation: Optional[bytes] = None,
+               media: Sequence[MediaItem] = ()) -> int:
         """Tokens restorable from token 0: the largest chunk end at which every group can resume
         (with window groups: the largest restore point whose prefix and window parts are present).
 
         The pool's objects of the hit become its most recently used, so that the stores running
         between an engine's lookup and its retrieve evict other chunks first (a hit is still
         not a promise: ``retrieve`` returns what it loaded). ``generation``: the key generation
-        to look under (None: this engine's; kvconnect/chunks/keys.py).
+        to look under (None: this engine's; kvconnect/chunks/keys.py). ``media``: as in ``store``.
         """
-        chunks = self._chunks(tokens_as_int64(tokens), include_partial=True, namespace=namespace, generation=generation)
+        chunks = self._chunks(tokens_as_int64(tokens), True, namespace, generation, media)
         return self.restore.lookup(chunks)
 
     def lookup_chunks(self, chunks: list[Chunk]) -> int:
@@ -316,7 +325,7 @@ class KVCacheEngine:
 
     # -- retrieve --------------------------------------------------------------------
     def retrieve(self, tokens: Tokens, block_ids, mask=None, *, namespace: Namespace = None,
-                 generation: Optional[bytes] = None) -> int:
+                 generation: Optional[bytes] = None, media: Sequence[MediaItem] = ()) -> int:
         """Load the rows needed to resume at the restorable boundary P into ``block_ids``.
 
         Returns P minus the masked prefix (0 on a miss). Raises BlockTableError, before
@@ -326,7 +335,7 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
-        chunks = self._chunks(tok, include_partial=True, namespace=namespace, generation=generation)
+        chunks = self._chunks(tok, True, namespace, generation, media)
         return self.restore.retrieve(chunks, tables, skip, start_s)
 
     def retrieve_chunks(self, chunks: list[Chunk], block_ids, *, present_tokens: int = 0) -> int:

@@ -239,7 +239,7 @@ def test_lookup_channel_figures(tmp_path):
         def __init__(self, hit, delay_s=0.0):
             self.hit, self.delay_s = hit, delay_s
 
-        def lookup(self, tokens, namespace=b"", generation=None):
+        def lookup(self, tokens, namespace=b"", generation=None, media=()):
             _time.sleep(self.delay_s)
             return self.hit
 

@@ -31,7 +31,7 @@ class FixedHits:
         self.hit, self.delay_s, self.cleared, self.seen, self.namespaces = hit, delay_s, 0, [], []
         self.generations, self.cleared_to = [], []
 
-    def lookup(self, tokens, namespace=b"", generation=None):
+    def lookup(self, tokens, namespace=b"", generation=None, media=()):
         self.seen.append(tokens.copy())
         self.namespaces.append(namespace)
         self.generations.append(generation)

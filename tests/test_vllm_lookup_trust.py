@@ -69,7 +69,7 @@ class Recorder:
     def __init__(self, hit: int) -> None:
         self.hit, self.lookups, self.cleared = hit, 0, 0
 
-    def lookup(self, tokens, namespace=b"", generation=None):
+    def lookup(self, tokens, namespace=b"", generation=None, media=()):
         self.lookups += 1
         return self.hit
 

@@ -127,7 +127,7 @@ class TierHits:
         self.asked_generations: list = []  # the generation each lookup named
         self.cleared_to: list = []
 
-    def lookup(self, tokens, namespace=b"", *, count=True, generation=None):
+    def lookup(self, tokens, namespace=b"", *, count=True, generation=None, media=()):
         self.calls.append((len(tokens), count))
         self.asked_generations.append(generation)
         return min(self.restorable, len(tokens)) if generation == self.generation else 0

@@ -27,7 +27,7 @@ class FixedHits:
     def __init__(self, hit: int) -> None:
         self.hit = hit
 
-    def lookup(self, tokens, namespace=b"", *, generation=None):
+    def lookup(self, tokens, namespace=b"", *, generation=None, media=()):
         return self.hit
 
     def clear(self, generation=None):

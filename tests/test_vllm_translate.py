@@ -317,11 +317,13 @@ LORA = SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql"
 
 @pytest.mark.parametrize("extra, cacheable", [
     ({}, True), ({"mm_features": [object()]}, False), ({"prompt_embeds": object()}, False),
+    ({"mm_features": [SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=1, length=2))]}, True),
+    ({"mm_features": [SimpleNamespace(identifier=None, mm_position=SimpleNamespace(offset=1, length=2))]}, False),
     ({"lora_request": LORA}, True), ({"cache_salt": "tenant"}, True), ({"prompt_token_ids": None}, False),
     ({"cache_salt": "x" * 5000}, False),  # too long for a namespace: neither looked up nor saved
     ({"lora_request": object()}, False),  # an adapter without a name cannot be told apart
 ])
-def test_request_view_is_cacheable_only_when_tokens_and_namespace_decide_the_kv(extra, cacheable):
+def test_request_view_is_cacheable_only_when_tokens_namespace_and_media_decide_the_kv(extra, cacheable):
     view = request_reads.request_view(_request(**extra))
     assert view.cacheable is cacheable and view.num_tokens == 4
 

@@ -19,30 +19,40 @@ length-prefixed, so chains of different generations never meet. No generation (b
 reset, and after every restart) leaves h_0 as above. A generation is empty or
 ``GENERATION_BYTES`` bytes (``generation_bytes`` checks one that came from outside: the vLLM
 scheduler names its generation to its workers and, in P/D params, to a decode server).
+
+*Extra keys* (``keys(..., extras=)``, kvconnect/chunks/extra_keys.py) are what besides token
+ids decides one chunk's KV: the multimodal items whose placeholders the chunk covers. They
+enter only the step of their chunk, after its token bytes (``extras_bytes``: tagged,
+length-suffixed, never a multiple of 4 bytes long, so no token sequence reproduces them), so
+a chunk without extras hashes exactly as it would in a text-only prompt, and every later
+chunk of the prompt differs through the chain.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import blake3
 import numpy as np
 import torch
 
 from ..errors import TokenError
+from .extra_keys import ChunkExtras, extras_bytes
 from ..layout.spec import ChunkKey, Fingerprint
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Chunk ``index`` of a token sequence: tokens [start, end), stored under ``key``."""
+    """Chunk ``index`` of a token sequence: tokens [start, end), stored under ``key``;
+    ``extras``: its extra keys (multimodal items it covers, kvconnect/chunks/extra_keys.py)."""
 
     index: int
     start: int
     end: int
     key: ChunkKey
+    extras: ChunkExtras = ()
 
 
 KEY_BYTES = 16
@@ -120,12 +130,19 @@ class ChunkKeyer:
             return self._seed
         return blake3.blake3(self._identity + b"\x01" + len(ns).to_bytes(4, "little") + ns).digest()
 
-    def keys(self, tokens: np.ndarray, bounds: Sequence[tuple[int, int]], namespace: Namespace = None) -> list[ChunkKey]:
-        """Keys of consecutive chunks ``bounds`` (which must start at 0 and tile the prefix)."""
+    def keys(self, tokens: np.ndarray, bounds: Sequence[tuple[int, int]], namespace: Namespace = None,
+             extras: Optional[Sequence[ChunkExtras]] = None) -> list[ChunkKey]:
+        """Keys of consecutive chunks ``bounds`` (which must start at 0 and tile the prefix);
+        ``extras``: each chunk's extra keys (one entry per chunk of ``bounds``; None: none)."""
         data = memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
+        if extras is not None and len(extras) != len(bounds):
+            raise TokenError(f"extra keys name {len(extras)} chunks, the bounds {len(bounds)}")
         out: list[ChunkKey] = []
         chain = self.seed(namespace)
-        for start, end in bounds:
-            chain = blake3.blake3(data[start * TOKEN_BYTES : end * TOKEN_BYTES], key=chain).digest()
+        for i, (start, end) in enumerate(bounds):
+            step = blake3.blake3(data[start * TOKEN_BYTES : end * TOKEN_BYTES], key=chain)
+            if extras is not None and extras[i]:
+                step.update(extras_bytes(extras[i]))
+            chain = step.digest()
             out.append(ChunkKey(chain[:KEY_BYTES]))
         return out

@@ -65,10 +65,10 @@ class ObjectWriter:
         return writes
 
 
-def chunk_identity(chunk: Chunk, prompt: Optional[Prompt]) -> tuple[bytes, Optional[bytes], np.ndarray]:
-    """(key, parent key, token ids) of a stored chunk for its event; no tokens when unknown."""
+def chunk_identity(chunk: Chunk, prompt: Optional[Prompt]) -> tuple[bytes, Optional[bytes], np.ndarray, tuple]:
+    """(key, parent key, token ids, extra keys) of a stored chunk for its event; no tokens when unknown."""
     if prompt is None:
-        return bytes(chunk.key), None, np.zeros(0, np.int64)
+        return bytes(chunk.key), None, np.zeros(0, np.int64), chunk.extras
     tokens, every = prompt
     parent = bytes(every[chunk.index - 1].key) if chunk.index > 0 else None
-    return bytes(chunk.key), parent, tokens[chunk.start : chunk.end]
+    return bytes(chunk.key), parent, tokens[chunk.start : chunk.end], chunk.extras

@@ -186,14 +186,15 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
              max_num_batched_tokens: int = 128, extra: Optional[dict] = None, dp_rank: int = 0,
              enable_prefix_caching: bool = True, start_scheduler: bool = True, kv_events_config=None,
              engine_id: Optional[str] = None, layer_specs: Optional[dict] = None, max_model_len: int = 2048,
-             transfer: Optional[KVTransferConfig] = None) -> Rig:
+             transfer: Optional[KVTransferConfig] = None, speculative_config=None) -> Rig:
     """A rig with vLLM's worker side up; its scheduler too unless ``start_scheduler`` is False
     (then ``rig.start_scheduler()``: vLLM's engine core builds its workers, then its scheduler).
     ``layer_specs`` (layer name -> vLLM KVCacheSpec) replaces the default full-attention layers
     (benchmarks/vllm_trace_replay.py: a sliding-window hybrid; the fake forward then writes
     through group 0's block table only, so row checks hold for one-group layouts only).
     ``transfer`` replaces kvconnect's KV-transfer config: another connector (the benchmark's
-    peer) in the same rig; ``engine`` and ``run`` are then kvconnect's no more."""
+    peer) in the same rig; ``engine`` and ``run`` are then kvconnect's no more.
+    ``speculative_config``: vLLM's ``SpeculativeConfig`` (a drafter's layers then go in ``layer_specs``)."""
     model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -204,7 +205,8 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
                                 kv_connector_extra_config={"chunk_size": chunk_size, **(extra or {})},
                                 **({"engine_id": engine_id} if engine_id else {}))
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, kv_transfer_config=transfer,
-                        device_config=DeviceConfig("cpu"), kv_events_config=kv_events_config)
+                        device_config=DeviceConfig("cpu"), kv_events_config=kv_events_config,
+                        speculative_config=speculative_config)
     if dp_rank:
         config.parallel_config.data_parallel_rank = dp_rank
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)

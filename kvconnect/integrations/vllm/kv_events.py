@@ -11,7 +11,11 @@ Mapping (kvconnect.events -> vllm.distributed.kv_events), one event per chunk:
 
 - stored  -> ``BlockStored``: ``block_hashes`` = [the chunk key] (converted as vLLM converts
   its own hashes, ``maybe_convert_block_hash``), ``parent_block_hash`` = the previous chunk's
-  key, ``token_ids`` = the chunk's tokens, ``block_size`` = their number (the chunk size);
+  key, ``token_ids`` = the chunk's tokens, ``block_size`` = their number (the chunk size),
+  ``extra_keys`` = [the chunk's multimodal extra keys as vLLM 0.32's own block events publish
+  them (``to_event_extra_keys``: its block hash's ``("mm", identifier, offset)`` keys, untagged):
+  a tuple of (item identifier, item offset - chunk start) pairs, or None for a text chunk]
+  (vLLM releases whose ``BlockStored`` declares the field);
 - removed -> ``BlockRemoved``;
 - cleared (a reset) -> ``AllBlocksCleared``.
 
@@ -93,6 +97,11 @@ def _hash(key: bytes):
     return maybe_convert_block_hash(bytes(key))
 
 
+def mm_extra_keys(extras) -> Optional[tuple]:
+    """A chunk's (identifier, offset) pairs as vLLM's block events publish multimodal extra keys."""
+    return tuple((identifier, offset) for identifier, offset in extras) if extras else None
+
+
 def to_vllm(events: Iterable[ChunkEvent]) -> list[KVCacheEvent]:
     out: list[KVCacheEvent] = []
     for e in events:
@@ -102,7 +111,8 @@ def to_vllm(events: Iterable[ChunkEvent]) -> list[KVCacheEvent]:
             out.append(_event(BlockStored, block_hashes=[_hash(e.key)],
                               parent_block_hash=_hash(e.parent) if e.parent else None,
                               token_ids=list(e.token_ids), block_size=len(e.token_ids), lora_id=None,
-                              medium=medium, lora_name=None, ownership=owner))
+                              medium=medium, lora_name=None, ownership=owner,
+                              extra_keys=[mm_extra_keys(e.extra_keys)]))
         elif e.kind == "removed":
             out.append(_event(BlockRemoved, block_hashes=[_hash(e.key)], medium=medium, ownership=owner))
         elif e.kind == "cleared":

@@ -13,9 +13,10 @@ timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong 
 
 Wire format: msgpack maps with a fixed schema, no extension types, sizes capped; no
 object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "tokens": bin,
-"ns": bin, "gen": bin}`` (tokens little-endian int64; ``ns``, the request's namespace, only when
+"ns": bin, "gen": bin, "mm": bin}`` (tokens little-endian int64; ``ns``, the request's namespace, only when
 not empty; ``gen``, the key generation to look under, empty or 16 bytes, absent: the worker's
-own), ``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin}`` (``gen``: the
+own; ``mm``, the prompt's multimodal items, only when it has any: msgpack of (identifier str,
+offset, length) triples, unpacked under its own caps, kvconnect/chunks/extra_keys.py), ``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin}`` (``gen``: the
 16-byte generation every worker moves to, chosen by the scheduler; absent: a random one per
 worker); replies ``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
 
@@ -50,6 +51,7 @@ import numpy as np
 import zmq
 
 from kvconnect.errors import ConfigError
+from kvconnect.chunks.extra_keys import MAX_IDENTIFIER_BYTES, MAX_ITEMS, MediaItem, as_triples, media_items
 from kvconnect.chunks.keys import MAX_NAMESPACE_BYTES, generation_bytes
 from kvconnect.server.admission import Gate, PeerPolicy
 from kvconnect.server.protocol import AuthError, TAG_BYTES, seal, token_bytes, unseal
@@ -62,7 +64,8 @@ _POLL_MS = 100
 
 
 class LookupHandler(Protocol):
-    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None) -> int: ...
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None,
+               media: Sequence[MediaItem] = ()) -> int: ...
     def stats(self) -> dict[str, int]: ...
     def clear(self, generation: Optional[bytes] = None) -> None: ...
 
@@ -136,6 +139,25 @@ def _unpack(raw: bytes) -> dict:
     if not isinstance(msg, dict) or not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
         raise ValueError("a message must be a map with an integer id")
     return msg
+
+
+def pack_media(media: Sequence[MediaItem]) -> bytes:
+    """A prompt's multimodal items as the ``mm`` field: msgpack of (identifier, offset, length) triples."""
+    return msgpack.packb(as_triples(media))
+
+
+def _media(msg: dict) -> tuple[MediaItem, ...]:
+    """A request's ``mm`` items (none when absent), checked (media_items); ValueError otherwise."""
+    raw = msg.get("mm")
+    if raw is None:
+        return ()
+    if not isinstance(raw, bytes):
+        raise ValueError("mm must be msgpack bytes")
+    triples = msgpack.unpackb(raw, raw=False, max_str_len=MAX_IDENTIFIER_BYTES, max_bin_len=0, max_map_len=0,
+                              max_ext_len=0, max_array_len=MAX_ITEMS, use_list=False)
+    if not isinstance(triples, tuple) or not all(isinstance(t, tuple) and len(t) == 3 for t in triples):
+        raise ValueError("mm must be a list of (identifier, offset, length)")
+    return media_items(triples)  # TokenError is a ValueError
 
 
 def _generation(msg: dict) -> Optional[bytes]:
@@ -225,7 +247,7 @@ class LookupServer:
                     raise ValueError("tokens must be little-endian int64 bytes")
                 if not isinstance(namespace, bytes) or len(namespace) > MAX_NAMESPACE_BYTES:
                     raise ValueError(f"ns must be at most {MAX_NAMESPACE_BYTES} bytes")
-                hit = self._handler.lookup(np.frombuffer(data, dtype="<i8"), namespace, _generation(msg))
+                hit = self._handler.lookup(np.frombuffer(data, dtype="<i8"), namespace, _generation(msg), _media(msg))
                 return {"id": rid, "ok": True, "hit": int(hit)}
             if op == "stats":
                 return {"id": rid, "ok": True, "stats": {str(k): int(v) for k, v in self._handler.stats().items()}}
@@ -327,14 +349,17 @@ class LookupClient:
             return replies
 
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True,
-               generation: Optional[bytes] = None) -> int:
+               generation: Optional[bytes] = None, media: Sequence[MediaItem] = ()) -> int:
         """Tokens every worker can restore from token 0 (0 if any worker fails or is silent).
 
         ``count=False``: a probe (P/D waits, pd.py) left out of the lookup figures.
-        ``generation``: the key generation to look under (None: each worker's own)."""
+        ``generation``: the key generation to look under (None: each worker's own).
+        ``media``: the prompt's multimodal items (kvconnect/chunks/extra_keys.py)."""
         msg = {"op": "lookup", "tokens": np.ascontiguousarray(tokens, dtype="<i8").tobytes()}
         if namespace:
             msg["ns"] = bytes(namespace)
+        if media:
+            msg["mm"] = pack_media(media)
         if generation is not None:
             msg["gen"] = generation_bytes(generation)
         if count:

@@ -12,6 +12,8 @@ from typing import Optional
 
 import numpy as np
 
+from kvconnect.chunks.extra_keys import MediaItem
+
 BlockIds = tuple[tuple[int, ...], ...]
 
 # A save planned in step s has landed before the forward of step s + SAVE_SLACK_STEPS (the
@@ -34,8 +36,9 @@ class RequestView:
     req_id: str
     prompt_tokens: np.ndarray  # int64, the prompt only (outputs come from tokens_of, save_decode_cache)
     num_tokens: int  # prompt + outputs so far
-    cacheable: bool = True  # False when token ids and namespace do not decide the KV (see translate)
+    cacheable: bool = True  # False when token ids, namespace and media do not decide the KV (request_reads)
     namespace: bytes = b""  # what besides token ids decides the KV: LoRA adapter, cache_salt
+    media: tuple[MediaItem, ...] = ()  # multimodal items: the chunks covering one are keyed by it too
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class LoadJob:
     end_tokens: int
     namespace: bytes = b""
     generation: Optional[bytes] = None
+    media: tuple[MediaItem, ...] = ()  # the prompt's multimodal items (kvconnect/chunks/extra_keys.py)
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class SaveJob:
     step_end: bool = False  # ``tokens`` end at a prefill step end (KVCacheEngine.store's step_end)
     continues: bool = False  # ``stored_tokens`` is this request's previous step-end save
     then: Optional[np.ndarray] = None  # at a step end: the prompt's next chunk of tokens (KVCacheEngine.store's then)
+    media: tuple[MediaItem, ...] = ()  # the prompt's multimodal items (kvconnect/chunks/extra_keys.py)
 
 
 @dataclass(frozen=True)

@@ -5,37 +5,71 @@ requests. Reads by attribute, never importing vLLM.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import msgpack
 import numpy as np
 
+from kvconnect.chunks.extra_keys import MediaItem, media_items
 from kvconnect.chunks.keys import MAX_NAMESPACE_BYTES
 
 from .metadata import BlockIds, RequestView, freeze_block_ids
 
+logger = logging.getLogger(__name__)
+
 
 def request_view(request: Any) -> RequestView:
-    """A request's prompt and namespace; not cacheable when more than these decides its KV.
+    """A request's prompt, namespace and media; not cacheable when more than these decides its KV.
 
     A LoRA adapter (by name and path, as vLLM's own prefix cache keys it) and vLLM's
     per-request ``cache_salt`` change the KV of the same token ids: they form the request's
     namespace, so its chunks are found only by requests with the same adapter and salt.
-    Multimodal inputs (placeholder tokens stand for different images) and prompt embeddings
-    are not covered by chunk keys: such requests are neither looked up nor saved.
+    Multimodal inputs (placeholder tokens stand for different images) key the chunks that
+    cover them (``request_media``). Prompt embeddings have no token ids that decide their
+    KV: such requests are neither looked up nor saved (said once, ``_refuse_once``).
     """
     prompt = getattr(request, "prompt_token_ids", None)
     tokens = np.asarray(prompt if prompt is not None else [], dtype=np.int64)
     namespace = request_namespace(request)
+    media = request_media(request)
+    embeds = getattr(request, "prompt_embeds", None) is not None
+    if embeds:
+        _refuse_once("prompt_embeds", "requests with prompt embeddings are neither looked up nor saved "
+                     "(no token ids decide their KV)")
     cacheable = (
         prompt is not None
-        and not getattr(request, "mm_features", None)
-        and getattr(request, "prompt_embeds", None) is None
+        and media is not None
+        and not embeds
         and namespace is not None
         and len(namespace) <= MAX_NAMESPACE_BYTES
     )
     return RequestView(req_id=request.request_id, prompt_tokens=tokens, num_tokens=int(request.num_tokens),
-                       cacheable=bool(cacheable), namespace=namespace or b"")
+                       cacheable=bool(cacheable), namespace=namespace or b"", media=media or ())
+
+
+def request_media(request: Any) -> Optional[tuple[MediaItem, ...]]:
+    """A request's multimodal items as vLLM's block hash keys them (``Request.mm_features``:
+    ``identifier`` and ``mm_position.offset`` / ``length``, kept in vLLM's order, which is by
+    offset); () without any; None when an item cannot be keyed (no identifier, bad range:
+    the request is then neither looked up nor saved, said once)."""
+    features = getattr(request, "mm_features", None)
+    if not features:
+        return ()
+    try:
+        return media_items([(f.identifier, int(f.mm_position.offset), int(f.mm_position.length)) for f in features])
+    except (AttributeError, TypeError, ValueError) as exc:
+        _refuse_once("mm_features", f"a multimodal request whose items cannot be keyed is neither looked up nor saved ({exc})")
+        return None
+
+
+_REFUSED: set[str] = set()
+
+
+def _refuse_once(what: str, why: str) -> None:
+    if what not in _REFUSED:
+        _REFUSED.add(what)
+        logger.info("kvconnect: %s", why)
 
 
 def request_namespace(request: Any) -> Optional[bytes]:

@@ -42,10 +42,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Collection, Mapping, Optional, Protocol
+from typing import Callable, Collection, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
+from kvconnect.chunks.extra_keys import MediaItem
 from kvconnect.chunks.keys import new_generation
 
 from .metadata import SAVE_SLACK_STEPS, BlockIds, LoadJob, RequestView, SaveJob, StepPlan
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 class HitSource(Protocol):
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True,
-               generation: Optional[bytes] = None) -> int: ...
+               generation: Optional[bytes] = None, media: Sequence[MediaItem] = ()) -> int: ...
     def clear(self, generation: Optional[bytes] = None) -> bool: ...
     def close(self) -> None: ...
 
@@ -69,6 +70,7 @@ class _Tracked:
     namespace: bytes = b""
     store_tail: bool = False  # P/D: also store the prompt's partial last chunk (a prefill for a remote decode), to tail_end
     generation: bytes = b""  # the scheduler's key generation when the request was admitted: its saves' generation
+    media: tuple[MediaItem, ...] = ()  # the prompt's multimodal items: part of its chunks' keys
     step_ended: bool = False  # its latest save ended at a prefill step end (the next one continues it)
 
 
@@ -130,7 +132,7 @@ class KVConnectScheduler:
             asked = asked[: req.num_tokens - 1]
         if self.skip_last_n_tokens:
             asked = asked[: max(0, len(asked) - self.skip_last_n_tokens)]
-        boundary = self.hits.lookup(asked, req.namespace, generation=generation)
+        boundary = self.hits.lookup(asked, req.namespace, generation=generation, media=req.media)
         self.lookup_stats["lookup_us"] += int((time.perf_counter() - start) * 1e6)
         # vLLM must compute at least one token itself to produce logits.
         end = min(boundary, req.num_tokens - 1, len(prompt))
@@ -172,7 +174,7 @@ class KVConnectScheduler:
             elif end < boundary - 1:  # vLLM trimmed the hit: load only whole chunks below it
                 boundary = end // self.chunk_tokens * self.chunk_tokens
             self._loads.append(LoadJob(req.req_id, req.prompt_tokens[:boundary], block_ids, present, end, req.namespace,
-                                       generation))
+                                       generation, req.media))
             done = end
         stored = done // self.chunk_tokens * self.chunk_tokens
         if whole_prompt:  # every chunk must reach the shared tier, those vLLM held locally too (roles.py)
@@ -181,7 +183,7 @@ class KVConnectScheduler:
             stored = max(stored, len(req.prompt_tokens) // self.chunk_tokens * self.chunk_tokens)
         if self.role.stores:
             self._tracked[req.req_id] = _Tracked(req.prompt_tokens, stored, req.namespace, store_tail=whole_prompt,
-                                                 generation=self.generation)
+                                                 generation=self.generation, media=req.media)
 
     def store_whole_prompt(self, req_id: str) -> None:
         """P/D: the request is a prefill for a remote decode; store all of its prompt, the partial
@@ -261,7 +263,7 @@ class KVConnectScheduler:
         step_end = end < prompt_end
         job = SaveJob(req_id, tokens[:end], block_ids, stored, tracked.namespace, tracked.generation,
                       step_end=step_end, continues=tracked.step_ended,
-                      then=tracked.prompt[end : end + self.chunk_tokens] if step_end else None)
+                      then=tracked.prompt[end : end + self.chunk_tokens] if step_end else None, media=tracked.media)
         tracked.step_ended = step_end
         tracked.stored_tokens = end if tail else end // self.chunk_tokens * self.chunk_tokens
         return job

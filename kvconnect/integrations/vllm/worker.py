@@ -36,10 +36,11 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
+from kvconnect.chunks.extra_keys import MediaItem
 from kvconnect.config import Config
 from kvconnect.engine import KVCacheEngine
 from kvconnect.transfer.placement import pin_current_thread, plan_copy_threads
@@ -111,9 +112,12 @@ class KVConnectWorker:
         logger.debug("kvconnect: groups: %s", translation.layout.describe())
 
     # -- lookup channel handler (called from the server thread) --------------------------
-    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None) -> int:
+    def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None,
+               media: Sequence[MediaItem] = ()) -> int:
         self._count("lookups")
-        return self.engine.lookup(tokens, namespace=namespace, generation=generation) if self.engine is not None else 0
+        if self.engine is None:
+            return 0
+        return self.engine.lookup(tokens, namespace=namespace, generation=generation, media=media)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -217,7 +221,8 @@ class KVConnectWorker:
             # running requests, so the rows of those tokens must never be written
             mask = np.ones(len(job.tokens), dtype=bool)
             mask[: job.present_tokens] = False
-        loaded = self.engine.retrieve(job.tokens, tables, mask=mask, namespace=job.namespace, generation=job.generation)
+        loaded = self.engine.retrieve(job.tokens, tables, mask=mask, namespace=job.namespace, generation=job.generation,
+                                      media=job.media)
         self._count("loaded_tokens", loaded)
         return job.present_tokens + loaded
 
@@ -259,7 +264,7 @@ class KVConnectWorker:
                 mask = np.ones(len(job.tokens), dtype=bool)
                 mask[: job.stored_tokens] = False
             self.engine.store(job.tokens, tables, mask=mask, namespace=job.namespace, generation=job.generation,
-                              step_end=job.step_end, continues=job.continues, then=job.then)
+                              step_end=job.step_end, continues=job.continues, then=job.then, media=job.media)
             self._count("saves")
         except Exception:
             logger.warning("kvconnect: save of %s failed; it will be a miss", job.req_id, exc_info=True)
