@@ -137,7 +137,7 @@ def test_hits_leave_a_token_and_count_beyond_vllms_own():
 class AllStored:
     """A tier that holds every whole chunk of whatever it is asked about (what the lookup is asked is the point)."""
 
-    def lookup(self, tokens, namespace=b"", generation=None):
+    def lookup(self, tokens, namespace=b"", generation=None, media=()):
         return len(tokens) // CHUNK * CHUNK
 
 
