@@ -38,13 +38,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
     ap.add_argument("--uid", type=int, default=None)
+    ap.add_argument("--gid", type=int, default=None, help="the group to run as (default: the uid)")
     ap.add_argument("--token", default=None)
     ap.add_argument("op", choices=["forge", "hold", "squat"])
     ap.add_argument("args", nargs="*")
     a = ap.parse_args()
     if a.uid is not None:
         os.setgroups([])
-        os.setgid(a.uid)
+        os.setgid(a.uid if a.gid is None else a.gid)
         os.setuid(a.uid)
     if a.op == "squat":
         squat(a.url, int(a.args[0]), bytes.fromhex(a.args[1]), [bytes.fromhex(k) for k in a.args[2:]])

@@ -26,7 +26,7 @@ from support import server_rig
 from kvconnect.chunks.chunk_format import ChunkHeader
 from kvconnect.cli import main as cli_main
 from kvconnect.errors import ConfigError, StorageError
-from kvconnect.server import protocol
+from kvconnect.server import admission, protocol
 from kvconnect.server.admission import PeerPolicy, parse_peer_address
 from kvconnect.server.channel import Channel, UntrustedServer
 from kvconnect.server.client import SharedPoolClient
@@ -44,8 +44,9 @@ VICTIMS = [bytes([0xA0 + i]) * 16 for i in range(2)]
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "foreign_peer.py")
 
 
-def run_peer(url: str, *args: str, uid: int | None = NOBODY, token: str | None = None) -> dict:
-    cmd = [sys.executable, PEER, url, *(["--uid", str(uid)] if uid is not None else []), *(["--token", token] if token else []), *args]
+def run_peer(url: str, *args: str, uid: int | None = NOBODY, gid: int | None = None, token: str | None = None) -> dict:
+    cmd = [sys.executable, PEER, url, *(["--uid", str(uid)] if uid is not None else []), *(["--gid", str(gid)] if gid is not None else []),
+           *(["--token", token] if token else []), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=server_rig.clean_env(), cwd=server_rig.REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -266,6 +267,24 @@ def test_reply_of_an_untrusted_uid_is_refused_before_it_is_decoded():
                 channel.close()
         finally:
             ctx.term()
+
+
+@needs_root
+def test_member_removed_from_the_allowed_group_gets_no_new_session(monkeypatch):
+    """Issue 39 item 3: nobody runs with gid 4242 (not the group) and is admitted as a member of
+    nogroup (65534) in the group database; once the database no longer lists it, its next hello
+    is refused. The database edit (``gpasswd -d``) is stood in for by the lookup kvconnect makes,
+    so that the test leaves /etc/group alone."""
+    real = os.getgrouplist
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock", peers=PeerPolicy(allow_gid=NOBODY), lease_s=600.0) as server:
+        open_dir(d)
+        os.chmod(f"{d}/kvc.sock", 0o666)  # gid 4242 could not open the 0660 socket: the file mode is not what is tested
+        assert NOBODY in real("nobody", NOBODY)
+        assert run_peer(server.url, "hold", "2", gid=4242) == {"uid": NOBODY, "sessions": 2, "refusal": None}
+        monkeypatch.setattr(admission.os, "getgrouplist", lambda name, gid: [g for g in real(name, gid) if g != NOBODY])
+        got = run_peer(server.url, "hold", "1", gid=4242)
+        assert got["sessions"] == 0 and "no longer a member" in got["refusal"]
+        assert run_peer(server.url, "hold", "1", gid=NOBODY)["sessions"] == 1  # the group in its own credentials still is
 
 
 @needs_root
