@@ -4,6 +4,7 @@ errors that name the variable at fault."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
@@ -176,3 +177,13 @@ def test_every_numeric_field_is_validated():
     for name in numeric:
         with pytest.raises(ConfigError, match=name):
             Config(**{name: float("nan")})
+
+
+def test_absurdly_small_remote_timeout_is_refused_and_a_small_one_warns(caplog):
+    """Issue 39 item 3: 1e-6 s turned Mooncake into all misses without a word."""
+    with pytest.raises(ConfigError, match="KVCONNECT_REMOTE_TIMEOUT_S"):
+        Config.from_env({"KVCONNECT_REMOTE_TIMEOUT_S": "1e-6"})
+    with caplog.at_level(logging.WARNING, logger="kvconnect.config"):
+        config = Config.from_env({"KVCONNECT_REMOTE_TIMEOUT_S": "0.0123", "LMCACHE_REMOTE_URL": "redis://127.0.0.1:6379"})
+    assert config.remote_timeout_s == 0.0123
+    assert any("0.0123 s" in r.getMessage() and "miss" in r.getMessage() for r in caplog.records)
