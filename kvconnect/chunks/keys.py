@@ -19,6 +19,11 @@ length-prefixed, so chains of different generations never meet. No generation (b
 reset, and after every restart) leaves h_0 as above. A generation is empty or
 ``GENERATION_BYTES`` bytes (``generation_bytes`` checks one that came from outside: the vLLM
 scheduler names its generation to its workers and, in P/D params, to a decode server).
+
+A generation's *retirement key* (``ChunkKeyer.retirement_key``) is BLAKE3(identity || 0x03 ||
+"retired"), in the unkeyed mode like h_0 but with a tag no seed carries, so no chain of any
+namespace reaches it: the marker a P/D producer's reset leaves in the shared tier, by which a
+decode server learns that params naming that generation are stale (``KVCacheEngine.reset``).
 """
 
 from __future__ import annotations
@@ -112,6 +117,10 @@ class ChunkKeyer:
         if self.generation:  # empty: the keys every engine computes before its first reset
             self._identity += b"\x02" + len(self.generation).to_bytes(4, "little") + self.generation
         self._seed = blake3.blake3(self._identity).digest()
+
+    def retirement_key(self) -> ChunkKey:
+        """The key of the marker saying this generation was left by a reset (module doc)."""
+        return ChunkKey(blake3.blake3(self._identity + b"\x03retired").digest()[:KEY_BYTES])
 
     def seed(self, namespace: Namespace = None) -> bytes:
         """h_0 of a namespace's chains."""
