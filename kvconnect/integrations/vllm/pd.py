@@ -33,11 +33,21 @@ generation. The producer's params name the generation its prefill was stored und
 decode side probes and loads under that one, not its own: a consumer reset changes nothing for
 params it receives afterwards; after a producer reset new params name the new generation, and
 params of a prefill admitted before it still name the old one (its chunks were stored there).
-Params are the client's to send, so an old generation must not load for ever: once the pair
-has moved on (this server reset since it first loaded a generation, and that generation's
-producer has since named one first loaded after the reset), params naming the old one are
-refused (counted in ``remote_prefill_rejected``; a plain lookup under this server's own
-generation instead). Until then, params of prefills stored before either reset still load.
+Params are the client's to send (a router retries, a request is delayed or replayed), so an
+old generation must not load after the weights changed. A producer's reset leaves the old
+generation's *retirement marker* in the shared tier (``KVCacheEngine.reset(retire=)``; the
+scheduler asks for it on servers that store prompts), and before waiting for params the decode
+side asks its workers whether the named generation is retired (``hits.retired``, one marker
+lookup): the tier, not the loads this server happened to see, says so, the same on a server
+that saw nothing of that generation and on one started after the reset. Params naming a
+retired generation are refused (counted in ``remote_prefill_rejected``; a plain lookup under
+this server's own generation instead), as are those of a generation the pair moved on from in
+this server's memory (this server reset since it first loaded it, and its producer has since
+named one first loaded after the reset), which covers a marker the tier evicted. A producer
+that only restarted moves to a fresh generation at start (scheduler.py), so its earlier
+generations stay loadable: its weights are the checkpoint's again. Limit: a ``kv_both``
+producer starts with the empty generation; once a reset of it retired that, its params after
+a restart are refused (recomputed) until the marker ages out of the tier.
 """
 
 from __future__ import annotations
@@ -201,6 +211,11 @@ class PDScheduler:
         if why is not None:
             self.counters["remote_prefill_rejected"] += 1
             self._warn("kvconnect: P/D: cannot use the producer's chunks for %s (a plain lookup instead): %s", req.req_id, why)
+            return None
+        if self.scheduler.hits.retired(stored.generation):
+            self.counters["remote_prefill_rejected"] += 1
+            self._warn("kvconnect: P/D: the params of %s name a key generation its producer left behind at a reset "
+                       "(KV of the previous weights, or a replayed request): a plain lookup instead", req.req_id)
             return None
         return stored
 
