@@ -66,6 +66,7 @@ from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
 RETIREMENT_MASK = 1  # the group mask of a retirement marker (it has no planes; only its presence counts)
+RETIREMENT_PAYLOAD_BYTES = 8
 
 
 def _stores_nothing_reason(config: Config, pool: Pool, slot_bytes: int) -> Optional[str]:
@@ -215,7 +216,7 @@ class KVCacheEngine:
         logger.info("kvconnect: reset: chunks stored before now are no longer served by this engine")
 
     def _mark_retired(self, generation: bytes) -> None:
-        """Store the retirement marker of ``generation`` (no payload) in the pool and, written
+        """Store the retirement marker of ``generation`` (8 zero bytes) in the pool and, written
         behind, every lower tier; a full pool or a failing tier leaves it out (logged)."""
         key = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=generation).retirement_key()
         slots = self.storage.reserve(1)
@@ -223,8 +224,10 @@ class KVCacheEngine:
             logger.warning("kvconnect: reset: no pool slot for the marker of the retired key generation; "
                            "P/D params naming it are refused only by decode servers that saw the pair move on")
             return
+        # a few payload bytes, not none: no tier meets an empty value (Mooncake refuses 0-byte objects)
+        self.pool.slot_view(slots[0])[:RETIREMENT_PAYLOAD_BYTES] = 0
         header = ChunkHeader(fingerprint=self.layout.fingerprint, key=key, token_start=0, token_end=0,
-                             group_mask=RETIREMENT_MASK, plane_rows=(), payload_bytes=0)
+                             group_mask=RETIREMENT_MASK, plane_rows=(), payload_bytes=RETIREMENT_PAYLOAD_BYTES)
         self.storage.commit(key, header, slots[0])
 
     def generation_retired(self, generation: bytes) -> bool:
