@@ -573,3 +573,20 @@ def test_replayed_params_from_before_a_producer_reset_load_nothing():
     assert restarted.counters["remote_prefill_rejected"] == 1 and GEN_A not in hits2.asked_generations
     hits2.generation = GEN_B  # the producer's new generation is not retired: it loads
     assert restarted.num_new_matched_tokens(view("b1"), 0, stored(generation=GEN_B).to_params()) == (288, True)
+
+
+def test_a_long_forged_prompt_costs_a_bounded_number_of_probed_tokens():
+    """Issue 39 item 3: params naming a 262k-token prompt nobody stored looked up the whole prompt
+    ~30 times over a 5 s wait (1.4 s of CPU); the tokens one request's probes look up are now at
+    most PROBE_TOKENS_PER_REQUEST beyond its first probe and its final lookup."""
+    prompt = np.arange(1 << 18, dtype=np.int64) % 1000
+    server, _, hits, clock = make("kv_consumer", timeout_s=5.0, poll_s=0.005)
+    req = view(prompt=prompt)
+    params = stored(tokens=len(prompt) // BLOCK * BLOCK, prompt_digest=tp.prompt_digest(prompt)).to_params()
+    while (got := server.num_new_matched_tokens(req, 0, params)) == (None, False):
+        clock.t += 0.001
+    assert got == (0, False) and server.counters["remote_prefill_timeouts"] == 1
+    probed = sum(n for n, _ in hits.calls)
+    needed = len(prompt) // BLOCK * BLOCK
+    assert probed <= pd.PROBE_TOKENS_PER_REQUEST + 2 * needed, (probed, len(hits.calls))
+    assert 2 <= len(hits.calls) <= 7, len(hits.calls)  # was ~32

@@ -21,7 +21,9 @@ chunks missing up to ``MAX_POLL_INTERVAL_S`` (a remote store's master answers ev
 fixed 5 ms a few waiting requests sent a Mooncake master hundreds of RPCs a second, competing with
 the producer's writes), and past that ``PROBE_GROWTH`` of the time waited (anyone can compute a
 prompt's digest, so params naming a prompt never stored must not buy a lookup per step: one
-request's probes grow with the log of the wait), until every named token is restorable; then it is
+request's probes grow with the log of the wait; and the interval is at least the wait times the prompt
+over ``PROBE_TOKENS_PER_REQUEST``, so the tokens one request's probes look up are bounded whatever
+its length), until every named token is restorable; then it is
 an ordinary load (small hits and partial chunks included). Past ``pd_wait_timeout_s`` it takes
 what the tier holds (vLLM recomputes the rest). Params that are malformed or name another
 prompt, model, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
@@ -77,6 +79,10 @@ MAX_POLL_INTERVAL_S = 0.05
 # can cost grow with the log of the wait, not linearly (~30 for a 5 s wait, not ~100), and a request
 # waits at most this fraction longer than its chunks took to land
 PROBE_GROWTH = 0.125
+# the prompt tokens one waiting request's probes may look up over its whole wait, beyond its first probe
+# and its final lookup: a long prompt is probed less often (issue 39: params naming a 262k-token prompt
+# nobody stored spent 1.4 s of CPU in ~30 full probes); prompts up to ~30k tokens keep the schedule above
+PROBE_TOKENS_PER_REQUEST = 1 << 20
 MAX_GENERATIONS = 1024  # key generations remembered (one per reset of a producer)
 
 COUNTERS = (
@@ -157,7 +163,8 @@ class PDScheduler:
         if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False,
                                       generation=generation) < needed and not expired:
             waiting.interval_s = max(min(2 * waiting.interval_s, max(self.poll_interval_s, MAX_POLL_INTERVAL_S)),
-                                     PROBE_GROWTH * (now - waiting.since))
+                                     PROBE_GROWTH * (now - waiting.since),
+                                     self.wait_timeout_s * needed / PROBE_TOKENS_PER_REQUEST)
             return None, False
         del self._waiting[req.req_id]
         self.counters["remote_prefill_wait_us"] += int((now - waiting.since) * 1e6)
