@@ -19,7 +19,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | LMCACHE_SAVE_DECODE_CACHE      | save_decode_cache    | bool  | false   | engine adapters also store the chunks generated tokens complete |
 | KVCONNECT_NUM_THREADS          | num_threads          | int   | min(8, cpus) | CPU kernel threads |
 | KVCONNECT_MODEL_NAME           | model_name           | str   | ""      | the model's identity (name@revision), folded into the layout fingerprint; required with a shared tier (remote_url, server_url) unless the layout is named |
-| KVCONNECT_REMOTE_TIMEOUT_S     | remote_timeout_s     | float | 1.0     | bound on every remote-tier call |
+| KVCONNECT_REMOTE_TIMEOUT_S     | remote_timeout_s     | float | 1.0     | bound on every remote-tier call (>= 0.001; below 0.05 a warning: most calls will miss) |
 | KVCONNECT_SERVER_URL           | server_url           | str   | none    | node-level cache server (``ipc://`` or loopback ``tcp://``) |
 | KVCONNECT_SERVER_TOKEN         | server_token         | str   | none    | shared secret for the cache server |
 | KVCONNECT_LOOKUP_TOKEN         | lookup_token         | str   | none    | vLLM: shared secret of the scheduler <-> worker lookup channel; required for a ``tcp://`` ``lookup_url`` (docs/vllm.md, "Lookup channel") |
@@ -91,6 +91,10 @@ EVICTION_POLICIES = ("s3fifo", "arc", "2q", "lru")  # kvconnect.storage.eviction
 
 MAX_SIZE_GB = float(1 << 20)  # 1 PiB: a size past it is a typo, never a host's memory or disk
 MAX_TOKENS = 1 << 31
+# A remote call cannot finish in less than a millisecond (1e-6 s once turned Mooncake into all
+# misses without a word); under REMOTE_TIMEOUT_WARN_S it can, but rarely does on a loaded host.
+REMOTE_TIMEOUT_FLOOR_S = 0.001
+REMOTE_TIMEOUT_WARN_S = 0.05
 # every numeric setting: (lowest, highest, lowest excluded). One check (``check_number``) reads
 # this table, so no setting can be NaN, infinite, or out of range: NaN compares false with every
 # bound, and a remote timeout of NaN once turned every shared-tier lookup off without an error.
@@ -99,7 +103,7 @@ NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "max_local_cpu_size": (0, MAX_SIZE_GB, False),
     "max_local_disk_size": (0, MAX_SIZE_GB, False),
     "num_threads": (0, 4096, True),
-    "remote_timeout_s": (0, 3600, True),
+    "remote_timeout_s": (REMOTE_TIMEOUT_FLOOR_S, 3600, False),
     "metrics_port": (0, 65535, False),
     "server_metrics_port": (0, 65535, False),
     "log_interval_s": (0, 1e9, False),
@@ -171,6 +175,11 @@ class Config:
     def __post_init__(self) -> None:
         for name, (low, high, low_open) in NUMERIC_RANGES.items():
             check_number(name, getattr(self, name), low=low, high=high, low_open=low_open)
+        if self.remote_timeout_s < REMOTE_TIMEOUT_WARN_S and (self.remote_url or self.server_url):
+            warn_once(f"remote_timeout_s:{self.remote_timeout_s}",
+                      "kvconnect: KVCONNECT_REMOTE_TIMEOUT_S is %g s: a remote-tier or cache-server call slower than that "
+                      "is a miss, and a Redis or Mooncake round trip on a loaded host often is; expect most remote "
+                      "lookups to miss (the default is 1 s)", self.remote_timeout_s)
         if not self.metrics_host:
             raise ConfigError("metrics_host (KVCONNECT_METRICS_HOST) must not be empty")
         if self.cuda_transfer not in CUDA_TRANSFERS:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from .chunks.extra_keys import MediaItem, media_extras, media_items
+from .chunks.chunk_format import ChunkHeader
 from .chunks.keys import Chunk, ChunkKeyer, Namespace, Tokens, generation_bytes, new_generation, tokens_as_int64
 from .metrics.prometheus import register_engine, start_exporter, unregister
 from .metrics.recorders import OpLog
@@ -67,6 +68,8 @@ from .throttled_warning import RepeatingWarning
 from .transfer.cuda import route_tuning
 
 logger = logging.getLogger(__name__)
+RETIREMENT_MASK = 1  # the group mask of a retirement marker (it has no planes; only its presence counts)
+RETIREMENT_PAYLOAD_BYTES = 8
 
 
 def _stores_nothing_reason(config: Config, pool: Pool, slot_bytes: int) -> Optional[str]:
@@ -175,7 +178,7 @@ class KVCacheEngine:
         return self.events
 
     # -- reset -----------------------------------------------------------------------
-    def reset(self, generation: Optional[bytes] = None) -> None:
+    def reset(self, generation: Optional[bytes] = None, *, retire: Optional[bytes] = None) -> None:
         """Never serve a chunk stored before this call (an engine's weights changed, or its
         operator asked for a clean cache); chunks stored after it are served as usual.
 
@@ -198,6 +201,12 @@ class KVCacheEngine:
         it (the vLLM scheduler does, so that every TP rank moves to the same one and a P/D
         decode server can be told it; TP ranks whose KV is replicated, ``shared_writer``, keep
         reading the writer's chunks); a fresh random one by default.
+
+        ``retire``: a generation to mark as left behind in every tier (a P/D producer's
+        scheduler names the one its saves used): a small marker chunk under
+        ``ChunkKeyer.retirement_key``, which a decode server reads (``generation_retired``)
+        to refuse replayed params naming that generation, however long ago, and after its own
+        restart. The marker is written like any chunk (write-behind to the lower tiers).
         """
         generation = new_generation() if generation is None else generation_bytes(generation)
         if not generation:
@@ -207,7 +216,29 @@ class KVCacheEngine:
             self.events.cleared()
         if not self.pool.shared:  # a shared pool keeps other engines' hits
             self.pool.clear()
+        if retire is not None:
+            self._mark_retired(generation_bytes(retire))
         logger.info("kvconnect: reset: chunks stored before now are no longer served by this engine")
+
+    def _mark_retired(self, generation: bytes) -> None:
+        """Store the retirement marker of ``generation`` (8 zero bytes) in the pool and, written
+        behind, every lower tier; a full pool or a failing tier leaves it out (logged)."""
+        key = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=generation).retirement_key()
+        slots = self.storage.reserve(1)
+        if not slots:
+            logger.warning("kvconnect: reset: no pool slot for the marker of the retired key generation; "
+                           "P/D params naming it are refused only by decode servers that saw the pair move on")
+            return
+        # a few payload bytes, not none: no tier meets an empty value (Mooncake refuses 0-byte objects)
+        self.pool.slot_view(slots[0])[:RETIREMENT_PAYLOAD_BYTES] = 0
+        header = ChunkHeader(fingerprint=self.layout.fingerprint, key=key, token_start=0, token_end=0,
+                             group_mask=RETIREMENT_MASK, plane_rows=(), payload_bytes=RETIREMENT_PAYLOAD_BYTES)
+        self.storage.commit(key, header, slots[0])
+
+    def generation_retired(self, generation: bytes) -> bool:
+        """Whether some engine's reset left ``generation`` behind (its marker is in a tier)."""
+        key = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=generation_bytes(generation)).retirement_key()
+        return self.storage.masks([key])[0] is not None
 
     # -- keys ------------------------------------------------------------------------
     def chunks(self, tokens: Tokens, *, include_partial: bool, namespace: Namespace = None,

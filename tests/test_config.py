@@ -4,6 +4,7 @@ errors that name the variable at fault."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
@@ -218,3 +219,13 @@ def test_skip_last_n_tokens_is_read_and_checked():
     assert Config.from_env({"KVCONNECT_SKIP_LAST_N_TOKENS": "8"}).skip_last_n_tokens == 8
     with pytest.raises(ConfigError, match="skip_last_n_tokens"):
         Config.from_vllm_extra_config({"skip_last_n_tokens": -1})
+
+
+def test_absurdly_small_remote_timeout_is_refused_and_a_small_one_warns(caplog):
+    """Issue 39 item 3: 1e-6 s turned Mooncake into all misses without a word."""
+    with pytest.raises(ConfigError, match="KVCONNECT_REMOTE_TIMEOUT_S"):
+        Config.from_env({"KVCONNECT_REMOTE_TIMEOUT_S": "1e-6"})
+    with caplog.at_level(logging.WARNING, logger="kvconnect.config"):
+        config = Config.from_env({"KVCONNECT_REMOTE_TIMEOUT_S": "0.0123", "LMCACHE_REMOTE_URL": "redis://127.0.0.1:6379"})
+    assert config.remote_timeout_s == 0.0123
+    assert any("0.0123 s" in r.getMessage() and "miss" in r.getMessage() for r in caplog.records)

@@ -246,7 +246,7 @@ def test_lookup_channel_figures(tmp_path):
         def stats(self):
             return {}
 
-        def clear(self, generation=None):
+        def clear(self, generation=None, retire=None):
             pass
 
     base = f"ipc://{tmp_path}/kvc"

@@ -29,7 +29,7 @@ CHUNK = 64
 class FixedHits:
     def __init__(self, hit: int, delay_s: float = 0.0) -> None:
         self.hit, self.delay_s, self.cleared, self.seen, self.namespaces = hit, delay_s, 0, [], []
-        self.generations, self.cleared_to = [], []
+        self.generations, self.cleared_to, self.retired_to, self.markers = [], [], [], set()
 
     def lookup(self, tokens, namespace=b"", generation=None, media=()):
         self.seen.append(tokens.copy())
@@ -41,9 +41,14 @@ class FixedHits:
     def stats(self):
         return {"hit": self.hit}
 
-    def clear(self, generation=None):
+    def clear(self, generation=None, retire=None):
         self.cleared += 1
         self.cleared_to.append(generation)
+        self.retired_to.append(retire)
+
+    def retired(self, generation):
+        time.sleep(self.delay_s)
+        return generation in self.markers
 
 
 @pytest.fixture
@@ -71,6 +76,27 @@ def test_hit_is_the_minimum_over_workers(servers):
     assert [h.namespaces for h in handlers] == [[b"", b"\x91\xa4salt"]] * 2
     assert client.stats() == [{"hit": 512}, {"hit": 448}]
     assert client.clear() and [h.cleared for h in handlers] == [1, 1]
+    client.close()
+
+
+def test_a_clear_names_the_generation_to_retire_and_retired_asks_every_worker(servers):
+    """Issue 39 item 1: a producer's reset names the generation its workers mark as retired; a
+    decode asks every worker whether a generation is retired: any worker that reads the marker,
+    or that does not answer, makes it so (a recompute, never stale KV)."""
+    handlers = [FixedHits(0), FixedHits(0)]
+    client = LookupClient(servers(*handlers), timeout_s=5.0)
+    old, new = b"\x01" * 16, b"\x02" * 16
+    assert client.clear(new, retire=old) and [h.retired_to for h in handlers] == [[old]] * 2
+    assert client.clear(new) and [h.retired_to[-1] for h in handlers] == [None] * 2
+    assert not client.retired(old)
+    handlers[1].markers.add(old)
+    assert client.retired(old) and not client.retired(new)
+    client.close()
+
+
+def test_a_silent_worker_makes_a_generation_retired(servers):
+    client = LookupClient(servers(FixedHits(0), FixedHits(0, delay_s=0.6)), timeout_s=0.2)
+    assert client.retired(b"\x01" * 16)  # unknown: a recompute, never stale KV
     client.close()
 
 

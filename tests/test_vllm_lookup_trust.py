@@ -76,7 +76,7 @@ class Recorder:
     def stats(self):
         return {"lookups": self.lookups}
 
-    def clear(self, generation=None):
+    def clear(self, generation=None, retire=None):
         self.cleared += 1
 
 

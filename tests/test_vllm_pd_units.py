@@ -126,15 +126,23 @@ class TierHits:
         self.calls: list[tuple[int, bool]] = []  # (tokens asked about, counted)
         self.asked_generations: list = []  # the generation each lookup named
         self.cleared_to: list = []
+        self.retired_to: list = []  # the generation each clear retired (None: none)
+        self.markers: set = set()  # generations whose retirement marker the tier holds
 
     def lookup(self, tokens, namespace=b"", *, count=True, generation=None, media=()):
         self.calls.append((len(tokens), count))
         self.asked_generations.append(generation)
         return min(self.restorable, len(tokens)) if generation == self.generation else 0
 
-    def clear(self, generation=None):
+    def clear(self, generation=None, retire=None):
         self.cleared_to.append(generation)
+        self.retired_to.append(retire)
+        if retire is not None:
+            self.markers.add(retire)
         return True
+
+    def retired(self, generation):
+        return generation in self.markers
 
     def close(self):
         pass
@@ -176,7 +184,7 @@ def test_producer_never_looks_up_and_stores_the_whole_prompt_to_the_last_block()
     # every chunk from token 0 (vLLM's cached blocks too), up to the last block edge 288 (9 x 32)
     assert (len(save.tokens), save.stored_tokens) == (288, 0)
     params = server.request_finished(req, PREFILL)
-    assert tp.remote_prefill(params) == stored()
+    assert tp.remote_prefill(params) == stored(generation=sched.generation)  # its fresh start generation
     assert server.counters["remote_decode_prefills"] == 1
 
 
@@ -464,17 +472,24 @@ def _prefill(server, sched, req_id="r"):
 
 def test_a_producer_reset_moves_its_saves_and_params_to_one_new_generation():
     server, sched, hits, _ = make("kv_producer")
+    start = sched.generation
+    assert len(start) == 16  # a producer starts with a fresh generation: a restart never names a retired one
     before = _prefill(server, sched, "old")  # admitted before the reset
     assert sched.reset_cache()
     (new_gen,) = hits.cleared_to
     assert len(new_gen) == 16 and sched.generation == new_gen  # the scheduler chose it and named it to every worker
+    assert hits.retired_to == [start]  # and had the workers leave the old one's marker in the tier
     after = _prefill(server, sched, "new")
     plan = sched.build_plan({"old": 300, "new": 300}, lambda r: 0, lambda r: ((1,) * 10,))
-    assert {s.req_id: s.generation for s in plan.saves} == {"old": b"", "new": new_gen}
+    assert {s.req_id: s.generation for s in plan.saves} == {"old": start, "new": new_gen}
     # each prefill's params name the generation its chunks were stored under
-    assert tp.remote_prefill(server.request_finished(before, PREFILL)).generation == b""
+    assert tp.remote_prefill(server.request_finished(before, PREFILL)).generation == start
     assert tp.remote_prefill(server.request_finished(after, PREFILL)).generation == new_gen
-    assert sched.reset_cache() and hits.cleared_to[1] not in (b"", new_gen)  # every reset a fresh one
+    assert sched.reset_cache() and hits.cleared_to[1] not in (start, new_gen)  # every reset a fresh one
+    assert make("kv_producer")[1].generation not in (b"", start)  # another start, another generation
+    # a consumer's reset retires nothing: no producer's params name its generation
+    _, consumer, consumer_hits, _ = make("kv_consumer")
+    assert consumer.generation == b"" and consumer.reset_cache() and consumer_hits.retired_to == [None]
 
 
 def test_a_consumer_loads_under_the_producers_generation_whatever_its_own():
@@ -534,3 +549,44 @@ def test_once_the_pair_moved_on_an_old_generation_no_longer_loads():
     clock.t += 10
     assert server.num_new_matched_tokens(view("f"), 0, forged) == (0, False)
     assert server.num_new_matched_tokens(view("b2"), 0, stored(generation=GEN_B).to_params()) == (288, True)
+
+
+def test_replayed_params_from_before_a_producer_reset_load_nothing():
+    """Issue 39 item 1: the producer's reset left generation A's marker in the tier. A decode
+    server that reset too but has loaded nothing of the new generation yet, and one started
+    after the reset (no memory of A at all), both refuse params naming A: they load 0, with A's
+    chunks still in the tier. Params of the new generation load as before."""
+    server, sched, hits, clock = make("kv_consumer")
+    old = stored(generation=GEN_A).to_params()
+    hits.generation, hits.restorable = GEN_A, 288
+    assert server.num_new_matched_tokens(view("a1"), 0, old) == (288, True)  # before the reset
+    hits.markers.add(GEN_A)  # the producer reset (scheduler.reset_cache: clear(new, retire=A))
+    assert sched.reset_cache()  # this server too (the weights changed)
+    own = sched.generation
+    rejected = server.counters["remote_prefill_rejected"]
+    assert server.num_new_matched_tokens(view("a2"), 0, old) == (0, False)  # a plain lookup under its own: nothing
+    assert server.counters["remote_prefill_rejected"] == rejected + 1 and server.num_waiting == 0
+    assert hits.asked_generations[-1] == own
+    restarted, _, hits2, _ = make("kv_consumer")  # a decode server started after the reset: it saw nothing of A
+    hits2.generation, hits2.restorable, hits2.markers = GEN_A, 288, {GEN_A}
+    assert restarted.num_new_matched_tokens(view("a3"), 0, old) == (0, False)
+    assert restarted.counters["remote_prefill_rejected"] == 1 and GEN_A not in hits2.asked_generations
+    hits2.generation = GEN_B  # the producer's new generation is not retired: it loads
+    assert restarted.num_new_matched_tokens(view("b1"), 0, stored(generation=GEN_B).to_params()) == (288, True)
+
+
+def test_a_long_forged_prompt_costs_a_bounded_number_of_probed_tokens():
+    """Issue 39 item 3: params naming a 262k-token prompt nobody stored looked up the whole prompt
+    ~30 times over a 5 s wait (1.4 s of CPU); the tokens one request's probes look up are now at
+    most PROBE_TOKENS_PER_REQUEST beyond its first probe and its final lookup."""
+    prompt = np.arange(1 << 18, dtype=np.int64) % 1000
+    server, _, hits, clock = make("kv_consumer", timeout_s=5.0, poll_s=0.005)
+    req = view(prompt=prompt)
+    params = stored(tokens=len(prompt) // BLOCK * BLOCK, prompt_digest=tp.prompt_digest(prompt)).to_params()
+    while (got := server.num_new_matched_tokens(req, 0, params)) == (None, False):
+        clock.t += 0.001
+    assert got == (0, False) and server.counters["remote_prefill_timeouts"] == 1
+    probed = sum(n for n, _ in hits.calls)
+    needed = len(prompt) // BLOCK * BLOCK
+    assert probed <= pd.PROBE_TOKENS_PER_REQUEST + 2 * needed, (probed, len(hits.calls))
+    assert 2 <= len(hits.calls) <= 7, len(hits.calls)  # was ~32

@@ -30,8 +30,11 @@ class FixedHits:
     def lookup(self, tokens, namespace=b"", *, generation=None, media=()):
         return self.hit
 
-    def clear(self, generation=None):
+    def clear(self, generation=None, retire=None):
         return True
+
+    def retired(self, generation):
+        return False
 
     def close(self):
         pass

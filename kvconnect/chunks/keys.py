@@ -26,6 +26,11 @@ enter only the step of their chunk, after its token bytes (``extras_bytes``: tag
 length-suffixed, never a multiple of 4 bytes long, so no token sequence reproduces them), so
 a chunk without extras hashes exactly as it would in a text-only prompt, and every later
 chunk of the prompt differs through the chain.
+
+A generation's *retirement key* (``ChunkKeyer.retirement_key``) is BLAKE3(identity || 0x03 ||
+"retired"), in the unkeyed mode like h_0 but with a tag no seed carries, so no chain of any
+namespace reaches it: the marker a P/D producer's reset leaves in the shared tier, by which a
+decode server learns that params naming that generation are stale (``KVCacheEngine.reset``).
 """
 
 from __future__ import annotations
@@ -122,6 +127,10 @@ class ChunkKeyer:
         if self.generation:  # empty: the keys every engine computes before its first reset
             self._identity += b"\x02" + len(self.generation).to_bytes(4, "little") + self.generation
         self._seed = blake3.blake3(self._identity).digest()
+
+    def retirement_key(self) -> ChunkKey:
+        """The key of the marker saying this generation was left by a reset (module doc)."""
+        return ChunkKey(blake3.blake3(self._identity + b"\x03retired").digest()[:KEY_BYTES])
 
     def seed(self, namespace: Namespace = None) -> bytes:
         """h_0 of a namespace's chains."""

@@ -9,7 +9,10 @@ connection is accepted and hands it out as the frame's ``Peer-Address`` property
 (``"<addr>:<uid>:<gid>:<pid>"``). A peer is admitted when its uid is the server's own, is in
 ``allow_uids``, or when ``allow_gid`` is set and is its effective or a supplementary group.
 The credentials are checked on every frame, never cached per ZMQ routing id (a later peer
-may claim a departed peer's id). The socket file and the shared segment get the mode this
+may claim a departed peer's id). Group membership from the group database is remembered per
+uid for at most ``GROUP_RECHECK_S`` and read again at each hello of a peer admitted by it
+(``readmit``): a member removed from the group gets no new session, and within a minute no
+answer at all. The socket file and the shared segment get the mode this
 policy implies (``file_mode``: 0600, or 0660 owned by ``allow_gid``), so the file system
 refuses foreign peers first and ``SO_PEERCRED`` catches a mode loosened by hand.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +39,7 @@ from ..errors import ConfigError
 
 DEFAULT_MAX_SESSIONS_PER_PEER = 1024  # of MAX_CLIENTS (4096): four principals cannot starve a fifth
 _GROUP_CACHE_ENTRIES = 1024  # uids whose supplementary groups are remembered
+GROUP_RECHECK_S = 60.0  # a uid's remembered membership is read again after this long
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +88,8 @@ class Gate:
         self.policy = policy
         self.ipc = ipc
         self.own_uid = os.geteuid()
-        self._in_group: dict[int, bool] = {}
+        self._in_group: dict[int, tuple[bool, float]] = {}  # uid -> (member, when it was read)
+        self._by_database: set[int] = set()  # uids admitted only as group members in the database
 
     def principal(self, frame) -> Optional[str]:
         """``frame``: a ``zmq.Frame`` received with ``copy=False`` (its properties are the peer's)."""
@@ -97,24 +103,43 @@ class Gate:
             return None
         uid, gid = creds
         policy = self.policy
-        if uid == self.own_uid or uid in policy.allow_uids or (policy.allow_gid is not None and (gid == policy.allow_gid or self._member(uid))):
+        if uid == self.own_uid or uid in policy.allow_uids or (policy.allow_gid is not None and gid == policy.allow_gid):
+            return f"uid:{uid}"
+        if policy.allow_gid is not None and self._member(uid):
+            self._by_database.add(uid)
             return f"uid:{uid}"
         return None
 
+    def readmit(self, principal: str) -> bool:
+        """At a hello: whether ``principal``, if the group database admitted it, is still a
+        member (read again now, not remembered)."""
+        if not principal.startswith("uid:"):
+            return True
+        uid = int(principal[4:])
+        if uid not in self._by_database:
+            return True  # its own uid, an allowed uid, or the group in the kernel's credentials
+        self._in_group.pop(uid, None)
+        if self._member(uid):
+            return True
+        self._by_database.discard(uid)
+        return False
+
     def _member(self, uid: int) -> bool:
-        """Whether the user ``uid`` has ``allow_gid`` among its supplementary groups (cached:
-        looked up in the group database once per uid)."""
+        """Whether the user ``uid`` has ``allow_gid`` among its groups in the group database
+        (remembered per uid for ``GROUP_RECHECK_S``)."""
+        now = time.monotonic()
         known = self._in_group.get(uid)
-        if known is None:
+        if known is None or now - known[1] >= GROUP_RECHECK_S:
             try:
                 user = pwd.getpwuid(uid)
-                known = self.policy.allow_gid in os.getgrouplist(user.pw_name, user.pw_gid)
+                member = self.policy.allow_gid in os.getgrouplist(user.pw_name, user.pw_gid)
             except (KeyError, OSError):
-                known = False
+                member = False
             if len(self._in_group) >= _GROUP_CACHE_ENTRIES:
                 self._in_group.clear()
-            self._in_group[uid] = known
-        return known
+                self._by_database.clear()
+            known = self._in_group[uid] = (member, now)
+        return known[0]
 
 
 def group_id(name_or_id: str) -> int:

@@ -10,11 +10,20 @@ A DEALER socket with IMMEDIATE set (nothing queues towards a server that is not 
 replies matched to requests by id (a late reply to a request that timed out is skipped),
 every reply authenticated and decoded under the same limits as requests. Not thread-safe,
 like the ZMQ socket under it: the owner serialises calls.
+
+Who answered: on ``ipc://`` libzmq reads ``SO_PEERCRED`` of the connection each reply came
+on (the uid of the process that listens at the path *now*, not of whoever owns the file) and
+hands it out as the frame's ``Peer-Address``. With ``trusted_uids`` set, a reply from any
+other uid, or one the kernel did not name, raises ``UntrustedServer`` before it is decoded:
+the check is on every reply, so a socket that silently reconnected to another listener at
+the same path (a squatter who bound it during a restart) is refused at its first answer.
+``peer_uid`` is the uid of the last reply accepted.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any, Optional
 
@@ -22,16 +31,26 @@ import zmq
 
 from ..errors import StorageError
 from . import protocol
+from .admission import parse_peer_address
 from .protocol import Limits, ProtocolError
 
 _request_ids = itertools.count(1)  # shared by all channels of a process: ids never repeat
 
 
+class UntrustedServer(StorageError):
+    """The process answering at the URL runs as a user this client has no reason to trust."""
+
+
 class Channel:
-    def __init__(self, ctx: zmq.Context, url: str, *, token: Optional[bytes], limits: Limits, timeout_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, url: str, *, token: Optional[bytes], limits: Limits, timeout_s: float,
+                 trusted_uids: Optional[frozenset[int]] = None) -> None:
+        """``trusted_uids``: on ``ipc://``, the uids whose replies are accepted (None: any, for a
+        token that proves the server, or ``tcp://`` where the kernel names no uid)."""
         self.url = url
         self.timeout_s = timeout_s
         self.bad_replies = 0
+        self.trusted_uids = trusted_uids
+        self.peer_uid: Optional[int] = None
         self._ctx = ctx
         self._token = token
         self._limits = limits
@@ -54,17 +73,35 @@ class Channel:
         while (remaining := deadline - time.monotonic()) > 0:
             sock.setsockopt(zmq.RCVTIMEO, max(1, int(remaining * 1000)))
             try:  # a blocking receive with a timeout: cheaper than poll + receive
-                frame = sock.recv()
+                frame = sock.recv(copy=False)
             except zmq.Again:
                 continue
+            uid = self._check_peer(frame)
             try:
-                reply_id, status, result = protocol.check_reply(protocol.open_frame(frame, self._token, self._limits, reply=True))
+                reply_id, status, result = protocol.check_reply(protocol.open_frame(frame.bytes, self._token, self._limits, reply=True))
             except ProtocolError:
                 self.bad_replies += 1
                 continue
             if reply_id == request_id:
+                self.peer_uid = uid
                 return status, result
         raise StorageError(f"{op} to {self.url}: no reply within {self.timeout_s} s")
+
+    def _check_peer(self, frame: zmq.Frame) -> Optional[int]:
+        """The uid the kernel names for the reply's connection (None on tcp); raises
+        UntrustedServer for a uid outside ``trusted_uids``."""
+        try:
+            creds = parse_peer_address(frame.get("Peer-Address"))
+        except Exception:  # a frame without properties (libzmq built without SO_PEERCRED)
+            creds = None
+        uid = None if creds is None else creds[0]
+        if self.trusted_uids is not None and uid not in self.trusted_uids:
+            path = protocol.ipc_path(self.url)
+            who = "a process whose uid the kernel did not name" if uid is None else f"uid {uid}"
+            raise UntrustedServer(f"the server answering at {path} runs as {who}, not as this user (uid {os.geteuid()}) or "
+                                  "root: another user may have bound the path; set KVCONNECT_SERVER_TOKEN (the server's "
+                                  "token) to use a server of another user")
+        return uid
 
     def post(self, op: str, args: list, client_id: bytes, instance: Optional[bytes]) -> bool:
         """Send without waiting for the reply; False when it cannot be sent right now (not

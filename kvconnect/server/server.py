@@ -211,6 +211,9 @@ class CacheServer:
     def _dispatch(self, req: protocol.Request, principal: str) -> tuple[int, object]:
         index = self.index
         if req.op == "hello":
+            if not self._gate.readmit(principal):
+                index.counters["refused_peers"] += 1
+                raise RequestError(f"{principal} is no longer a member of the allowed group")
             pid, fingerprint, slot_bytes = req.args
             index.hello(req.client_id, pid, fingerprint, slot_bytes, principal=principal)
             seg = self.segment.info

@@ -10,10 +10,14 @@ the server is gone, and the calls on the main channel, each bounded by ``timeout
   reservation of the old one (``may_reconnect``), so the old id's pages, freed by ``bye`` or the
   server's lease, are never still read or written here. ``lock`` guards this state and the
   pool's pins and reservations together, for that reason.
-- Trust: without a token, an ``ipc://`` server is used only if its socket belongs to this user
-  or root (``server_uid``), and only the segment of that owner is mapped: a socket another user
-  created first at the path (``/tmp`` is everyone's) would otherwise hand this engine that
-  user's segment and checksums.
+- Trust: on ``ipc://`` every reply, the hello's and each call's, names the uid of the process
+  that sent it (``SO_PEERCRED`` of the connection it came on, ``channel.Channel``). Without a
+  token only this user's and root's replies are accepted, and only the segment owned by the
+  uid that answered the hello is mapped: another user who binds the path (``/tmp`` is
+  everyone's) before the server starts or while it restarts would otherwise hand this engine
+  its own segment and checksums. Owning or unlinking the socket *file* proves nothing, so the
+  file is not what is checked. A refused reply disconnects the session and drops the socket,
+  so the next hello reaches whoever listens at the path then.
 """
 
 from __future__ import annotations
@@ -32,17 +36,13 @@ from ..errors import StorageError
 from ..layout.spec import Fingerprint
 from ..throttled_warning import RepeatingWarning
 from . import protocol
-from .channel import Channel
+from .channel import Channel, UntrustedServer
 from .protocol import OK, STALE_INSTANCE, UNKNOWN_CLIENT, Limits, ProtocolError
 from .shm import SHM_DIR, Segment, register_host_memory, unregister_host_memory
 
 logger = logging.getLogger(__name__)
 
 FAILED = object()  # a call that did not complete
-
-
-class UntrustedServer(StorageError):
-    """The socket at the URL belongs to a user this client has no reason to trust."""
 
 
 class ServerSession:
@@ -62,6 +62,9 @@ class ServerSession:
         self._pin_memory = pin_memory
         self._shm_dir = shm_dir
         self._ctx = zmq.Context()
+        ipc = protocol.ipc_path(self.url) is not None
+        # without a token nothing but the kernel proves who answers; with one, the replies' tags do
+        self._trusted_uids = frozenset((os.geteuid(), 0)) if ipc and self._token is None else None
         self.lock = threading.Lock()  # the main channel, the state below, the pool's pins and reservations
         self._main: Optional[Channel] = None  # engine calls, under the lock
         self._client_id: Optional[bytes] = None
@@ -80,6 +83,7 @@ class ServerSession:
         self._wake = threading.Event()
         self.prefaulted = threading.Event()  # set once the mapping's pages are all faulted in
         self._unreachable = RepeatingWarning(logger.warning if warn_unreachable else logger.debug)
+        self._untrusted = RepeatingWarning(logger.error)  # a foreign server at the path: always said, apart
         self._beat = self._channel()  # hello and heartbeats: __init__, then the keeper thread only
         self._try_connect()  # synchronously once, so the first store can already use the server
         self._keeper = threading.Thread(target=self._keep, name="kvconnect-server-client", daemon=True)
@@ -98,6 +102,10 @@ class ServerSession:
                 return FAILED
             try:
                 status, result = self._main.request(op, args, self._client_id, self.instance)
+            except UntrustedServer as exc:  # the socket reconnected to another listener at the path
+                self._disconnect("untrusted_servers", exc)
+                self._refused(exc)
+                return FAILED
             except StorageError as exc:
                 self._disconnect("timeouts", exc)
                 return FAILED
@@ -140,7 +148,8 @@ class ServerSession:
 
     # -- connection --------------------------------------------------------------------
     def _channel(self) -> Channel:
-        return Channel(self._ctx, self.url, token=self._token, limits=self.limits, timeout_s=self.timeout_s)
+        return Channel(self._ctx, self.url, token=self._token, limits=self.limits, timeout_s=self.timeout_s,
+                       trusted_uids=self._trusted_uids)
 
     def _disconnect(self, reason: str, detail: Any) -> None:
         """Called with the lock held: from now on calls miss until the keeper reconnects."""
@@ -158,15 +167,17 @@ class ServerSession:
         new_id = secrets.token_bytes(protocol.ID_BYTES)
         args = [os.getpid(), None if self.fingerprint is None else bytes(self.fingerprint), self.slot_bytes]
         try:
-            owner_uid = self.server_uid()
             status, result = self._beat.request("hello", args, new_id, None)
+            owner_uid = self._beat.peer_uid  # the uid that answered this hello, on this connection
             info, lease_s = protocol.check_hello_reply(status, result)
             segment = self._segment
             if segment is None or segment.info != info:
                 segment = Segment.attach(info, shm_dir=self._shm_dir, owner_uid=owner_uid)
         except UntrustedServer as exc:
+            self._beat.reset()  # the next hello connects afresh, to whoever listens at the path then
             self.counters["failed_hellos"] += 1
-            self._unreachable.failed("kvconnect: not using the cache server %s: %s. Serving misses; retrying", self.url, exc)
+            self.counters["untrusted_servers"] += 1
+            self._refused(exc)
             return False
         except (StorageError, ProtocolError) as exc:
             self._beat.reset()  # drop whatever is queued towards a dead peer
@@ -202,29 +213,13 @@ class ServerSession:
         if old_id is not None:  # best effort: the old session's pins and reservations go now, not at lease end
             self._beat.post("bye", [], old_id, old_instance)
         self._unreachable.cleared()
+        self._untrusted.cleared()
         logger.info("kvconnect: connected to cache server %s (%d pages of %d bytes)", self.url, info.num_pages, info.page_bytes)
         return True
 
-    def server_uid(self) -> Optional[int]:
-        """The uid owning an ``ipc://`` server's socket, whose segment alone this client maps.
-
-        Without a token nothing proves who answers, so the socket must belong to this user or
-        root. With a token the replies prove the server holds it. None for tcp:// (a token is
-        required there) and when the path does not exist yet (then the hello cannot succeed).
-        Raises UntrustedServer.
-        """
-        path = protocol.ipc_path(self.url)
-        if path is None:
-            return None
-        try:
-            owner = os.stat(path).st_uid
-        except OSError:
-            return None
-        if self._token is None and owner not in (os.geteuid(), 0):
-            self.counters["untrusted_servers"] += 1
-            raise UntrustedServer(f"the socket {path} belongs to uid {owner}, not to this user (uid {os.geteuid()}) or root: "
-                                  "set KVCONNECT_SERVER_TOKEN (the server's token) to use a server of another user")
-        return owner
+    def _refused(self, exc: UntrustedServer) -> None:
+        self._untrusted.failed("kvconnect: refusing the cache server %s: %s. Nothing is loaded from it; serving misses "
+                               "and retrying", self.url, exc)
 
     def _keep(self) -> None:
         """Heartbeat while connected; reconnect with backoff while not."""
@@ -242,6 +237,9 @@ class ServerSession:
                     status = -1
                     detail: Any = exc
                     self._beat.reset()
+                    if isinstance(exc, UntrustedServer):  # another listener answered at the path
+                        self.counters["untrusted_servers"] += 1
+                        self._refused(exc)
                 else:
                     detail = f"status {status}"
                 if status != OK:

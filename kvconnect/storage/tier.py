@@ -46,7 +46,9 @@ from ..layout.spec import ChunkKey, Fingerprint
 
 @dataclass(frozen=True, kw_only=True)
 class StoreItem:
-    """One chunk to write: its header (checksum not yet computed) and a view of its payload."""
+    """One chunk to write: its header and a view of its payload. The header's checksum, when
+    not 0, is the caller's, computed once over this payload for every tier (the write-behind
+    does, ``writer.sealed``; the shared pool's commit does): a tier never computes it again."""
 
     key: ChunkKey
     header: ChunkHeader
@@ -54,7 +56,7 @@ class StoreItem:
 
     def sealed_header(self) -> bytes:
         """The packed header with the checksum over header and payload filled in."""
-        return self.header.pack(chunk_format.compute_checksum(self.header, self.payload))
+        return self.header.pack(self.header.checksum or chunk_format.compute_checksum(self.header, self.payload))
 
 
 @dataclass

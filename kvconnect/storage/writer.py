@@ -7,7 +7,9 @@
     writer.close(timeout_s)     # flush, stop the thread, release what is left
 
 The queue holds pool entries, never copies: the payload stays in its pool slot and the
-thread encodes it (checksum) and hands it to the tier. Up to ``max_pending_bytes`` of queued
+thread encodes it (checksum) and hands it to the tier. The checksum is computed once per pool
+entry, by whichever tier's writer takes it first, and kept on the entry for the others
+(``sealed``): a chunk written to disk and to a remote store is hashed once, not per tier. Up to ``max_pending_bytes`` of queued
 payload is *pinned* (guaranteed to be written; pinned slots cannot be evicted, so this also
 caps how much of the pool a slow tier can hold). Beyond that, up to ``max_queue_items``
 more keys are queued unpinned and written if still in the pool when their turn comes
@@ -32,6 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from ..chunks import chunk_format
+from ..chunks.chunk_format import ChunkHeader
 from ..layout.spec import ChunkKey
 from .pool import ChunkPool, PoolEntry
 from .tier import LowerTier, StoreItem
@@ -40,6 +44,22 @@ logger = logging.getLogger(__name__)
 
 MAX_PUT_ATTEMPTS = 3  # a put refused while its tier is unhealthy is tried this often in all
 RETRY_WAIT_S = 2.0  # before a retry, wait at most this long for the tier to be healthy again
+_SEAL_LOCK = threading.Lock()  # the writers of all tiers: an entry's checksum is computed once
+
+
+def sealed(entry: PoolEntry, payload) -> ChunkHeader:
+    """``entry``'s header with its checksum over ``payload`` (its pool bytes, final while the
+    entry lives): computed by the first writer to ask, kept on the entry for the others. An
+    entry whose header already carries one (a shared-pool entry, verified when acquired) keeps it."""
+    header = entry.header
+    if header.checksum:
+        return header
+    with _SEAL_LOCK:  # a second tier's writer waits for the first's checksum rather than computing its own
+        header = entry.header
+        if not header.checksum:
+            header = dataclasses.replace(header, checksum=chunk_format.compute_checksum(header, payload))
+            entry.header = header
+    return header
 
 
 @dataclass
@@ -212,10 +232,10 @@ class WriteBehind:
         for op, entry in zip(late, self.pool.acquire([op.key for op in late], touch=False)):
             op.entry = entry  # pinned now; released with the batch
         ready = [op for op in batch if op.entry is not None]
-        items = [
-            StoreItem(key=op.key, header=op.entry.header, payload=memoryview(self.pool.entry_view(op.entry).numpy()).cast("B"))
-            for op in ready
-        ]
+        items = []
+        for op in ready:
+            payload = memoryview(self.pool.entry_view(op.entry).numpy()).cast("B")
+            items.append(StoreItem(key=op.key, header=sealed(op.entry, payload), payload=payload))
         ok = self.tier.put(items) if items else []
         self._notify(self.on_written, [op.key for op, good in zip(ready, ok) if good])
         failed = [op for op, good in zip(ready, ok) if not good]

@@ -224,10 +224,23 @@ def test_after_a_reset_of_either_side_the_decode_still_loads_the_producers_chunk
     _loaded_at_once(c, before, len(p) // BLOCK * BLOCK)
 
 
-def test_params_from_before_a_producer_reset_still_name_its_chunks(pd_llama):
-    """A prefill answered before the producer's reset names the old generation, one after it the
-    new one; the shared tier still holds the old chunks, so both decodes load them and answer right
-    (the consumer reset in between empties vLLM's own prefix cache, which would hold the prompt)."""
+def _replay_loads_nothing(c: pc.PDCluster, p: list, params: dict) -> None:
+    """The consumer answers a replay of ``params`` right, by recomputing: refused, 0 tokens loaded."""
+    before = scrape(c, "consumer")
+    assert completion_logprobs(c.consumer_url, c.model, p, kv_transfer_params=params) == c.with_logprobs[tuple(p)]
+    d = delta(settle(c, "consumer", lambda f: f["kvconnect_pd_remote_prefill_rejected_total"]
+                     > before["kvconnect_pd_remote_prefill_rejected_total"]), before)
+    assert d["kvconnect_pd_remote_prefill_rejected_total"] == 1 and d["kvconnect_retrieved_tokens_total"] == 0
+    assert d["kvconnect_pd_remote_prefills_total"] == 0 and d["kvconnect_load_failures_total"] == 0
+
+
+def test_params_from_before_a_producer_reset_load_nothing_after_it(pd_llama):
+    """Issue 39 item 1: a prefill answered before the producer's reset (the previous weights) names
+    the old generation, one after it the new one. A replay of the old params (a retried or delayed
+    router request) loads nothing: on the decode server reset too but before its first load of the
+    new generation, and on one restarted after the reset; both learn it from the marker the
+    producer's reset left in the shared tier. The new params load at once. (Each consumer reset
+    also empties vLLM's own prefix cache, which would hold the prompt.)"""
     c = pd_llama
     p = OLD_PARAMS
 
@@ -240,12 +253,17 @@ def test_params_from_before_a_producer_reset_still_name_its_chunks(pd_llama):
     assert c.reset("producer")
     new = prefill()
     generations = {old["kvconnect"]["generation"], new["kvconnect"]["generation"]}
-    assert len(generations) == 2 and all(len(g) == 32 for g in generations - {""}), generations
-    for params in (old, new):
-        assert c.reset("consumer")
-        before = scrape(c, "consumer")
-        assert completion_logprobs(c.consumer_url, c.model, p, kv_transfer_params=params) == c.with_logprobs[tuple(p)]
-        _loaded_at_once(c, before, len(p) // BLOCK * BLOCK)
+    assert len(generations) == 2 and all(len(g) == 32 for g in generations), generations
+    assert c.reset("consumer")
+    _replay_loads_nothing(c, p, old)  # the same decode server, before its first new-generation load
+    assert c.reset("consumer")
+    before = scrape(c, "consumer")
+    assert completion_logprobs(c.consumer_url, c.model, p, kv_transfer_params=new) == c.with_logprobs[tuple(p)]
+    _loaded_at_once(c, before, len(p) // BLOCK * BLOCK)
+    c.procs.pop("consumer").stop()  # a decode server restarted after the reset: it saw nothing of either
+    c.start_engine("consumer")
+    pc.wait_healthy([(c.procs["consumer"], c.consumer_url + "/health")])
+    _replay_loads_nothing(c, p, old)
 
 
 def test_producer_killed_between_prefill_and_decode(pd_llama):

@@ -206,3 +206,19 @@ def test_node_server_holds_the_cache_across_engine_restarts(master, tmp_path):
             engine.close()
     finally:
         holder.stop()
+
+
+def test_a_retirement_marker_reaches_mooncake(master, tmp_path):
+    """Issue 39 item 1: the marker a P/D producer's reset leaves is an object like any chunk's."""
+    _, _, producer, *_ = reader(master, tmp_path, segment=SEGMENT)  # holds the segment the marker lands in
+    try:
+        producer.reset(retire=b"")
+        assert producer.storage.flush(30.0)
+        _, _, decode, *_ = reader(master, tmp_path)
+        try:
+            assert decode.generation_retired(b"") and not decode.generation_retired(producer.generation)
+            assert tier_of(producer).stats().errors == 0
+        finally:
+            decode.close()
+    finally:
+        producer.close()

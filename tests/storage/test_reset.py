@@ -99,3 +99,54 @@ def test_reset_on_a_shared_node_server_leaves_other_engines_hits():
         assert updated.lookup(toks) == N
         updated.close()
         old.close()
+
+
+def test_a_producers_reset_leaves_a_marker_every_engine_on_the_tier_reads():
+    """Issue 39 item 1: a reset told to retire a generation leaves its marker in the shared tier,
+    so a decode server knows the generation is stale from the tier, not from the loads it saw:
+    one that saw nothing of it, and one started after the reset, both read it. The marker is no
+    chunk of any prompt: lookups of every generation still see only their own chunks."""
+    layout = kv_rig.mla_layout()
+    with socket_dir() as d, server_thread(f"ipc://{d}/kvc.sock", size_bytes=8 << 20):
+        cfg = Config(chunk_size=kv_rig.CHUNK_TOKENS, num_threads=1, server_url=f"ipc://{d}/kvc.sock", remote_timeout_s=5.0)
+        producer, decode = KVCacheEngine(layout, cfg, pool_factory=make_pool), KVCacheEngine(layout, cfg, pool_factory=make_pool)
+        old = b"\x0a" * 16
+        producer.reset(old)
+        assert kv_rig.store_prompt(producer, 6, N) == N
+        assert not decode.generation_retired(old) and not decode.generation_retired(b"")
+        producer.reset(retire=old)
+        new = producer.generation
+        assert decode.generation_retired(old) and producer.generation_retired(old)
+        assert not decode.generation_retired(new) and not decode.generation_retired(b"")
+        toks = kv_rig.tokens(6, N)
+        assert decode.lookup(toks, generation=old) == N  # still there: refusing them is the decode side's part
+        assert decode.lookup(toks, generation=new) == 0 and decode.lookup(toks) == 0
+        decode.close()
+        restarted = KVCacheEngine(layout, cfg, pool_factory=make_pool)  # a decode server started after the reset
+        assert restarted.generation_retired(old) and not restarted.generation_retired(new)
+        restarted.close()
+        producer.close()
+
+
+def test_the_retirement_marker_is_reachable_by_no_chain():
+    fp = b"\x01" * 32
+    for gen in (b"", b"\x0a" * 16):
+        keyer = ChunkKeyer(fp, 32, generation=gen)
+        marker = keyer.retirement_key()
+        assert bytes(marker) != keyer.seed()[:16]
+        assert marker not in keyer.keys(np.arange(N), [(i, i + 32) for i in range(0, N, 32)])
+    assert ChunkKeyer(fp, 32).retirement_key() != ChunkKeyer(fp, 32, generation=b"\x0a" * 16).retirement_key()
+
+
+@pytest.mark.skipif(redis_available() is not None, reason=str(redis_available()))
+def test_the_retirement_marker_reaches_redis_through_the_write_behind(tmp_path):
+    with RedisNode(tmp_path / "redis") as node:
+        producer = kv_rig.make_engine(kv_rig.mla_layout(), remote_url=node.url)
+        producer.reset(retire=b"")  # the checkpoint's generation left behind
+        assert producer.storage.flush(HANG_GUARD_S)
+        producer.pool.clear()
+        decode = kv_rig.make_engine(kv_rig.mla_layout(), remote_url=node.url)
+        assert decode.generation_retired(b"") and producer.generation_retired(b"")
+        assert not decode.generation_retired(producer.generation)
+        decode.close()
+        producer.close()

@@ -99,6 +99,21 @@ def test_commit_writes_through_to_every_tier(two_tiers):
     assert manager.pool.stats().extra["pinned"] == 0  # every write-behind pin released
 
 
+def test_write_behind_computes_each_chunks_checksum_once_for_all_tiers(two_tiers, monkeypatch):
+    """Issue 39 item 3: the disk's and the remote's writers share one checksum per chunk."""
+    manager, disk, remote = two_tiers
+    real, calls = chunk_format.compute_checksum, []
+    monkeypatch.setattr(chunk_format, "compute_checksum", lambda header, payload: calls.append(header.key) or real(header, payload))
+    items = [make_item(i) for i in range(4)]
+    for it in items:
+        commit(manager, it)
+    assert manager.flush(HANG_GUARD_S)
+    assert sorted(calls) == sorted(it.key for it in items)  # once per chunk, not once per tier
+    monkeypatch.setattr(chunk_format, "compute_checksum", real)
+    assert [bytes(d) for d in disk.get([it.key for it in items])] == [encoded(it) for it in items]  # verified on read
+    assert [remote.data[it.key] for it in items] == [encoded(it) for it in items]
+
+
 def test_masks_walk_tiers_in_order_batched(two_tiers):
     manager, disk, remote = two_tiers
     commit(manager, make_item(0, mask=1))  # pool (and, written through, below)

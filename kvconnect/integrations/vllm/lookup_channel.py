@@ -8,7 +8,8 @@ timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong 
     server = LookupServer(address, handler, token=None)     # worker: handler.lookup/stats/clear
     client = LookupClient(addresses, timeout_s, token=None) # scheduler
     client.lookup(tokens, namespace=b"", generation=None) -> int # min over workers, 0 on any failure
-    client.stats() -> list[dict | None]; client.clear(generation=None) -> bool
+    client.stats() -> list[dict | None]; client.clear(generation=None, retire=None) -> bool
+    client.retired(generation) -> bool                           # True if any worker says so, or is silent
     server.close(); client.close()
 
 Wire format: msgpack maps with a fixed schema, no extension types, sizes capped; no
@@ -16,9 +17,13 @@ object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "
 "ns": bin, "gen": bin, "mm": bin}`` (tokens little-endian int64; ``ns``, the request's namespace, only when
 not empty; ``gen``, the key generation to look under, empty or 16 bytes, absent: the worker's
 own; ``mm``, the prompt's multimodal items, only when it has any: msgpack of (identifier str,
-offset, length) triples, unpacked under its own caps, kvconnect/chunks/extra_keys.py), ``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin}`` (``gen``: the
-16-byte generation every worker moves to, chosen by the scheduler; absent: a random one per
-worker); replies ``{"id": int, "ok": bool, ...}`` with ``hit`` (int) or ``stats`` (str -> int).
+offset, length) triples, unpacked under its own caps, kvconnect/chunks/extra_keys.py),
+``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin, "retire": bin}``
+(``gen``: the 16-byte generation every worker moves to, chosen by the scheduler; absent: a
+random one per worker; ``retire``, only from a P/D producer: the generation its saves used,
+whose marker the workers leave in the tiers), ``{"id": int, "op": "retired", "gen": bin}``
+(whether a marker says some producer left ``gen`` behind); replies ``{"id": int, "ok": bool,
+...}`` with ``hit`` (int), ``stats`` (str -> int) or ``retired`` (bool).
 
 Addresses: ``ipc://`` paths (the default) or ``tcp://`` on a loopback host.
 ``dp_rank_base(base, dp_rank, workers)`` derives a data-parallel rank's prefix (each DP rank
@@ -67,7 +72,8 @@ class LookupHandler(Protocol):
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None,
                media: Sequence[MediaItem] = ()) -> int: ...
     def stats(self) -> dict[str, int]: ...
-    def clear(self, generation: Optional[bytes] = None) -> None: ...
+    def clear(self, generation: Optional[bytes] = None, retire: Optional[bytes] = None) -> None: ...
+    def retired(self, generation: bytes) -> bool: ...
 
 
 def check_address(address: str) -> str:
@@ -252,8 +258,14 @@ class LookupServer:
             if op == "stats":
                 return {"id": rid, "ok": True, "stats": {str(k): int(v) for k, v in self._handler.stats().items()}}
             if op == "clear":
-                self._handler.clear(_generation(msg))
+                retire = msg.get("retire")
+                self._handler.clear(_generation(msg), None if retire is None else generation_bytes(retire))
                 return {"id": rid, "ok": True}
+            if op == "retired":
+                generation = _generation(msg)
+                if generation is None:
+                    raise ValueError("retired needs gen")
+                return {"id": rid, "ok": True, "retired": bool(self._handler.retired(generation))}
             raise ValueError(f"unknown op {op!r}")
         except Exception as exc:
             logger.warning("kvconnect: lookup channel request %r failed: %s", op, exc)
@@ -378,10 +390,21 @@ class LookupClient:
     def stats(self) -> list[Optional[dict]]:
         return [r.get("stats") if r else None for r in self._ask({"op": "stats"})]
 
-    def clear(self, generation: Optional[bytes] = None) -> bool:
-        """Every worker resets its engine to ``generation`` (None: a random one each); True when all did."""
-        msg = {"op": "clear"} if generation is None else {"op": "clear", "gen": generation_bytes(generation)}
+    def clear(self, generation: Optional[bytes] = None, retire: Optional[bytes] = None) -> bool:
+        """Every worker resets its engine to ``generation`` (None: a random one each), leaving
+        ``retire``'s marker in the tiers when given; True when all did."""
+        msg: dict = {"op": "clear"}
+        if generation is not None:
+            msg["gen"] = generation_bytes(generation)
+        if retire is not None:
+            msg["retire"] = generation_bytes(retire)
         return all(r is not None for r in self._ask(msg))
+
+    def retired(self, generation: bytes) -> bool:
+        """Whether a producer left ``generation`` behind: True when any worker reads its marker,
+        and when any worker does not answer (a decode then recomputes rather than risk stale KV)."""
+        replies = self._ask({"op": "retired", "gen": generation_bytes(generation)})
+        return any(r is None or r.get("retired") is not False for r in replies)
 
     def close(self) -> None:
         for sock in self._socks:

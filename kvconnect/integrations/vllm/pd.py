@@ -21,7 +21,9 @@ chunks missing up to ``MAX_POLL_INTERVAL_S`` (a remote store's master answers ev
 fixed 5 ms a few waiting requests sent a Mooncake master hundreds of RPCs a second, competing with
 the producer's writes), and past that ``PROBE_GROWTH`` of the time waited (anyone can compute a
 prompt's digest, so params naming a prompt never stored must not buy a lookup per step: one
-request's probes grow with the log of the wait), until every named token is restorable; then it is
+request's probes grow with the log of the wait; and the interval is at least the wait times the prompt
+over ``PROBE_TOKENS_PER_REQUEST``, so the tokens one request's probes look up are bounded whatever
+its length), until every named token is restorable; then it is
 an ordinary load (small hits and partial chunks included). Past ``pd_wait_timeout_s`` it takes
 what the tier holds (vLLM recomputes the rest). Params that are malformed or name another
 prompt, model, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
@@ -33,11 +35,21 @@ generation. The producer's params name the generation its prefill was stored und
 decode side probes and loads under that one, not its own: a consumer reset changes nothing for
 params it receives afterwards; after a producer reset new params name the new generation, and
 params of a prefill admitted before it still name the old one (its chunks were stored there).
-Params are the client's to send, so an old generation must not load for ever: once the pair
-has moved on (this server reset since it first loaded a generation, and that generation's
-producer has since named one first loaded after the reset), params naming the old one are
-refused (counted in ``remote_prefill_rejected``; a plain lookup under this server's own
-generation instead). Until then, params of prefills stored before either reset still load.
+Params are the client's to send (a router retries, a request is delayed or replayed), so an
+old generation must not load after the weights changed. A producer's reset leaves the old
+generation's *retirement marker* in the shared tier (``KVCacheEngine.reset(retire=)``; the
+scheduler asks for it on servers that store prompts), and before waiting for params the decode
+side asks its workers whether the named generation is retired (``hits.retired``, one marker
+lookup): the tier, not the loads this server happened to see, says so, the same on a server
+that saw nothing of that generation and on one started after the reset. Params naming a
+retired generation are refused (counted in ``remote_prefill_rejected``; a plain lookup under
+this server's own generation instead), as are those of a generation the pair moved on from in
+this server's memory (this server reset since it first loaded it, and its producer has since
+named one first loaded after the reset), which covers a marker the tier evicted. A producer
+that only restarted moves to a fresh generation at start (scheduler.py), so its earlier
+generations stay loadable: its weights are the checkpoint's again. Limit: a ``kv_both``
+producer starts with the empty generation; once a reset of it retired that, its params after
+a restart are refused (recomputed) until the marker ages out of the tier.
 """
 
 from __future__ import annotations
@@ -67,6 +79,10 @@ MAX_POLL_INTERVAL_S = 0.05
 # can cost grow with the log of the wait, not linearly (~30 for a 5 s wait, not ~100), and a request
 # waits at most this fraction longer than its chunks took to land
 PROBE_GROWTH = 0.125
+# the prompt tokens one waiting request's probes may look up over its whole wait, beyond its first probe
+# and its final lookup: a long prompt is probed less often (issue 39: params naming a 262k-token prompt
+# nobody stored spent 1.4 s of CPU in ~30 full probes); prompts up to ~30k tokens keep the schedule above
+PROBE_TOKENS_PER_REQUEST = 1 << 20
 MAX_GENERATIONS = 1024  # key generations remembered (one per reset of a producer)
 
 COUNTERS = (
@@ -147,7 +163,8 @@ class PDScheduler:
         if self.scheduler.hits.lookup(req.prompt_tokens[:needed], req.namespace, count=False,
                                       generation=generation) < needed and not expired:
             waiting.interval_s = max(min(2 * waiting.interval_s, max(self.poll_interval_s, MAX_POLL_INTERVAL_S)),
-                                     PROBE_GROWTH * (now - waiting.since))
+                                     PROBE_GROWTH * (now - waiting.since),
+                                     self.wait_timeout_s * needed / PROBE_TOKENS_PER_REQUEST)
             return None, False
         del self._waiting[req.req_id]
         self.counters["remote_prefill_wait_us"] += int((now - waiting.since) * 1e6)
@@ -201,6 +218,11 @@ class PDScheduler:
         if why is not None:
             self.counters["remote_prefill_rejected"] += 1
             self._warn("kvconnect: P/D: cannot use the producer's chunks for %s (a plain lookup instead): %s", req.req_id, why)
+            return None
+        if self.scheduler.hits.retired(stored.generation):
+            self.counters["remote_prefill_rejected"] += 1
+            self._warn("kvconnect: P/D: the params of %s name a key generation its producer left behind at a reset "
+                       "(KV of the previous weights, or a replayed request): a plain lookup instead", req.req_id)
             return None
         return stored
 

@@ -25,7 +25,7 @@ its last token, under the key chain of prompt + outputs, so a next turn that sen
 conversation back hits it. Token ids are read (``tokens_of``) only when a chunk completes.
 
 Key generations (kvconnect/chunks/keys.py): the scheduler chooses them. It starts with none (the empty
-generation, as every engine does); ``reset_cache`` (vLLM's reset_connector) moves it to a new
+generation, as every engine does; a ``kv_producer`` with a fresh random one); ``reset_cache`` (vLLM's reset_connector) moves it to a new
 random one and tells every worker to move to the same one. A request's saves name the
 generation of the scheduler when it was admitted (a request admitted before a reset is stored
 under the old generation, never served after it); its load names the generation it was looked
@@ -51,7 +51,7 @@ from kvconnect.chunks.keys import new_generation
 
 from .metadata import SAVE_SLACK_STEPS, BlockIds, LoadJob, RequestView, SaveJob, StepPlan
 from .logs import Periodic
-from .roles import BOTH, RolePolicy
+from .roles import BOTH, Role, RolePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 class HitSource(Protocol):
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"", *, count: bool = True,
                generation: Optional[bytes] = None, media: Sequence[MediaItem] = ()) -> int: ...
-    def clear(self, generation: Optional[bytes] = None) -> bool: ...
+    def clear(self, generation: Optional[bytes] = None, retire: Optional[bytes] = None) -> bool: ...
+    def retired(self, generation: bytes) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -97,7 +98,9 @@ class KVConnectScheduler:
         self.chunk_tokens = chunk_tokens
         self.save_unfull_chunk = save_unfull_chunk
         self.save_decode_cache = save_decode_cache
-        self.generation = b""  # the key generation of this engine's lookups and saves (module doc)
+        # the key generation of this engine's lookups and saves (module doc); a kv_producer, which never
+        # looks up, starts with a fresh one, so that no restart of it names a generation its reset retired
+        self.generation = new_generation() if role.role is Role.PRODUCER else b""
         self._queries: dict[str, tuple[int, int, bytes]] = {}  # req_id -> (present tokens, restorable boundary, generation)
         self._loads: list[LoadJob] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -309,6 +312,9 @@ class KVConnectScheduler:
 
         The new generation holds from now on whether or not every worker answered (lookups,
         loads and saves name it; a worker that missed the clear only keeps its private pool's
-        old chunks, which no key of the new generation reaches); False tells vLLM one did not."""
-        self.generation = new_generation()
-        return self.hits.clear(self.generation)
+        old chunks, which no key of the new generation reaches); False tells vLLM one did not.
+        A server that stores prompts (a P/D producer) has the workers leave the old generation's
+        retirement marker in the tiers (``KVCacheEngine.reset``): decode servers refuse params
+        naming it from then on (pd.py)."""
+        old, self.generation = self.generation, new_generation()
+        return self.hits.clear(self.generation, retire=old if self.role.stores_prompt else None)

@@ -21,7 +21,8 @@ for the prompt whose token ids and namespace (LoRA adapter, cache_salt) hash to
 ``prompt_digest``, under the key ``generation`` the producer's scheduler had when it admitted
 the prefill (keys.py; empty until the producer's first reset, a new random one after each):
 the decode side looks up and loads under it, whatever its own generation, so a pair keeps
-finding the producer's chunks across a reset of either side. Params without ``generation``
+finding the producer's chunks across a reset of either side, unless the producer's reset
+retired that generation (pd.py: a replay of params from before it loads nothing). Params without ``generation``
 (from a producer before this field) name the empty generation. Nothing in the params is
 trusted: a field of the wrong type makes them unusable (``TransferParamsError``), and the decode
 side then does a plain lookup; a well-formed generation no producer used is a miss (the chunks

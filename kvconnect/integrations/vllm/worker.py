@@ -128,7 +128,7 @@ class KVConnectWorker:
         out["num_groups"] = self.translation.layout.num_groups if self.engine is not None else 0
         return out
 
-    def clear(self, generation: Optional[bytes] = None) -> None:
+    def clear(self, generation: Optional[bytes] = None, retire: Optional[bytes] = None) -> None:
         """vLLM's reset_connector: never serve a chunk stored before now, from any tier
         (``KVCacheEngine.reset``), moving to ``generation``, which the scheduler chose (every
         rank moves to the same one; None: a random one). Runs on the save thread after every
@@ -137,7 +137,11 @@ class KVConnectWorker:
         reset lands under the old generation and is never served after it. Called from the
         lookup channel's thread."""
         if self.engine is not None:
-            self._executor.submit(self.engine.reset, generation).result()
+            self._executor.submit(self.engine.reset, generation, retire=retire).result()
+
+    def retired(self, generation: bytes) -> bool:
+        """Whether a P/D producer's reset left ``generation`` behind (its marker is in a tier)."""
+        return self.engine is not None and self.engine.generation_retired(generation)
 
     # -- per step ----------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
