@@ -1,28 +1,25 @@
 #!/usr/bin/env bash
 # Installs vLLM 0.23 + vLLM-Ascend 0.23.0.post1's Python code on a CPU machine
-# into .venv-ascend (git-ignored) for the real-allocation tests in tests/ascend.
+# into a cached venv linked as .venv-ascend (git-ignored; .ci/venv_cache.sh: built once per
+# recipe, outside the checkout) for the real-allocation tests in tests/ascend.
 # Nothing NPU-specific is ever loaded: torch-npu is installed --no-deps only so
 # that package metadata resolves; the test harness (tests/ascend/harness.py)
 # stands in for torch_npu / acl / torchvision at import time.
-# Idempotent: a venv that already imports vllm_ascend is only refreshed with
-# `pip install -e .`.
+# Idempotent: a complete venv is only refreshed with `pip install -e .` of this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/cpu_torch.sh
+source .ci/venv_cache.sh
 
-VENV=.venv-ascend
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 VLLM_VERSION=${VLLM_VERSION:-0.23.0}
 VLLM_ASCEND_VERSION=${VLLM_ASCEND_VERSION:-0.23.0.post1}
 TORCH_NPU_VERSION=${TORCH_NPU_VERSION:-2.14.0}
 
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV"
-fi
-PY="$VENV/bin/python"
+use_cached_venv .venv-ascend "$0"
 PIP="$PY -m pip"
 
-if ! "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm_ascend') and u.find_spec('vllm') else 1)" 2>/dev/null; then
+if ! venv_complete; then
     $PIP install -q -U pip wheel "setuptools<81" setuptools_scm
     install_cpu_torch "$PY" "$TORCH_VERSION"
     # vLLM's CUDA wheel's Python is what vLLM-Ascend runs on; its CUDA deps are
@@ -46,8 +43,10 @@ if ! "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm_
         $PIP install -q --no-deps --no-build-isolation "vllm-ascend==$VLLM_ASCEND_VERSION"
     # PyPI builds of these link CUDA torch and break imports on CPU.
     $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    $PIP install -q pybind11 msgpack pyzmq blake3 xxhash pyyaml pytest hypothesis
+    "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm_ascend') and u.find_spec('vllm') else 1)"
+    mark_venv_complete
 fi
-$PIP install -q pybind11 msgpack pyzmq blake3 xxhash pyyaml pytest hypothesis
 $PIP install -q -e . --no-build-isolation --no-deps
 # torch would autoload the installed torch_npu backend (which needs CANN) on import.
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PY" -c "import importlib.util as u; assert u.find_spec('vllm_ascend'); import kvconnect; print('vllm-ascend venv ok')"

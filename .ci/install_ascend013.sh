@@ -14,41 +14,23 @@
 # the CPU build (vLLM-Ascend 0.13 pins torch 2.8 for NPU; only its allocation and
 # slot-mapping code runs here).
 #
-# Cache: the venv lives outside the checkout, in $KVCONNECT_CI_CACHE (default
-# ~/.cache/kvconnect-ci)/venv-ascend013-<hash of this script>, and .venv-ascend013 links to it,
+# Cache: the venv lives outside the checkout (.ci/venv_cache.sh: $KVCONNECT_CI_CACHE, default
+# ~/.cache/kvconnect-ci, /venv-ascend013-<hash of the recipe>), and .venv-ascend013 links to it,
 # so a second CI run reuses it (seconds); a cold one takes ~4 min. kvconnect itself is not
 # installed there: run it with PYTHONPATH=$PWD (the in-place build of .ci/setup.sh, same python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/cpu_torch.sh
+source .ci/venv_cache.sh
 
 TORCH_VERSION=2.13.0
 VLLM_VERSION=0.13.0
 VLLM_ASCEND_VERSION=0.13.0rc3
 TORCH_NPU_VERSION=2.8.0.post2
-CACHE=${KVCONNECT_CI_CACHE:-$HOME/.cache/kvconnect-ci}
-KEY=$(sha256sum "$0" | cut -c1-12)
-VENV="$CACHE/venv-ascend013-$KEY"
-PY="$VENV/bin/python"
+use_cached_venv .venv-ascend013 "$0"
 PIP="$PY -m pip"
-
-
-usable() {  # a finished venv whose python still runs and holds the release (importing
-    # vllm_ascend here would load the real torch_npu, which needs CANN: the tests stand in for it)
-    [ -f "$VENV/.complete" ] && "$PY" - 2>/dev/null <<PYEOF
-import os, sys, sysconfig
-from importlib import metadata
-site = sysconfig.get_path("purelib")
-sys.exit(0 if metadata.version("vllm") == "$VLLM_VERSION" and metadata.version("vllm_ascend") == "$VLLM_ASCEND_VERSION"
-         and os.path.exists(os.path.join(site, "vllm_ascend/models/layer/attention/layer.py")) else 1)
-PYEOF
-}
-
-if ! usable; then
-    echo "install_ascend013: building $VENV (cold cache: ~4 min)"
-    rm -rf "$VENV"
-    mkdir -p "$CACHE"
-    python3 -m venv "$VENV"
+if ! venv_complete; then
+    echo "install_ascend013: cold cache (~4 min)"
     $PIP install -q -U pip wheel "setuptools<81" setuptools_scm
     install_cpu_torch "$PY" "$TORCH_VERSION"
     # vLLM's CUDA wheel's Python is what vLLM-Ascend runs on; no CUDA dep is needed on CPU.
@@ -77,9 +59,8 @@ if ! usable; then
         touch "$SITE/vllm_ascend/$sub/__init__.py"
     done
     rm -rf "$SDIST"
-    touch "$VENV/.complete"
+    mark_venv_complete
 fi
-ln -sfn "$VENV" .venv-ascend013
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 PYTHONPATH=$PWD "$PY" -c "
 import importlib.metadata as m, kvconnect
 assert m.version('vllm') == '$VLLM_VERSION' and m.version('vllm_ascend') == '$VLLM_ASCEND_VERSION'
