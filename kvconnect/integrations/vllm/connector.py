@@ -154,6 +154,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                 model_name=self._config.model_name, tp_rank=ranks.tp_rank, tp_size=ranks.tp_size,
                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
                 conv_state_layout=recurrent.conv_state_layout() if self._state_blocks else None,
+                total_kv_heads=ranks.total_kv_heads,
             )
             recurrent.check_chunk_size(self._config.chunk_size, self._state_blocks)
             # KV replicated over TP (MLA) is written once per copy: the other ranks read it
