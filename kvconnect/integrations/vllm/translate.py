@@ -60,7 +60,7 @@ import torch
 
 from kvconnect.errors import BlockTableError, LayoutError, UnsupportedLayoutError
 from kvconnect.layout.kv_layout import KVLayout
-from kvconnect.layout.detect import split_planes
+from kvconnect.layout.detect import detect_hint, split_planes
 from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions, TPShard
 
 from . import engine_tables, recurrent
@@ -220,7 +220,11 @@ def translate_kv_caches(
                 sources.append(vllm_group)
                 splits.append(split)
             g = group_index[key]
-            group_shards[g].add(shard_of(spec, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads))
+            per_head = not is_page and any((hint or detect_hint(t, gspec.rows_per_block)).startswith("hnd")
+                                           for t in (value if isinstance(value, tuple) else (value,)))
+            # one plane per head (HND) holds no head range as a row's leading slices: keyed by rank
+            group_shards[g].add(TPShard.rank(tp_rank, tp_size) if per_head else
+                                shard_of(spec, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads))
             spec_names.add(type(spec).__name__)
             values[layer] = value
             layer_groups[layer] = tuple([g] * len(value)) if isinstance(value, tuple) else g
