@@ -49,6 +49,7 @@ class OtherTPReader:
                                        for s in [sources_at(layout, size)] if s is not None]
         self._tiers: dict[bytes, list[LowerTier]] = {}
         self._lock = threading.Lock()
+        self._fill_lock = threading.Lock()  # a lookup thread and a retrieve may fill at once: one at a time
         self.assembled_chunks = 0  # chunks committed from other TP sizes' objects
         self.assembled_bytes = 0
 
@@ -73,6 +74,10 @@ class OtherTPReader:
         """Commit the chunks after this rank's own stored run that other TP sizes hold; returns how many."""
         if not chunks:
             return 0
+        with self._fill_lock:
+            return self._fill(tokens, chunks, namespace, generation)
+
+    def _fill(self, tokens: np.ndarray, chunks: Sequence[Chunk], namespace: Namespace, generation: bytes) -> int:
         masks = self.storage.masks([c.key for c in chunks])
         start = next((i for i, m in enumerate(masks) if m is None), None)
         if start is None:
