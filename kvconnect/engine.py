@@ -143,7 +143,7 @@ class KVCacheEngine:
             if self.parts.split else WholeChunks(layout, self.parts, self.storage, writer, loader, self.counters, self.ops))
         # head-sharded KV that ranks of another TP size wrote, read on a miss (restore/other_tp_reads.py);
         # whole-chunk objects only: window pieces group planes by bytes that differ with the TP size
-        self.other_tp = None if self.parts.split else OtherTPReader.of(layout, self.config, self.storage)
+        self.other_tp = None if self.parts.split else OtherTPReader.of(layout, self.config, self.storage, pool_factory)
 
     @property
     def pool(self) -> Pool:

@@ -298,3 +298,34 @@ def test_vllm_translate_keys_without_total_heads_or_per_head_planes_by_rank():
     # a [B, H, N, C] cache whose per-token rows are not contiguous: one plane per head (HND)
     hnd = _vllm_cpu_rank(pages, 1, 2, backend="FLASH_ATTN")[0].layout
     assert hnd.shards[0] == TPShard.rank(1, 2) and not cross_readable(hnd)
+
+
+def test_over_the_node_server_a_rank_reads_other_tp_sizes_objects_from_its_pool():
+    """The node server keeps each layout under its own client: the reader asks it once more per
+    writer fingerprint. TP 2 stores into the server's pool alone (no lower tier); a TP 1 engine
+    and a TP 4 rank then restore their heads from it."""
+    from kvconnect.server import make_pool
+    from support.server_rig import server_thread, socket_dir
+
+    glob = _global("pages", 2, 4, 8, torch.float16, 17)
+    with socket_dir() as d:
+        url = f"ipc://{d}/srv"
+        with server_thread(url, size_bytes=8 << 20):
+            config = Config(chunk_size=CHUNK, server_url=url, pool_prefault=False)
+            writers = [KVCacheEngine(_rank("pages", glob, r, 2)[0], config, pool_factory=make_pool) for r in range(2)]
+            try:
+                assert all(w.store(TOKENS, [SRC]) == len(TOKENS) for w in writers)
+                for rank, size in ((0, 1), (3, 4)):
+                    noise = {n: torch.full_like(t, 3) for n, t in glob.items()}
+                    layout, shard = _rank("pages", noise, rank, size)
+                    reader = KVCacheEngine(layout, config, pool_factory=make_pool)
+                    try:
+                        assert reader.lookup(TOKENS) == len(TOKENS)
+                        assert reader.retrieve(TOKENS, [DST]) == len(TOKENS)
+                        assert reader.other_tp.assembled_chunks == 4
+                    finally:
+                        reader.close()
+                    assert _own_heads_equal("pages", layout, shard, glob)
+            finally:
+                for w in writers:
+                    w.close()

@@ -12,11 +12,15 @@ fingerprint, as a promotion is: the ordinary restore then reads it, and later lo
 this rank find it there. Nothing is queued for this rank's lower tiers (the writers' copies
 are there). It stops at the first chunk no size holds whole (a prefix is contiguous).
 
+Over the node server (``Config.server_url``) the writers' objects also live in the server's
+pool, which keeps each layout under its own client: the reader opens one more client per
+writer fingerprint (``pool_factory``, as the engine makes its own pool), reads only, and asks
+it before the lower tiers.
+
 Cost: nothing while this rank's own objects hit (the chunks of the hit are never looked at);
-on a miss, one ``masks`` call per lower tier per candidate size and writer rank, then for the
-chunks found one ``get`` per writer rank and one copy of this rank's rows into the pool
-(docs/performance.md, "Reads across TP sizes"). The node server's pool holds each layout
-under its own client: objects other TP sizes left only there are not read (not built).
+on a miss, one ``masks`` call per place (node server, lower tiers) per candidate size and
+writer rank, then for the chunks found one read per writer rank and one copy of this rank's
+rows into the pool (docs/performance.md, "Reads across TP sizes").
 """
 
 from __future__ import annotations
@@ -34,17 +38,20 @@ from ..config import Config
 from ..errors import CorruptChunkError
 from ..layout.kv_layout import KVLayout
 from ..storage.manager import StorageManager, open_tiers
-from ..storage.tier import LowerTier
+from ..storage.pool_protocol import Pool, PoolFactory
 from .other_tp import Sources, assemble, cross_readable, sources_at
 
 logger = logging.getLogger(__name__)
 
 
 class OtherTPReader:
-    def __init__(self, layout: KVLayout, config: Config, storage: StorageManager) -> None:
+    def __init__(self, layout: KVLayout, config: Config, storage: StorageManager,
+                 pool_factory: Optional[PoolFactory] = None) -> None:
         self.layout = layout
         self.config = config
         self.storage = storage
+        # the node server's pool, read per writer fingerprint (None: no node server)
+        self.pool_factory = pool_factory if storage.pool.shared else None
         self.sources: list[Sources] = [s for size in config.other_tp_sizes if size != layout.tp_size
                                        for s in [sources_at(layout, size)] if s is not None]
         self._tiers: dict[bytes, list[LowerTier]] = {}
@@ -54,20 +61,30 @@ class OtherTPReader:
         self.assembled_bytes = 0
 
     @classmethod
-    def of(cls, layout: KVLayout, config: Config, storage: StorageManager) -> "Optional[OtherTPReader]":
+    def of(cls, layout: KVLayout, config: Config, storage: StorageManager,
+           pool_factory: Optional[PoolFactory] = None) -> "Optional[OtherTPReader]":
         """A reader where another TP size's objects can serve this layout: head-sharded groups,
-        a lower tier to find them in, and at least one other size that splits the heads."""
-        if not config.has_lower_tier or not cross_readable(layout):
+        a node server or a lower tier to find them in, and at least one other size that splits the heads."""
+        shared_pool = storage.pool.shared and pool_factory is not None
+        if not (config.has_lower_tier or shared_pool) or not cross_readable(layout):
             return None
-        reader = cls(layout, config, storage)
+        reader = cls(layout, config, storage, pool_factory)
         return reader if reader.sources else None
 
-    def tiers_of(self, fingerprint: bytes) -> list[LowerTier]:
-        """The lower tiers holding a writer's objects, opened once, as a follower (reads only)."""
+    def tiers_of(self, fingerprint: bytes) -> list:
+        """Where a writer's objects are, opened once: the node server's pool under the writer's
+        fingerprint (``PoolReader``), then the lower tiers as a follower (reads only)."""
         with self._lock:
             tiers = self._tiers.get(fingerprint)
             if tiers is None:
-                tiers = self._tiers[fingerprint] = open_tiers(self.config, fingerprint, writes_shared=False)
+                tiers = []
+                if self.pool_factory is not None:
+                    # a writer's payload holds at most every head: total / count times this rank's
+                    slot = self.storage.pool.slot_bytes * max(s.total // s.count for s in self.layout.shards)
+                    tiers.append(PoolReader(self.pool_factory(self.config, slot, pin_memory=False,
+                                                              fingerprint=fingerprint)))
+                tiers += open_tiers(self.config, fingerprint, writes_shared=False)
+                self._tiers[fingerprint] = tiers
             return tiers
 
     def fill(self, tokens: np.ndarray, chunks: Sequence[Chunk], namespace: Namespace, generation: bytes) -> int:
@@ -166,3 +183,35 @@ class OtherTPReader:
                 tier.close()
             except Exception:
                 logger.exception("kvconnect: closing the %s tier failed", tier.name)
+
+
+class PoolReader:
+    """Reads of the node server's pool under a writer's fingerprint, in the tiers' terms
+    (``masks``, ``get`` of encoded, checksummed chunks). The client verifies each entry's
+    checksum on its first acquire; it is released at once (the bytes are copied out)."""
+
+    name = "server"
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def healthy(self) -> bool:
+        return True
+
+    def masks(self, keys) -> list[Optional[int]]:
+        return self.pool.masks(keys)
+
+    def get(self, keys) -> list[Optional[bytes]]:
+        out: list[Optional[bytes]] = []
+        for entry in self.pool.acquire(list(keys), touch=False):
+            if entry is None:
+                out.append(None)
+                continue
+            try:
+                out.append(chunk_format.encode(entry.header, self.pool.entry_view(entry).numpy()))
+            finally:
+                self.pool.release([entry])
+        return out
+
+    def close(self) -> None:
+        self.pool.close()
