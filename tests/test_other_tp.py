@@ -329,3 +329,14 @@ def test_over_the_node_server_a_rank_reads_other_tp_sizes_objects_from_its_pool(
             finally:
                 for w in writers:
                     w.close()
+
+
+def test_fewer_kv_heads_than_ranks_one_rank_per_head_writes():
+    """2 KV heads at TP 4: ranks 0 and 1 hold head 0, ranks 2 and 3 head 1, each pair under one
+    name; the first of each pair writes the shared tiers, the other is a replica of it."""
+    g = torch.Generator().manual_seed(4)
+    pages = torch.randint(-9, 9, (NB, 2, BS, 16), generator=g).to(torch.float32)
+    ts = [_vllm_cpu_rank(pages, r, 4, total_kv_heads=2)[0] for r in range(4)]
+    assert [t.head_copy for t in ts] == [False, True, False, True]
+    assert ts[0].layout.fingerprint == ts[1].layout.fingerprint != ts[2].layout.fingerprint == ts[3].layout.fingerprint
+    assert not any(t.head_copy for t in (_vllm_cpu_rank(pages, r, 2, total_kv_heads=2)[0] for r in range(2)))

@@ -61,7 +61,7 @@ import torch
 from kvconnect.errors import BlockTableError, LayoutError, UnsupportedLayoutError
 from kvconnect.layout.kv_layout import KVLayout
 from kvconnect.layout.detect import detect_hint, split_planes
-from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions, TPShard
+from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions, ShardKind, TPShard
 
 from . import engine_tables, recurrent
 from .engine_tables import EngineRelease
@@ -92,6 +92,7 @@ class Translation:
     kernel_splits: tuple[int, ...] = ()  # per kvconnect group: kernel blocks per vLLM block (default 1)
     release: str = engine_tables.VLLM.name
     tp_replicated: bool = False  # every group's cache is the same on every TP rank: keyed without the rank
+    head_copy: bool = False  # this rank holds the very heads a lower TP rank holds (KV heads < TP): a replica of it
 
     def split_of(self, group: int) -> int:
         return self.kernel_splits[group] if self.kernel_splits else 1
@@ -257,9 +258,13 @@ def translate_kv_caches(
         tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
         group_shards=[shards.pop() if len(shards) == 1 else TPShard.rank(tp_rank, tp_size) for shards in group_shards],
     )
+    # fewer KV heads than ranks: vLLM gives each head to tp / heads consecutive ranks, which name it
+    # alike; the first of them writes the shared tiers, the others read its objects (as replicated KV)
+    head_copy = any(sh.kind is ShardKind.HEADS and sh.total < tp_size and tp_rank != sh.first * (tp_size // sh.total)
+                    for sh in layout.shards)
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
                        layer_names=layer_names, kernel_splits=tuple(splits), release=release.name,
-                       tp_replicated=tp_replicated)
+                       tp_replicated=tp_replicated, head_copy=head_copy)
 
 
 def shard_of(spec: Any, *, tp_rank: int, tp_size: int, total_kv_heads: Optional[int]) -> TPShard:
