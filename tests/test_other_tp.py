@@ -340,3 +340,32 @@ def test_fewer_kv_heads_than_ranks_one_rank_per_head_writes():
     assert [t.head_copy for t in ts] == [False, True, False, True]
     assert ts[0].layout.fingerprint == ts[1].layout.fingerprint != ts[2].layout.fingerprint == ts[3].layout.fingerprint
     assert not any(t.head_copy for t in (_vllm_cpu_rank(pages, r, 2, total_kv_heads=2)[0] for r in range(2)))
+
+
+def test_assemble_refuses_objects_that_disagree_or_do_not_fit():
+    """``assemble`` cuts heads only out of objects that agree on the chunk and fit the writers'
+    geometry; anything else is a miss (None), never bytes."""
+    import dataclasses
+
+    from kvconnect.chunks.chunk_format import ChunkHeader
+    from kvconnect.restore.other_tp import assemble
+
+    glob = _global("rows", 1, 4, 8, torch.uint8, 8)
+    reader, _ = _rank("rows", glob, 0, 1)
+    sources = sources_at(reader, 2)
+    rows = 32
+    payloads = [np.random.default_rng(k).integers(0, 256, 2 * rows * 2 * 8, dtype=np.uint8) for k in range(2)]
+    header = ChunkHeader(fingerprint=sources.fingerprints[0], key=b"k" * 16, token_start=0, token_end=rows,
+                         group_mask=1, plane_rows=((0, rows), (0, rows)), payload_bytes=len(payloads[0]))
+    headers = [header, dataclasses.replace(header, fingerprint=sources.fingerprints[1])]
+    plane_rows, out = assemble(reader, sources, headers, [memoryview(p) for p in payloads])
+    k = out[: rows * 32].reshape(rows, 32)  # the K plane: 4 heads x 8 bytes a row; each writer's rows: 2 heads
+    assert plane_rows == header.plane_rows
+    assert np.array_equal(k[:, :16], payloads[0][: rows * 16].reshape(rows, 16))  # heads 0-1 from rank 0
+    assert np.array_equal(k[:, 16:32], payloads[1][: rows * 16].reshape(rows, 16))  # heads 2-3 from rank 1
+    v = out[rows * 32:].reshape(rows, 32)
+    assert np.array_equal(v[:, 16:], payloads[1][rows * 16:].reshape(rows, 16))
+    other = [header, dataclasses.replace(headers[1], token_end=rows - 1)]
+    assert assemble(reader, sources, other, [memoryview(p) for p in payloads]) is None
+    short = [memoryview(payloads[0]), memoryview(payloads[1][:-16])]
+    assert assemble(reader, sources, [headers[0], dataclasses.replace(headers[1], payload_bytes=len(short[1]))], short) is None
