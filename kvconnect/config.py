@@ -174,7 +174,7 @@ class Config:
             raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.local_disk is not None:
             object.__setattr__(self, "local_disk", _one_disk_path(self.local_disk))
-        self.other_tp_sizes  # refuses a list that is not TP sizes, at start
+        _ = self.other_tp_sizes  # a list that is not TP sizes is refused here, at start
 
     @property
     def other_tp_sizes(self) -> tuple[int, ...]:

@@ -369,3 +369,14 @@ def test_assemble_refuses_objects_that_disagree_or_do_not_fit():
     assert assemble(reader, sources, other, [memoryview(p) for p in payloads]) is None
     short = [memoryview(payloads[0]), memoryview(payloads[1][:-16])]
     assert assemble(reader, sources, [headers[0], dataclasses.replace(headers[1], payload_bytes=len(short[1]))], short) is None
+
+
+def test_read_tp_sizes_is_checked_at_start():
+    from kvconnect.errors import ConfigError
+
+    assert Config(read_tp_sizes=" 2, 1,2 ").other_tp_sizes == (2, 1)
+    assert Config(read_tp_sizes="").other_tp_sizes == ()
+    assert Config.from_env({"KVCONNECT_READ_TP_SIZES": "4,8"}).other_tp_sizes == (4, 8)
+    for bad in ("two", "0", "1;2", "-1"):
+        with pytest.raises(ConfigError, match="read_tp_sizes"):
+            Config(read_tp_sizes=bad)
