@@ -380,3 +380,34 @@ def test_read_tp_sizes_is_checked_at_start():
     for bad in ("two", "0", "1;2", "-1"):
         with pytest.raises(ConfigError, match="read_tp_sizes"):
             Config(read_tp_sizes=bad)
+
+
+def test_vllm_mla_stored_at_tp1_is_read_by_every_rank_at_tp2(tmp_path):
+    """Item 0 through translate: vLLM's MLA latent at TP 1 and at TP 2 is one name, so a TP 2
+    rank (a replica: rank 1) restores TP 1's rows from the disk tier, byte for byte."""
+    from support.vllm_lookalikes import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+    from kvconnect.integrations.vllm.translate import translate_kv_caches
+
+    g = torch.Generator().manual_seed(6)
+    latent = torch.randint(-99, 99, (NB, BS, 1, 72), generator=g).to(torch.bfloat16)
+
+    def rank(r, size, rows):
+        config = KVCacheConfig(NB, [KVCacheGroupSpec(["l0"], MLAAttentionSpec(BS, 1, 72, torch.bfloat16))])
+        return translate_kv_caches(config, {"l0": rows.clone().permute(0, 2, 1, 3)}, backend_names={"l0": "CPU_MLA"},
+                                   model_name="dsv2@main#x", tp_rank=r, tp_size=size, total_kv_heads=1)
+
+    disk = str(tmp_path)
+    writer = rank(0, 1, latent)
+    engine = KVCacheEngine(writer.layout, _config(disk))
+    assert engine.store(TOKENS, writer.block_tables((tuple(SRC),))) == len(TOKENS)
+    engine.close()
+    reader = rank(1, 2, torch.zeros_like(latent))
+    assert reader.tp_replicated and reader.layout.fingerprint == writer.layout.fingerprint
+    engine = KVCacheEngine(reader.layout, _config(disk), shared_writer=False)
+    try:
+        assert engine.lookup(TOKENS) == len(TOKENS)
+        assert engine.retrieve(TOKENS, reader.block_tables((tuple(DST),))) == len(TOKENS)
+        assert engine.other_tp is None  # one name at every size: the ordinary path
+    finally:
+        engine.close()
+    assert torch.equal(reader.layout.tensors[0][DST].reshape(-1), latent[SRC].reshape(-1))
