@@ -35,6 +35,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_PD_WAIT_TIMEOUT_S    | pd_wait_timeout_s    | float | 5.0     | P/D decode side: how long a request whose prefill a producer names waits for its chunks in the shared tier before it is recomputed (docs/vllm.md, "Prefill/decode disaggregation") |
 | KVCONNECT_PD_POLL_INTERVAL_S   | pd_poll_interval_s   | float | 0.005   | P/D decode side: at most one shared-tier lookup per waiting request per this interval |
 | KVCONNECT_RESTORE_INTERVAL_TOKENS | restore_interval_tokens | int | 4096 | hybrid layouts: also keep window/state rows (the window part) every this many tokens of a stored prompt, besides its end and branch points (the first chunk end at or past each multiple); 0: at every chunk end (docs/design.md, "Restore points") |
+| KVCONNECT_READ_TP_SIZES        | read_tp_sizes        | str   | 1,2,4,8 | head-sharded KV (GQA/MHA): on a miss, also read chunks that ranks of these other TP sizes wrote, cutting this rank's heads out of theirs (comma-separated; empty: off; docs/design.md, "The identity of a chunk") |
 | KVCONNECT_STEP_END_WINDOW_PARTS | step_end_window_parts | bool | false | hybrid layouts: also keep the window part where an engine's prefill step ends (vLLM's chunked prefill), first evicted: it serves a request that diverges exactly there while it lives, at one window part per step (docs/performance.md, "Through vLLM") |
 | KVCONNECT_SKIP_LAST_N_TOKENS   | skip_last_n_tokens   | int   | 0       | vLLM adapter: the lookup leaves a request's last N prompt tokens out, so a hit never covers them (LMCache's vLLM key of the same name) |
 
@@ -171,6 +172,7 @@ class Config:
     restore_interval_tokens: int = 4096  # restore points (kvconnect/restore/parts.py); 0: every chunk end
     step_end_window_parts: bool = False  # short-lived restore points at prefill step ends (restore/points.py)
     skip_last_n_tokens: int = 0  # vLLM adapter: lookups leave the prompt's last N tokens out (LMCache's vLLM key)
+    read_tp_sizes: str = "1,2,4,8"  # other TP sizes whose head-sharded chunks a miss reads (restore/other_tp.py)
 
     def __post_init__(self) -> None:
         for name, (low, high, low_open) in NUMERIC_RANGES.items():
@@ -190,6 +192,22 @@ class Config:
             raise ConfigError(f"eviction (KVCONNECT_EVICTION) must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.local_disk is not None:
             object.__setattr__(self, "local_disk", _one_disk_path(self.local_disk))
+        _ = self.other_tp_sizes  # a list that is not TP sizes is refused here, at start
+
+    @property
+    def other_tp_sizes(self) -> tuple[int, ...]:
+        """``read_tp_sizes`` as TP sizes, in the order given, each once."""
+        out: list[int] = []
+        for part in self.read_tp_sizes.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if not part.isdigit() or not 1 <= int(part) <= 4096:
+                raise ConfigError(f"read_tp_sizes (KVCONNECT_READ_TP_SIZES) must list TP sizes from 1 to 4096 separated "
+                                  f"by commas, got {self.read_tp_sizes!r}")
+            if int(part) not in out:
+                out.append(int(part))
+        return tuple(out)
 
     @property
     def effective_min_load_tokens(self) -> int:

@@ -56,6 +56,7 @@ from .restore.parts import PartLayout, slice_wide_planes
 from .layout.chunk_size import check_chunk_size, choose_chunk_size, layout_rules
 from .restore.plan import BlockTables
 from .restore.points import splits_window_groups
+from .restore.other_tp_reads import OtherTPReader
 from .restore.reads import ChunkLoader
 from .restore.scheme import RestoreScheme
 from .restore.whole_chunks import WholeChunks
@@ -148,6 +149,9 @@ class KVCacheEngine:
             WindowParts(layout, self.parts, self.storage, writer, loader, self.counters, self.ops,
                         interval_tokens=self.config.restore_interval_tokens, step_end_parts=self.config.step_end_window_parts)
             if self.parts.split else WholeChunks(layout, self.parts, self.storage, writer, loader, self.counters, self.ops))
+        # head-sharded KV that ranks of another TP size wrote, read on a miss (restore/other_tp_reads.py);
+        # whole-chunk objects only: window pieces group planes by bytes that differ with the TP size
+        self.other_tp = None if self.parts.split else OtherTPReader.of(layout, self.config, self.storage, pool_factory)
 
     @property
     def pool(self) -> Pool:
@@ -346,7 +350,9 @@ class KVCacheEngine:
         not a promise: ``retrieve`` returns what it loaded). ``generation``: the key generation
         to look under (None: this engine's; kvconnect/chunks/keys.py). ``media``: as in ``store``.
         """
-        chunks = self._chunks(tokens_as_int64(tokens), True, namespace, generation, media)
+        tok = tokens_as_int64(tokens)
+        chunks = self._chunks(tok, include_partial=True, namespace=namespace, generation=generation, media=media)
+        self._fill_from_other_tp(tok, chunks, namespace, generation)
         return self.restore.lookup(chunks)
 
     def lookup_chunks(self, chunks: list[Chunk]) -> int:
@@ -366,8 +372,19 @@ class KVCacheEngine:
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
-        chunks = self._chunks(tok, True, namespace, generation, media)
+        chunks = self._chunks(tok, include_partial=True, namespace=namespace, generation=generation, media=media)
+        self._fill_from_other_tp(tok, chunks, namespace, generation)
         return self.restore.retrieve(chunks, tables, skip, start_s)
+
+    def _fill_from_other_tp(self, tok: np.ndarray, chunks: list[Chunk], namespace: Namespace,
+                            generation: Optional[bytes]) -> None:
+        """Chunks this rank misses that ranks of another TP size wrote, into the pool first."""
+        if self.other_tp is None:
+            return
+        try:
+            self.other_tp.fill(tok, chunks, namespace, self._keyer_of(generation).generation)
+        except Exception:  # a read across TP sizes is a best effort: a failure is a miss, never the engine's
+            logger.exception("kvconnect: reading another TP size's chunks failed; treating it as a miss")
 
     def retrieve_chunks(self, chunks: list[Chunk], block_ids, *, present_tokens: int = 0) -> int:
         """``retrieve`` over chunks whose keys the caller computed; tokens loaded beyond ``present_tokens``."""
@@ -389,6 +406,8 @@ class KVCacheEngine:
     def close(self) -> None:
         """Flush queued lower-tier writes, stop their threads, close the tiers, empty the pool."""
         unregister(self.metrics_instance)
+        if self.other_tp is not None:
+            self.other_tp.close()
         self.storage.close()
         self.pool.close()  # a private pool is emptied; a shared one keeps the other engines' entries
 

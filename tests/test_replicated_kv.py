@@ -84,7 +84,8 @@ def test_mla_ranks_share_one_key_chain_and_gqa_ranks_do_not():
     r0, r1 = _mla(0), _mla(1)
     assert r0.tp_replicated and r1.tp_replicated
     assert r0.layout.fingerprint == r1.layout.fingerprint  # no rank in the key
-    assert _mla(1, tp_size=4).layout.fingerprint != r1.layout.fingerprint  # the TP size stays in it
+    # nor the TP size (issue 40 item 0): any TP size reads what any other wrote
+    assert _mla(1, tp_size=4).layout.fingerprint == _mla(0, tp_size=1).layout.fingerprint == r1.layout.fingerprint
     assert not _mla(0, tp_size=1).tp_replicated
     g0, g1 = _gqa(0), _gqa(1)
     assert not g0.tp_replicated and g0.layout.fingerprint != g1.layout.fingerprint  # sharded heads: per rank

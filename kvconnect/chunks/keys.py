@@ -3,8 +3,10 @@
 h_0 = BLAKE3(fingerprint || chunk size [|| 0x01 || len(ns) || ns]); h_i = BLAKE3-keyed(key=h_{i-1},
 tokens of chunk i); the key of chunk i is the first 16 bytes of h_i. Token ids are hashed as little-endian
 uint32 (every real vocabulary fits; larger ids raise TokenError), so keys are a pure function
-of tokens and identity: equal across processes, TP ranks of the same shard, and machines,
-and independent of the engine's block size. BLAKE3 is cryptographic, so crafted prompts
+of tokens and identity: equal across processes, TP ranks that hold the same part (every rank
+of every TP size for replicated KV, the ranks holding the same KV heads for head-sharded KV:
+the fingerprint is a TP-free model identity plus each group's part identity, docs/design.md
+"The identity of a chunk"), and machines, and independent of the engine's block size. BLAKE3 is cryptographic, so crafted prompts
 cannot collide into another prefix's chunk. A 128K-token prompt hashes in under a millisecond.
 
 A *namespace* (``ns``) is whatever besides token ids decides the KV of a request: a LoRA

@@ -11,10 +11,17 @@ in its base address and its own row stride, so every kernel (compiled CPU and CU
 torch) moves each field from where the engine wrote it, whatever row range a copy covers.
 
 The fingerprint covers what decides a stored chunk's bytes (model, dtypes, plane row bytes,
-row shapes (heads x head size) and order, group kinds, compress ratios and windows, TP and
-DCP shard, format version, and the regions of split planes) and deliberately not the engine's block size or block stride
+row shapes (heads x head size) and order, group kinds, compress ratios and windows, DCP
+shard, format version, and the regions of split planes) and deliberately not the engine's block size or block stride
 of token planes: a chunk stored by a deployment with block size 128 is read by one with
 block size 32.
+
+It is two parts (docs/design.md, "The identity of a chunk"): the *model identity*
+(``model_fingerprint``: everything above, with a head-sharded group's planes counted per
+global head, so it is the same at every TP size) and the *part identity*, one ``TPShard`` per
+group: nothing of TP for a replicated group, the global head range for a head-sharded one,
+rank and size for any other split. ``fingerprint`` hashes both; it never holds the TP rank
+of a group that is not split by rank.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from .views import drop_aliased_views
 from ..errors import LayoutError
 from .detect import plane_geometry, split_planes, split_regions
 from .rows import GroupGeometry
-from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec, RowRegions
+from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec, RowRegions, ShardKind, TPShard
 
 FORMAT_VERSION = 1
 
@@ -55,6 +62,8 @@ class KVLayout:
     tp_size: int
     fingerprint: Fingerprint
     identity: tuple[tuple[str, str], ...] = ()  # the extra identity strings, sorted
+    shards: tuple[TPShard, ...] = ()  # per group: what of it this TP rank holds (its part identity)
+    model_fingerprint: Fingerprint = Fingerprint(b"")  # the TP-free model identity
 
     @classmethod
     def from_tensors(
@@ -70,6 +79,7 @@ class KVLayout:
         dcp: DCPSpec = DCPSpec(),
         identity: Optional[Mapping[str, str]] = None,
         row_regions: Optional[Mapping[str, RegionAssignment]] = None,
+        group_shards: Optional[Sequence[Optional[TPShard]]] = None,
     ) -> "KVLayout":
         """Build a layout from ``{layer_name: tensor | tuple_of_tensors}``.
 
@@ -81,6 +91,8 @@ class KVLayout:
         row_regions: per layer, the ``RowRegions`` of its row planes (or a tuple with one
             entry, possibly None, per tensor of a tuple value): each such plane becomes one
             sub-plane per region, in region order.
+        group_shards: per group, what of it this TP rank holds (``TPShard``); None (or a None
+            entry): ``TPShard.rank(tp_rank, tp_size)``, read only by the same rank and size.
 
         Example::
 
@@ -154,10 +166,11 @@ class KVLayout:
                             )
                         )
                         tensors.append(view)
-        return cls._assemble(groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity or {})
+        shards = _group_shards(group_shards, len(groups), tp_rank, tp_size)
+        return cls._assemble(groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity or {}, shards)
 
     @classmethod
-    def _assemble(cls, groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity) -> "KVLayout":
+    def _assemble(cls, groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity, shards) -> "KVLayout":
         if not planes:
             raise LayoutError("a layout needs at least one plane")
         devices = {t.device for t in tensors}
@@ -175,7 +188,10 @@ class KVLayout:
             if is_page and dcp.size > 1:
                 raise LayoutError(f"group {g}: page planes cannot be sharded by decode context parallel")
             geometries.append(GroupGeometry.of(group, is_page=is_page, dcp=dcp))
-        fingerprint = _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity)
+        _check_head_planes(planes, shards)
+        model_doc = _model_doc(groups, planes, geometries, dcp, model_name, identity, shards)
+        model_fingerprint = Fingerprint(blake3.blake3(msgpack.packb(model_doc)).digest(16))
+        fingerprint = layout_fingerprint(model_fingerprint, shards)
         return cls(
             groups=tuple(groups),
             planes=tuple(planes),
@@ -187,6 +203,8 @@ class KVLayout:
             tp_size=tp_size,
             fingerprint=fingerprint,
             identity=tuple(sorted(identity.items())),
+            shards=tuple(shards),
+            model_fingerprint=model_fingerprint,
         )
 
     def with_identity(self, *, model_name: Optional[str] = None,
@@ -197,7 +215,8 @@ class KVLayout:
         extra = {**dict(self.identity), **(identity or {})}
         if name == self.model_name and extra == dict(self.identity):
             return self
-        return self._assemble(self.groups, self.planes, self.tensors, self.dcp, name, self.tp_rank, self.tp_size, extra)
+        return self._assemble(self.groups, self.planes, self.tensors, self.dcp, name, self.tp_rank, self.tp_size, extra,
+                              self.shards)
 
     def with_sliced_planes(self, slices: Mapping[int, int]) -> "KVLayout":
         """This layout with plane ``i`` cut into ``slices[i]`` column slices (``PlaneSpec``):
@@ -231,7 +250,7 @@ class KVLayout:
                 planes.append(dataclasses.replace(spec, plane_index=index))
                 tensors.append(view)
         return self._assemble(self.groups, planes, tensors, self.dcp, self.model_name, self.tp_rank, self.tp_size,
-                              dict(self.identity))
+                              dict(self.identity), self.shards)
 
     @property
     def device(self) -> torch.device:
@@ -283,18 +302,60 @@ def _regions_per_tensor(layer_name: str, given: Optional[RegionAssignment], coun
     return out
 
 
-def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity) -> Fingerprint:
+def _group_shards(given, num_groups: int, tp_rank: int, tp_size: int) -> tuple[TPShard, ...]:
+    default = TPShard.rank(tp_rank, tp_size)
+    if given is None:
+        return (default,) * num_groups
+    given = list(given)
+    if len(given) != num_groups or any(s is not None and not isinstance(s, TPShard) for s in given):
+        raise LayoutError(f"group_shards needs one TPShard or None per group ({num_groups}), got {given!r}")
+    return tuple(default if s is None else s for s in given)
+
+
+def _check_head_planes(planes, shards) -> None:
+    """Every plane of a head-sharded group holds its rank's heads as equal slices of each row."""
+    for p in planes:
+        shard = shards[p.group_index]
+        if shard.kind is ShardKind.HEADS and p.num_slices == 1 and p.row_bytes % shard.count:
+            raise LayoutError(f"layer {p.layer_name!r} plane {p.plane_index}: rows of {p.row_bytes} bytes do not "
+                              f"split into the {shard.count} heads of its group's TP shard")
+
+
+def _per_head_plane(p: PlaneSpec, shard: TPShard) -> list:
+    """A plane's entry in the model identity: a head-sharded group's per global head (and the
+    global head count), so it is the same at every TP size."""
+    if shard.kind is not ShardKind.HEADS or p.num_slices > 1:  # a column slice is no head range: strict
+        return [p.group_index, p.dtype, p.row_bytes, p.tokens_per_row, p.is_page]
+    return [p.group_index, p.dtype, p.row_bytes // shard.count, p.tokens_per_row, p.is_page, "per_head", shard.total]
+
+
+def _per_head_shape(p: PlaneSpec, shard: TPShard) -> list:
+    shape = list(p.row_shape)
+    if shard.kind is ShardKind.HEADS and shape and p.num_slices == 1:
+        if shape[0] % shard.count == 0:
+            shape[0] //= shard.count
+        else:  # heads are not the leading dim: the per-head bytes (already in the plane entry) decide
+            shape = ["bytes", p.row_bytes // shard.count]
+    return shape
+
+
+def layout_fingerprint(model_fingerprint: Fingerprint, shards) -> Fingerprint:
+    """The layout fingerprint: the model identity and each group's part identity."""
+    doc = {"model": bytes(model_fingerprint), "shards": [s.identity() for s in shards]}
+    return Fingerprint(blake3.blake3(msgpack.packb(doc)).digest(16))
+
+
+def _model_doc(groups, planes, geometries, dcp, model_name, identity, shards) -> dict:
     doc = {
         "format": FORMAT_VERSION,
         "model": model_name,
         "identity": sorted(identity.items()),
-        "tp": [tp_rank, tp_size],
         "dcp": [dcp.rank, dcp.size, dcp.interleave_tokens],
         "groups": [
             [g.kind.value, geo.tokens_per_row, geo.window_tokens, geo.aligned_boundary]
             for g, geo in zip(groups, geometries)
         ],
-        "planes": [[p.group_index, p.dtype, p.row_bytes, p.tokens_per_row, p.is_page] for p in planes],
+        "planes": [_per_head_plane(p, shards[p.group_index]) for p in planes],
     }
     if any(geo.window_free_every for geo in geometries):
         # Chunks stored under a window-free rule lack the group's rows (and their window pieces hold
@@ -309,5 +370,5 @@ def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, 
         # a sliced plane's chunk rows are stored in column slices: never read as whole rows
         doc["slices"] = [[p.slice_index, p.num_slices] for p in planes]
     # rows of equal bytes split otherwise (4 heads x 128 vs 8 x 64) are other models' KV
-    doc["row_shapes"] = [list(p.row_shape) for p in planes]
-    return Fingerprint(blake3.blake3(msgpack.packb(doc)).digest(16))
+    doc["row_shapes"] = [_per_head_shape(p, shards[p.group_index]) for p in planes]
+    return doc

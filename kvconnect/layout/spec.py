@@ -104,6 +104,87 @@ class GroupSpec:
         return self.window_tokens is not None
 
 
+class ShardKind(enum.Enum):
+    """How a group's KV is split over tensor-parallel ranks (``TPShard``)."""
+
+    REPLICATED = "replicated"  # every rank holds the same rows: no TP in the identity
+    HEADS = "heads"  # the rank holds a range of global heads (channels): the identity carries the range
+    RANK = "rank"  # split in a way kvconnect does not describe: the identity carries rank and size
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What of one group's KV a tensor-parallel rank holds: the part identity its stored
+    objects are named by (docs/design.md, "The identity of a chunk").
+
+    - ``replicated()``: every rank holds the same rows (MLA latents, indexer K, DeepSeek V4's
+      groups). Nothing of TP enters the identity: any TP size reads what any other wrote.
+    - ``heads(first, count, total)``: the rank holds global heads [first, first + count) of
+      ``total`` (GQA/MHA K and V, sliding-window layers). Each of its planes' rows is ``count``
+      equal head slices in global head order. The identity carries the range, not the rank:
+      ranks of any TP size that hold the same heads hold the same bytes.
+    - ``rank(rank, size)``: any other split (recurrent states, whose conv channels are not one
+      global range): strict, read only by the same rank of the same TP size.
+
+    Example (vLLM's split of 2 KV heads over TP 4: ranks 0 and 1 both hold head 0)::
+
+        TPShard.of_kv_heads(2, tp_rank=1, tp_size=4)  # TPShard(HEADS, first=0, count=1, total=2)
+    """
+
+    kind: ShardKind
+    first: int = 0
+    count: int = 1
+    total: int = 1
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(v, int) for v in (self.first, self.count, self.total)):
+            raise LayoutError(f"TPShard fields must be ints, got {self!r}")
+        if self.kind is ShardKind.REPLICATED and (self.first, self.count, self.total) != (0, 1, 1):
+            raise LayoutError("a replicated TPShard has no range")
+        if self.kind is ShardKind.HEADS and not (self.count >= 1 and 0 <= self.first and self.first + self.count <= self.total):
+            raise LayoutError(f"heads [{self.first}, {self.first + self.count}) are not within the {self.total} global heads")
+        if self.kind is ShardKind.RANK and not (self.count == 1 and 0 <= self.first < self.total):
+            raise LayoutError(f"TP rank {self.first} is not in [0, {self.total})")
+
+    @classmethod
+    def replicated(cls) -> "TPShard":
+        return cls(ShardKind.REPLICATED)
+
+    @classmethod
+    def heads(cls, first: int, count: int, total: int) -> "TPShard":
+        return cls(ShardKind.HEADS, first, count, total)
+
+    @classmethod
+    def rank(cls, rank: int, size: int) -> "TPShard":
+        return cls(ShardKind.RANK, rank, 1, size)
+
+    @classmethod
+    def of_kv_heads(cls, total_heads: int, *, tp_rank: int, tp_size: int) -> "TPShard":
+        """The global KV heads vLLM gives TP rank ``tp_rank`` of ``tp_size`` (``QKVParallelLinear``):
+        ``total / size`` consecutive heads each when ``total >= size``; else one head, each head held
+        by ``size / total`` consecutive ranks. A split vLLM refuses (neither divides) raises."""
+        if total_heads < 1 or tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise LayoutError(f"no KV head split for {total_heads} heads at TP rank {tp_rank} of {tp_size}")
+        if total_heads >= tp_size:
+            if total_heads % tp_size:
+                raise LayoutError(f"{total_heads} KV heads do not split over TP {tp_size}")
+            per = total_heads // tp_size
+            return cls.heads(tp_rank * per, per, total_heads)
+        if tp_size % total_heads:
+            raise LayoutError(f"TP {tp_size} does not replicate {total_heads} KV heads evenly")
+        return cls.heads(tp_rank // (tp_size // total_heads), 1, total_heads)
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+    def identity(self) -> list:
+        """What enters the fingerprint: nothing of TP for a replicated group."""
+        if self.kind is ShardKind.REPLICATED:
+            return ["replicated"]
+        return [self.kind.value, self.first, self.count, self.total]
+
+
 @dataclass(frozen=True, kw_only=True)
 class DCPSpec:
     """Decode context parallel: this process holds rank ``rank`` of ``size`` token shards.

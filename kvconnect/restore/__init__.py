@@ -8,6 +8,8 @@
 - ``scheme``: ``RestoreScheme``, implemented by ``whole_chunks`` and ``window_parts``; the
   engine holds one, chosen when it is made.
 - ``writes`` (``ObjectWriter``) and ``reads`` (``ChunkLoader``): the write path and the load.
+- ``other_tp`` (which writer ranks of another TP size hold a rank's heads, and ``assemble``)
+  and ``other_tp_reads`` (``OtherTPReader``: on a miss, those objects into the pool).
 
 Imports ``errors``, ``events``, ``engine_stats``, ``layout``, ``chunks``, ``metrics``,
 ``transfer`` and ``storage``; never the engine above it, the server or an adapter.

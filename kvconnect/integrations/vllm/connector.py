@@ -162,10 +162,13 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                 model_name=self._config.model_name, tp_rank=ranks.tp_rank, tp_size=ranks.tp_size,
                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
                 conv_state_layout=recurrent.conv_state_layout() if self._state_blocks else None,
+                total_kv_heads=ranks.total_kv_heads,
             )
             recurrent.check_chunk_size(self._config.chunk_size, self._state_blocks)
             # KV replicated over TP (MLA) is written once per copy: the other ranks read it
-            self._worker.register(translation, shared_writer=ranks.writes_shared(translation.tp_replicated))
+            # (and GQA heads held by several ranks, KV heads < TP: the first of them writes)
+            self._worker.register(translation, shared_writer=ranks.writes_shared(translation.tp_replicated)
+                                  and not translation.head_copy)
             if self._events_on and ranks.worker_index == 0 and self._worker.engine is not None:
                 self._worker.engine.enable_events()
         except UnsupportedLayoutError as exc:

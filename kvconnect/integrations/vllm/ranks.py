@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import blake3
 
@@ -22,6 +22,7 @@ class ParallelRanks:
     pp_rank: int = 0
     pp_size: int = 1
     dcp: DCPSpec = DCPSpec()
+    total_kv_heads: Optional[int] = None  # the model's KV heads over all TP ranks (keys attention by head range)
 
     @property
     def num_workers(self) -> int:
@@ -56,7 +57,18 @@ def parallel_ranks(vllm_config: Any, *, in_worker: bool) -> ParallelRanks:
     tp_rank = ps.get_tensor_model_parallel_rank() if tp_size > 1 else 0
     pp_rank = ps.get_pp_group().rank_in_group if pp_size > 1 else 0
     dcp_rank = ps.get_dcp_group().rank_in_group if dcp_size > 1 else 0
-    return ParallelRanks(tp_rank, tp_size, pp_rank, pp_size, DCPSpec(rank=dcp_rank, size=dcp_size, interleave_tokens=interleave))
+    return ParallelRanks(tp_rank, tp_size, pp_rank, pp_size, DCPSpec(rank=dcp_rank, size=dcp_size, interleave_tokens=interleave),
+                         total_kv_heads=total_kv_heads(vllm_config))
+
+
+def total_kv_heads(vllm_config: Any) -> Optional[int]:
+    """The model's KV heads over all TP ranks (``ModelConfig.get_total_num_kv_heads``), None where
+    the config does not say (attention is then keyed by rank, never by a guessed head range)."""
+    try:
+        heads = int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return heads if heads > 0 else None
 
 
 def data_parallel_rank(vllm_config: Any) -> int:

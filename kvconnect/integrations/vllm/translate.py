@@ -28,11 +28,15 @@ counts compressed blocks in rows and re-splits hybrid attention tensors into ker
 layer that only re-read bytes its other views cover (vLLM-Ascend A5's third indexer view) are
 stored once; a partial overlap is refused. Every refusal names the layer.
 
-Tensor parallelism. A layout whose every group has a spec in ``TP_REPLICATED_SPECS`` (MLA-like:
-the same cache on every TP rank) is ``Translation.tp_replicated``: its fingerprint carries the
-TP size but not the rank, so every rank computes the same keys, and only the rank that
-``ParallelRanks.writes_shared`` names writes the shared tiers (docs/vllm.md, "Replicated KV").
-Any other layout, a mix of replicated and sharded groups included, keeps the rank in its keys.
+Tensor parallelism. Each group's part identity (``TPShard``, docs/design.md "The identity of
+a chunk") says what of it this rank holds: a group whose spec is in ``TP_REPLICATED_SPECS``
+(MLA-like: the same cache on every TP rank) is replicated and carries nothing of TP, so every
+rank of every TP size computes the same keys; an attention group holds the global KV heads
+vLLM's split gives the rank (``TPShard.of_kv_heads`` of ``total_kv_heads``) and carries that
+range, not the rank; a recurrent state group (and an attention group whose heads do not match
+vLLM's split, or without ``total_kv_heads``) carries rank and size. A layout whose every group
+is replicated is ``Translation.tp_replicated``: only the rank that ``ParallelRanks.writes_shared``
+names writes the shared tiers (docs/vllm.md, "Replicated KV").
 
 The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
 the window): it becomes -1. Layers of one group that share a tensor are stored once.
@@ -56,16 +60,16 @@ import torch
 
 from kvconnect.errors import BlockTableError, LayoutError, UnsupportedLayoutError
 from kvconnect.layout.kv_layout import KVLayout
-from kvconnect.layout.detect import split_planes
-from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions
+from kvconnect.layout.detect import detect_hint, split_planes
+from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions, ShardKind, TPShard
 
 from . import engine_tables, recurrent
 from .engine_tables import EngineRelease
 from .metadata import BlockIds, freeze_block_ids
-from .specs import TP_REPLICATED_SPECS, layer_spec_of, group_spec_of
+from .specs import TP_REPLICATED_SPECS, layer_spec_of, group_spec_of, num_heads_of
 from .tensors import check_blocks, planes_of, row_regions_of, tensor_device_type, tensor_signature
 
-__all__ = ["NULL_BLOCK_ID", "Translation", "translate_kv_caches", "states_refusal", "extra_config", "model_identity"]
+__all__ = ["NULL_BLOCK_ID", "Translation", "translate_kv_caches", "shard_of", "states_refusal", "extra_config", "model_identity"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +92,7 @@ class Translation:
     kernel_splits: tuple[int, ...] = ()  # per kvconnect group: kernel blocks per vLLM block (default 1)
     release: str = engine_tables.VLLM.name
     tp_replicated: bool = False  # every group's cache is the same on every TP rank: keyed without the rank
+    head_copy: bool = False  # this rank holds the very heads a lower TP rank holds (KV heads < TP): a replica of it
 
     def split_of(self, group: int) -> int:
         return self.kernel_splits[group] if self.kernel_splits else 1
@@ -132,6 +137,7 @@ def translate_kv_caches(
     release: Optional[EngineRelease] = None,
     tiled_layers: Sequence[str] = (),
     conv_state_layout: Optional[str] = None,
+    total_kv_heads: Optional[int] = None,
 ) -> Translation:
     """Build the kvconnect layout of vLLM's registered caches.
 
@@ -145,6 +151,8 @@ def translate_kv_caches(
         a row's bytes are scattered over its block, so each block is stored as one opaque page.
     conv_state_layout: vLLM's conv-state layout ("SD" / "DS", ``recurrent.conv_state_layout()``),
         required when a group is a recurrent state (MambaSpec); part of the fingerprint.
+    total_kv_heads: the model's KV heads over all TP ranks (``ModelConfig.get_total_num_kv_heads``):
+        attention groups are then keyed by the global heads this rank holds (``shard_of``).
 
     Raises UnsupportedLayoutError for caches that cannot be restored exactly, LayoutError
     for shapes that do not fit their spec; nothing is registered in either case.
@@ -162,6 +170,7 @@ def translate_kv_caches(
 
     group_index: dict[tuple, int] = {}
     group_specs: list[GroupSpec] = []
+    group_shards: list[set] = []
     sources: list[int] = []
     splits: list[int] = []
     values: dict[str, Any] = {}
@@ -208,9 +217,15 @@ def translate_kv_caches(
             if key not in group_index:
                 group_index[key] = len(group_specs)
                 group_specs.append(gspec)
+                group_shards.append(set())
                 sources.append(vllm_group)
                 splits.append(split)
             g = group_index[key]
+            per_head = not is_page and any((hint or detect_hint(t, gspec.rows_per_block)).startswith("hnd")
+                                           for t in (value if isinstance(value, tuple) else (value,)))
+            # one plane per head (HND) holds no head range as a row's leading slices: keyed by rank
+            group_shards[g].add(TPShard.rank(tp_rank, tp_size) if per_head else
+                                shard_of(spec, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads))
             spec_names.add(type(spec).__name__)
             values[layer] = value
             layer_groups[layer] = tuple([g] * len(value)) if isinstance(value, tuple) else g
@@ -240,11 +255,33 @@ def translate_kv_caches(
     }
     layout = KVLayout.from_tensors(
         values, groups=group_specs, layer_groups=layer_groups, layout_hints=hints, model_name=model_name,
-        tp_rank=0 if tp_replicated else tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
+        tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
+        group_shards=[shards.pop() if len(shards) == 1 else TPShard.rank(tp_rank, tp_size) for shards in group_shards],
     )
+    # fewer KV heads than ranks: vLLM gives each head to tp / heads consecutive ranks, which name it
+    # alike; the first of them writes the shared tiers, the others read its objects (as replicated KV)
+    head_copy = any(sh.kind is ShardKind.HEADS and sh.total < tp_size and tp_rank != sh.first * (tp_size // sh.total)
+                    for sh in layout.shards)
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
                        layer_names=layer_names, kernel_splits=tuple(splits), release=release.name,
-                       tp_replicated=tp_replicated)
+                       tp_replicated=tp_replicated, head_copy=head_copy)
+
+
+def shard_of(spec: Any, *, tp_rank: int, tp_size: int, total_kv_heads: Optional[int]) -> TPShard:
+    """What of a layer's cache TP rank ``tp_rank`` of ``tp_size`` holds (its part identity):
+    replicated for ``TP_REPLICATED_SPECS``; the global KV heads of vLLM's split for attention
+    whose per-rank head count is that split's; rank and size otherwise (recurrent states: conv
+    channels are slices of q, k and v, no one global range)."""
+    if type(spec).__name__ in TP_REPLICATED_SPECS:
+        return TPShard.replicated()
+    if recurrent.is_state_spec(spec) or not total_kv_heads:
+        return TPShard.rank(tp_rank, tp_size)
+    try:
+        shard = TPShard.of_kv_heads(int(total_kv_heads), tp_rank=tp_rank, tp_size=tp_size)
+        heads = num_heads_of(spec)
+    except (LayoutError, AttributeError, TypeError, ValueError):
+        return TPShard.rank(tp_rank, tp_size)
+    return shard if heads == shard.count else TPShard.rank(tp_rank, tp_size)
 
 
 def states_refusal(kv_cache_config: Any, kv_caches: Mapping[str, Any], kv_states: Mapping[str, Any],
