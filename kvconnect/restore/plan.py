@@ -132,8 +132,12 @@ class BlockTables:
         rows = np.repeat(r0 - off, n) + np.arange(int(n.sum()), dtype=np.int64)
         blocks = table[rows // rpb]
         slots = blocks if rpb == 1 else blocks * rpb + rows % rpb
-        absent_before = np.concatenate([np.zeros(1, np.int64), np.cumsum(blocks < 0)])
-        absent = (absent_before[off + n] - absent_before[off]).tolist()
+        missing = blocks < 0
+        if missing.any():  # which ranges hold an absent block (most calls have none)
+            absent_before = np.concatenate([np.zeros(1, np.int64), np.cumsum(missing)])
+            absent = (absent_before[off + n] - absent_before[off]).tolist()
+        else:
+            absent = [0] * n_ranges
         out: list[Optional[np.ndarray]] = []
         for o, k, bad in zip(off.tolist(), n.tolist(), absent):
             out.append(None if bad else slots[o : o + k])
