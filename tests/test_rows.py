@@ -143,6 +143,32 @@ def test_slots_against_brute_force(args, required):
         assert got.dtype == np.int64 and got.tolist() == expected
 
 
+@given(tables_and_rows(), st.lists(st.tuples(st.integers(0, 13 * 64), st.integers(0, 64)), max_size=6))
+def test_slots_many_is_slots_of_each_range(args, more):
+    """The planner's batched form (one gather for every chunk of a call) agrees with ``slots``
+    range by range: the same slots, None where a block is absent, BlockTableError past the table."""
+    rpb, num_blocks, ids, first = args
+    layout = KVLayout.from_tensors(
+        {"l": torch.zeros(num_blocks, rpb, 2, dtype=torch.uint8)}, groups=[GroupSpec(block_size=rpb)]
+    )
+    tables = BlockTables.of(layout, [ids])
+    ranges = [first] + [(r0 % ((len(ids) + 1) * rpb), r0 % ((len(ids) + 1) * rpb) + n) for r0, n in more]
+    one_by_one = []
+    for r in ranges:
+        try:
+            one_by_one.append(tables.slots(0, r, required=False, what="test"))
+        except BlockTableError:
+            with pytest.raises(BlockTableError):
+                tables.slots_many(0, ranges, what=lambda i: "test")
+            return
+    got = tables.slots_many(0, ranges, what=lambda i: "test")
+    assert len(got) == len(ranges)
+    for want, have in zip(one_by_one, got):
+        assert (want is None) == (have is None)
+        if want is not None:
+            assert have.dtype == np.int64 and have.tolist() == want.tolist()
+
+
 @given(st.lists(st.integers(-5, 9), max_size=10), st.sampled_from(["list", "tuple", "numpy", "torch", "int32"]))
 def test_block_tables_accept_engine_forms(ids, form):
     """Ids as lists, numpy or torch (any int dtype); negatives mean absent; >= num_blocks is an error."""

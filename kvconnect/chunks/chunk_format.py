@@ -23,6 +23,8 @@ or checksum raises ``CorruptChunkError`` and is treated as a miss.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import struct
 from dataclasses import dataclass
 
@@ -49,6 +51,14 @@ class ChunkHeader:
     plane_rows: tuple[tuple[int, int], ...]  # (first_row, num_rows) per plane
     payload_bytes: int
     checksum: int = 0
+
+    @functools.cached_property
+    def plane_rows_array(self) -> np.ndarray:
+        """``plane_rows`` as a read-only int64 [planes, 2] array, made once per header (a retrieve
+        reads it for every stored object it loads)."""
+        rows = np.fromiter(itertools.chain.from_iterable(self.plane_rows), np.int64, 2 * len(self.plane_rows)).reshape(-1, 2)
+        rows.setflags(write=False)
+        return rows
 
     @property
     def header_bytes(self) -> int:

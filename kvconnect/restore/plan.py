@@ -14,8 +14,9 @@ P comes from the restore gate (``gate.restorable_boundary``); the segments go to
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -114,14 +115,56 @@ class BlockTables:
             raise BlockTableError(
                 f"group {group}: {what} needs rows [{r0}, {r1}) in {need_blocks} blocks, but only {len(table)} block ids were given"
             )
-        row_ids = np.arange(r0, r1, dtype=np.int64)
-        blocks = table[row_ids // rpb]
-        if (blocks < 0).any():
+        b0 = r0 // rpb
+        blocks = table[b0:need_blocks]  # a view: the blocks holding rows [r0, r1)
+        if blocks.min() < 0:
             if required:
-                missing = int(row_ids[np.argmax(blocks < 0)] // rpb)
+                missing = b0 + int(np.argmax(blocks < 0))
                 raise BlockTableError(f"group {group}: {what} needs block index {missing}, which is absent (id < 0)")
             return None
-        return blocks * rpb + row_ids % rpb
+        if rpb == 1:
+            return blocks
+        return (blocks[:, None] * rpb + _row_in_block(rpb)).reshape(-1)[r0 - b0 * rpb : r1 - b0 * rpb]
+
+
+    def slots_many(self, group: int, ranges: Sequence[RowRange], *, what: Callable[[int], str]) -> list[Optional[np.ndarray]]:
+        """``slots(group, r, required=False)`` for every row range of ``ranges`` (the chunks of one
+        call), found together: one gather over the group's table for all of them."""
+        n_ranges = len(ranges)
+        r0 = np.fromiter((r[0] for r in ranges), np.int64, n_ranges)
+        r1 = np.fromiter((r[1] for r in ranges), np.int64, n_ranges)
+        n = np.maximum(r1 - r0, 0)
+        rpb = self.layout.geometries[group].rows_per_block
+        table = self.tables[group]
+        need_blocks = np.where(n > 0, (r1 - 1) // rpb + 1, 0)
+        if n_ranges and need_blocks.max() > len(table):
+            i = int(np.argmax(need_blocks > len(table)))
+            return [self.slots(group, ranges[i], required=False, what=what(i))]  # raises BlockTableError
+        off = np.cumsum(n) - n
+        rows = np.repeat(r0 - off, n) + np.arange(int(n.sum()), dtype=np.int64)
+        blocks = table[rows // rpb]
+        slots = blocks if rpb == 1 else blocks * rpb + rows % rpb
+        missing = blocks < 0
+        if missing.any():  # which ranges hold an absent block (most calls have none)
+            absent_before = np.concatenate([np.zeros(1, np.int64), np.cumsum(missing)])
+            absent = (absent_before[off + n] - absent_before[off]).tolist()
+        else:
+            absent = [0] * n_ranges
+        out: list[Optional[np.ndarray]] = []
+        for o, k, bad in zip(off.tolist(), n.tolist(), absent):
+            out.append(None if bad else slots[o : o + k])
+        return out
+
+
+def _row_in_block(rows_per_block: int) -> np.ndarray:
+    ar = _ROW_IN_BLOCK.get(rows_per_block)
+    if ar is None:
+        ar = _ROW_IN_BLOCK[rows_per_block] = np.arange(rows_per_block, dtype=np.int64)
+        ar.setflags(write=False)
+    return ar
+
+
+_ROW_IN_BLOCK: dict[int, np.ndarray] = {}
 
 
 # ---------------------------------------------------------------------------------------
@@ -135,15 +178,28 @@ class StorePlan:
     plane_rows: tuple[tuple[int, int], ...]
     payload_bytes: int
     group_slots: list[Optional[np.ndarray]]
+    plane_n: Optional[np.ndarray] = None  # rows per plane (plane_rows' counts), for store_segments
 
 
 class PlaneArrays:
-    """Per-plane integer arrays for vectorised segment building."""
+    """Per-plane integer arrays for vectorised segment building (read-only; ``of`` keeps one per layout)."""
 
     def __init__(self, layout: KVLayout) -> None:
         self.group = np.array([p.group_index for p in layout.planes], dtype=np.int64)
         self.row_bytes = np.array([p.row_bytes for p in layout.planes], dtype=np.int64)
         self.index = np.arange(len(layout.planes), dtype=np.int64)
+        for a in (self.group, self.row_bytes, self.index):
+            a.setflags(write=False)
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> "PlaneArrays":
+        arrays = _plane_arrays.get(layout)
+        if arrays is None:
+            arrays = _plane_arrays[layout] = cls(layout)
+        return arrays
+
+
+_plane_arrays: "weakref.WeakKeyDictionary[KVLayout, PlaneArrays]" = weakref.WeakKeyDictionary()
 
 
 def plan_store(layout: KVLayout, chunks: Sequence[Chunk], tables: BlockTables, *, groups: Optional[int] = None,
@@ -154,53 +210,75 @@ def plan_store(layout: KVLayout, chunks: Sequence[Chunk], tables: BlockTables, *
     planes, default all) select what the stored object holds (parts.py: a prefix part or one
     window piece); a group outside ``groups`` stores nothing and has its bit clear.
     """
-    arrays = PlaneArrays(layout)
-    groups = (1 << layout.num_groups) - 1 if groups is None else groups
-    used = np.ones(len(layout.planes), np.bool_) if planes is None else np.asarray(planes, np.bool_)
-    group_used = [bool(((arrays.group == g) & used).any()) for g in range(layout.num_groups)]
-    plans = []
-    for chunk in chunks:
-        mask, starts, counts, group_slots = 0, [], [], []
-        for g, geo in enumerate(layout.geometries):
-            if not (groups >> g) & 1:
-                group_slots.append(None)
-                starts.append(0)
-                counts.append(0)
-                continue
-            rows = geo.stored_rows(chunk.start, chunk.end)
-            slots = tables.slots(g, rows, required=False, what=f"storing chunk {chunk.index}")
-            group_slots.append(slots if group_used[g] else None)
-            starts.append(rows[0])
-            counts.append(rows[1] - rows[0] if slots is not None else 0)
+    return plan_pieces(layout, chunks, tables, groups=groups, pieces=[planes])[0]
+
+
+def plan_pieces(layout: KVLayout, chunks: Sequence[Chunk], tables: BlockTables, *, groups: Optional[int] = None,
+                pieces: Sequence[Optional[np.ndarray]]) -> list[list[StorePlan]]:
+    """``plan_store`` for each plane selection of ``pieces`` (a window part's pieces), planned
+    once: the rows and slots of every chunk and group are found for all chunks together (one
+    pass per group, not one per chunk and group) and each piece only selects its planes."""
+    arrays = PlaneArrays.of(layout)
+    num_groups = layout.num_groups
+    groups = (1 << num_groups) - 1 if groups is None else groups
+    num_chunks = len(chunks)
+    starts = np.zeros((num_chunks, num_groups), np.int64)
+    counts = np.zeros((num_chunks, num_groups), np.int64)
+    masks = [0] * num_chunks
+    slots_of: list[list[Optional[np.ndarray]]] = [[None] * num_groups for _ in range(num_chunks)]
+    for g, geo in enumerate(layout.geometries):
+        if not (groups >> g) & 1 or not num_chunks:
+            continue
+        rows = [geo.stored_rows(c.start, c.end) for c in chunks]
+        found = tables.slots_many(g, rows, what=lambda i: f"storing chunk {chunks[i].index}")
+        for i, (r, slots) in enumerate(zip(rows, found)):
+            starts[i, g] = r[0]
+            slots_of[i][g] = slots
             if slots is not None:
-                mask |= 1 << g
-        plane_first = np.asarray(starts, np.int64)[arrays.group]
-        plane_n = np.where(used, np.asarray(counts, np.int64)[arrays.group], 0)
-        plane_first = np.where(used, plane_first, 0)
-        plans.append(
+                counts[i, g] = r[1] - r[0]
+                masks[i] |= 1 << g
+    first_all = starts[:, arrays.group]
+    n_all = counts[:, arrays.group]
+    out = []
+    for planes in pieces:
+        used = np.ones(len(layout.planes), np.bool_) if planes is None else np.asarray(planes, np.bool_)
+        group_used = np.zeros(num_groups, np.bool_)
+        group_used[arrays.group[used]] = True
+        plane_n = np.where(used, n_all, 0)
+        plane_first = np.where(used, first_all, 0)
+        payload = (plane_n * arrays.row_bytes).sum(axis=1).tolist()
+        firsts, ns = plane_first.tolist(), plane_n.tolist()
+        out.append([
             StorePlan(
                 chunk=chunk,
-                group_mask=mask,
-                plane_rows=tuple(zip(plane_first.tolist(), plane_n.tolist())),
-                payload_bytes=int((plane_n * arrays.row_bytes).sum()),
-                group_slots=group_slots,
+                group_mask=masks[i],
+                plane_rows=tuple(zip(firsts[i], ns[i])),
+                payload_bytes=payload[i],
+                group_slots=[s if u else None for s, u in zip(slots_of[i], group_used.tolist())],
+                plane_n=plane_n[i],
             )
-        )
-    return plans
+            for i, chunk in enumerate(chunks)
+        ])
+    return out
 
 
 def store_segments(layout: KVLayout, plans: Sequence[StorePlan], buffer_offsets: Sequence[int]) -> SegmentBuilder:
-    arrays = PlaneArrays(layout)
+    """Segments of one gather writing each plan's rows at its buffer offset (plane by plane,
+    in the order of ``plan.plane_rows``), built for all plans at once."""
+    arrays = PlaneArrays.of(layout)
     builder = SegmentBuilder()
-    for plan, base in zip(plans, buffer_offsets):
-        group_offsets = np.zeros(layout.num_groups, np.int64)
+    if not plans:
+        return builder
+    group_offsets = np.zeros((len(plans), layout.num_groups), np.int64)
+    for i, plan in enumerate(plans):
         for g, slots in enumerate(plan.group_slots):
             if slots is not None and len(slots):
-                group_offsets[g] = builder.add_slots(slots)
-        plane_n = np.array([n for _, n in plan.plane_rows], np.int64)
-        plane_bytes = plane_n * arrays.row_bytes
-        plane_off = np.cumsum(plane_bytes) - plane_bytes
-        builder.add_segments(arrays.index, plane_n, group_offsets[arrays.group], base + plane_off)
+                group_offsets[i, g] = builder.add_slots(slots)
+    plane_n = np.stack([p.plane_n if p.plane_n is not None else np.array([n for _, n in p.plane_rows], np.int64) for p in plans])
+    plane_bytes = plane_n * arrays.row_bytes
+    plane_off = np.cumsum(plane_bytes, axis=1) - plane_bytes + np.asarray(buffer_offsets, np.int64)[:, None]
+    builder.add_segments(np.tile(arrays.index, len(plans)), plane_n.reshape(-1), group_offsets[:, arrays.group].reshape(-1),
+                         plane_off.reshape(-1))
     return builder
 
 
@@ -253,12 +331,17 @@ def retrieve_part_segments(
     CorruptChunkError (``.chunk_index``, ``.key`` of the bad object) when a part does not
     hold rows the gate said it holds, or no part holds a needed plane.
     """
-    arrays = PlaneArrays(layout)
+    arrays = PlaneArrays.of(layout)
     builder = SegmentBuilder()
     num_planes = len(layout.planes)
     needed = [intersect(geo.needed_rows(boundary), geo.chunk_rows(present_tokens, boundary)) for geo in layout.geometries]
-    for chunk, chunk_parts in zip(chunks, parts):
-        need = [intersect(needed[g], geo.chunk_rows(chunk.start, chunk.end)) for g, geo in enumerate(layout.geometries)]
+    what = f"restoring at token {boundary}"
+    need_of = [[intersect(needed[g], geo.chunk_rows(c.start, c.end)) for g, geo in enumerate(layout.geometries)] for c in chunks]
+    # every chunk's slots of a group in one pass (a chunk with an absent block gets None and
+    # raises below, in chunk order, after that chunk's own consistency checks)
+    slots_of = [tables.slots_many(g, [need[g] for need in need_of], what=lambda i: what) for g in range(layout.num_groups)]
+    for n_chunk, (chunk, chunk_parts) in enumerate(zip(chunks, parts)):
+        need = need_of[n_chunk]
         need_lo = np.array([lo for lo, _ in need], np.int64)[arrays.group]
         need_hi = np.array([hi for _, hi in need], np.int64)[arrays.group]
         need_n = need_hi - need_lo
@@ -268,7 +351,7 @@ def retrieve_part_segments(
             header = part.header
             if len(header.plane_rows) != num_planes:
                 raise _corrupt(chunk, f"has {len(header.plane_rows)} planes, layout has {num_planes}", part.key)
-            stored = np.asarray(header.plane_rows, np.int64).reshape(-1, 2)
+            stored = header.plane_rows_array
             first, count = stored[:, 0], stored[:, 1]
             # the checksum proves integrity, not consistency: rows claimed beyond the payload
             # would read stale slot bytes as KV
@@ -287,7 +370,9 @@ def retrieve_part_segments(
         group_offsets = np.zeros(layout.num_groups, np.int64)
         for g, rows in enumerate(need):
             if rows[1] > rows[0]:
-                slots = tables.slots(g, rows, required=True, what=f"restoring at token {boundary}")
+                slots = slots_of[g][n_chunk]
+                if slots is None:
+                    slots = tables.slots(g, rows, required=True, what=what)  # raises: a needed block is absent
                 group_offsets[g] = builder.add_slots(slots)
         for part, first, count, wanted in checked:
             stored_off = np.cumsum(count * arrays.row_bytes) - count * arrays.row_bytes

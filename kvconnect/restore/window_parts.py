@@ -29,7 +29,7 @@ from ..metrics.recorders import OpLog
 from ..storage.manager import StorageManager
 from .gate import restorable_boundary, window_chunks
 from .parts import PartLayout, window_key
-from .plan import BlockTables, StoredPart, plan_store
+from .plan import BlockTables, StoredPart, plan_pieces, plan_store
 from .points import restore_points
 from .reads import ChunkLoader
 from .scheme import RestoreScheme
@@ -79,8 +79,8 @@ class WindowParts(RestoreScheme):
                 window_of.setdefault(j, []).append(k)
         window_plans = []
         for j in sorted(window_of):
-            for piece, sel in enumerate(self.piece_planes):
-                (plan,) = plan_store(self.layout, [every[j]], tables, groups=parts.window_mask, planes=sel)
+            for piece, (plan,) in enumerate(plan_pieces(self.layout, [every[j]], tables, groups=parts.window_mask,
+                                                        pieces=self.piece_planes)):
                 if plan.group_mask:
                     window_plans.append((plan, window_key(every[j].key, piece)))
         window_existing = self.storage.masks([k for _, k in window_plans])
