@@ -47,16 +47,37 @@ def test_sliding_window_hybrid_resumes_at_restore_points(tiny_models, run_vllm, 
     assert all(plain["resets"]) and all(cached["resets"])
     assert cached["outputs"] == plain["outputs"]
     assert len(cached["logprobs"]) == len(phases)
-    # Bit-identical logprobs at every resume but one: at a's end (phase 3, resumed at 640) vLLM
-    # itself rounds differently when it resumes than when it prefills in one pass: its own prefix
-    # cache, resuming the same prompt with no connector, lands on the same logprobs as the
-    # kvconnect resume, both up to ~5e-7 off the one-pass run. There the judge is vLLM's own
-    # resume, bit for bit.
-    own = run_vllm(model, [[a], phases[3]], reset_between_phases="false", **opts)
-    assert own["cached_tokens"][1] > 0, own["cached_tokens"]  # vLLM's own prefix cache resumed it
-    assert own["outputs"][1] == plain["outputs"][3]
+    # The judge of a resume is vLLM's own prefix cache resuming the same prompt at the same point
+    # (no connector): vLLM rounds differently when it resumes than when it prefills in one pass.
+    # vLLM's own hit at P: the prompt's first P + 1 tokens as a request of their own (P/32 whole
+    # blocks, window blocks included; a request of exactly P tokens leaves its last block out of
+    # vLLM's own hits), then the prompt, after a reset. The cold run judges the phase that loads
+    # nothing.
+    # Bit for bit where the restored rows were computed in a pass of the same shape as vLLM's own;
+    # a restore from a longer stored prompt (phases 1 and 2 resume at 256 from a's 700-token
+    # prefill) carries rows that vLLM's CPU attention rounded in another tiling: on CPUs whose
+    # kernels tile by sequence length (measured on an AMD EPYC without AMX: 4.8e-7 in logprobs
+    # at phase 1) those rows, and so the logprobs, differ in the last bits, with outputs equal.
+    # A wrong row (another block's, a stale window) moves logprobs by orders of magnitude more.
+    own_phases, reset_before, judged = [], [], {}
+    for i, (prompts, point) in enumerate(zip(phases, expected)):
+        if point:
+            reset_before.append(len(own_phases))
+            own_phases += [[prompts[0][:point + 1]], prompts]
+            judged[i] = len(own_phases) - 1
+    own = run_vllm(model, own_phases, reset_between_phases="false", reset_before=",".join(map(str, reset_before)), **opts)
     for phase, (got, want) in enumerate(zip(cached["logprobs"], plain["logprobs"])):
-        assert got == (own["logprobs"][1] if phase == 3 else want), phase
+        if phase not in judged:
+            assert got == want, phase
+            continue
+        resumed = judged[phase]
+        assert own["cached_tokens"][resumed] == expected[phase], own["cached_tokens"]  # vLLM's own hit at P
+        assert own["outputs"][resumed] == plain["outputs"][phase]
+        reference = own["logprobs"][resumed]
+        if got != reference:  # rows of another pass's rounding: same tokens, logprobs within fp32 noise
+            assert [[t for t, _ in step] for step in got] == [[t for t, _ in step] for step in reference], phase
+            drift = max(abs(x - y) for g, r in zip(got, reference) for (_, x), (_, y) in zip(g, r))
+            assert drift <= 2e-6, (phase, drift)
     loaded = [s["loaded_tokens"] for (s,) in cached["stats"]]
     assert [b - a for a, b in zip([0] + loaded, loaded)] == expected
     (last,) = cached["stats"][-1]

@@ -36,6 +36,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--save-decode-cache", type=lambda s: s.lower() in ("1", "true"), default=False)
     parser.add_argument("--reset-between-phases", type=lambda s: s.lower() in ("1", "true"), default=True)
+    parser.add_argument("--reset-before", default="",
+                        help="comma-separated phase numbers before which vLLM's prefix cache is reset (instead of "
+                             "between every two phases)")
     parser.add_argument("--min-load-tokens", type=int, default=None, help="omitted: kvconnect's default")
     parser.add_argument("--connector-resets", default="",
                         help="comma-separated phase numbers before which the reset also reaches the connector "
@@ -95,9 +98,13 @@ def main() -> None:
 
         client = LookupClient([rank_address(args.connector, i) for i in range(tp)], timeout_s=10.0)
     connector_resets = {int(x) for x in args.connector_resets.split(",") if x}
+    reset_before = {int(x) for x in args.reset_before.split(",") if x}
     for i, prompts in enumerate(phases):
         if i in connector_resets:
             resets.append(bool(llm.reset_prefix_cache(reset_connector=True)))
+        elif i and reset_before:
+            if i in reset_before:
+                resets.append(bool(llm.reset_prefix_cache()))
         elif i and args.reset_between_phases:
             resets.append(bool(llm.reset_prefix_cache()))
         results = llm.generate([_prompt(TokensPrompt, p) for p in prompts], params, use_tqdm=False)
