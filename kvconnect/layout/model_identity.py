@@ -18,11 +18,12 @@ from typing import Any, Optional
 import blake3
 
 # the model config fields that decide a layer's KV: a path or name alone may be reused for
-# another checkpoint (a local directory rewritten, a quantised variant), these may not
+# another checkpoint (a local directory rewritten, a quantised variant), these may not;
+# transformers 5 keeps rope_theta / rope_scaling inside rope_parameters
 HF_IDENTITY_FIELDS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "vocab_size", "kv_lora_rank", "qk_rope_head_dim",
-                      "qk_nope_head_dim", "v_head_dim", "rope_theta", "rope_scaling", "sliding_window", "layer_types",
-                      "quantization_config", "torch_dtype")
+                      "qk_nope_head_dim", "v_head_dim", "rope_theta", "rope_scaling", "rope_parameters",
+                      "sliding_window", "layer_types", "quantization_config", "torch_dtype")
 
 DIGEST_HEX_CHARS = 16
 
