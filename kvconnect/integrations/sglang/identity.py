@@ -42,6 +42,6 @@ def sglang_model_identity(storage_model_name: Optional[str], model_config: Any =
     mc = model_config if model_config is not None else process_model_config()
     if mc is None:  # no name at all stays unnamed: a shared tier then refuses to start (engine.py)
         return model_identity(storage_model_name, None, None) if storage_model_name else ""
-    quantization = getattr(mc, "quantization", None)
-    return model_identity(str(getattr(mc, "model_path", None) or storage_model_name or ""), getattr(mc, "revision", None),
-                          getattr(mc, "hf_config", None), getattr(mc, "dtype", None), quantization)
+    name = str(getattr(mc, "model_path", None) or storage_model_name or "")
+    return model_identity(name, getattr(mc, "revision", None), getattr(mc, "hf_config", None),
+                          getattr(mc, "dtype", None), getattr(mc, "quantization", None))
