@@ -55,8 +55,10 @@ def gen():
     return {"op": "generate", "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
 
 
-def spec(model, layout=None, disk=None, phases=(), **extra):
+def spec(model, layout=None, disk=None, phases=(), revision=None, **extra):
     out = {"model": model, "page_size": PAGE, "phases": list(phases)}
+    if revision:
+        out["revision"] = revision
     if layout:
         tiers = {"local_disk": str(disk)} if disk else {}
         out.update(hicache=True, layout=layout, hicache_ratio=2, backend="dynamic", extra={**BACKEND, **tiers, **extra})

@@ -33,6 +33,8 @@ def run(spec: dict) -> dict:
         skip_tokenizer_init=True, enable_cache_report=True, log_level="warning", random_seed=0,
         dtype="float32",
     )
+    if spec.get("revision"):  # the model's revision (a local path ignores it; kvconnect's identity does not)
+        kwargs["revision"] = spec["revision"]
     if spec.get("hicache"):
         kwargs.update(
             enable_hierarchical_cache=True, hicache_io_backend="direct",

@@ -5,8 +5,9 @@ Engine runs (each a process, ~45-65 s to start, so several phases share one):
 | run | host layout        | tier          | phases |
 |-----|--------------------|---------------|--------|
 | R0  | no HiCache         | -             | reference greedy outputs |
-| R1  | layer_first        | disk D1       | serve, settle, flush_cache, serve (L3 hit) |
-| R2  | layer_first        | disk D1       | fresh process: serve (L3 hit from disk) |
+| R1  | layer_first        | disk D1       | serve, settle, flush_cache, serve (L3 hit); revision "r1" |
+| R2  | layer_first        | disk D1       | fresh process: serve (L3 hit from disk); revision "r1" |
+| R7  | layer_first        | disk D1       | fresh process, revision "r2" of the same path: serve (miss) |
 | R3  | page_first_direct  | disk D2       | serve, settle, flush_cache, serve (L3 hit) |
 | R4  | page_first_direct  | disk D2, corrupted before start | serve (miss, same outputs), settle, flush, serve (hit again) |
 | R5  | layer_first, SGLang's generic API (no ``interface_v1``) | node server S | serve, settle (pages reach the server's shared pool) |
@@ -53,11 +54,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang_e2e")
     model = tiny_models.make_llama(str(root / "llama"))
     d1, d2 = root / "disk1", root / "disk2"
+    out = {}
     settle_flush = [{"op": "settle", "seconds": 4}, {"op": "flush"}]
-    out = {"R0": run_engine(spec(model, phases=[gen()]), root / "r0")}
-    out["R1"] = run_engine(spec(model, "layer_first", d1, [gen(), *settle_flush, gen()]), root / "r1")
+    out["R0"] = run_engine(spec(model, phases=[gen()]), root / "r0")
+    out["R1"] = run_engine(spec(model, "layer_first", d1, [gen(), *settle_flush, gen()], revision="r1"), root / "r1")
     out["disk1_files"] = sum(len(fs) for _, _, fs in os.walk(d1))
-    out["R2"] = run_engine(spec(model, "layer_first", d1, [gen()]), root / "r2")
+    out["R2"] = run_engine(spec(model, "layer_first", d1, [gen()], revision="r1"), root / "r2")
+    out["R7"] = run_engine(spec(model, "layer_first", d1, [gen()], revision="r2"), root / "r7")
     out["R3"] = run_engine(spec(model, "page_first_direct", d2, [gen(), *settle_flush, gen()]), root / "r3")
     out["corrupted"] = _corrupt(d2)
     out["R4"] = run_engine(spec(model, "page_first_direct", d2, [gen(), *settle_flush, gen()]), root / "r4")
@@ -93,6 +96,15 @@ def test_fresh_process_hits_the_disk_tier(runs):
     (phase,) = runs["R2"]["phases"]
     assert phase["outputs"] == runs["R0"]["phases"][0]["outputs"]
     assert all(h >= PAGE for h in storage_hits(phase)), phase["cached"]
+
+
+def test_another_revision_at_the_same_path_misses(runs):
+    """Issue 39 item 2: SGLang's model is named ``path@revision#digest`` of its own
+    ``ModelConfig`` (identity.py), so revision r2 of the model at the same path loads none of
+    r1's pages from the disk R1 filled (R2, revision r1 in a fresh process, hits them)."""
+    (phase,) = runs["R7"]["phases"]
+    assert phase["outputs"] == runs["R0"]["phases"][0]["outputs"]
+    assert storage_hits(phase) == [0, 0], phase["cached"]
 
 
 def test_page_first_direct_hits_after_flush(runs):

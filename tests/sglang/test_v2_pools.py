@@ -8,6 +8,14 @@ SGLang's; the only stand-in is the *device* compress-state pool the state host p
 (an object with ``kv_score_buffer.kv_score`` and ``ring_size``), since no DSv4 device pool
 runs on CPU.
 
+DeepSeek V4.1 (SGLang 0.5.23, ``hybrid_pool_assembler._dsv4_low_ratio_entries``): its
+layers compress at ratio 1 or 2 (or not at all); SGLang mirrors the ratio-1 and ratio-2 KV and
+their indexer payload / scale buffers into ``DeepSeekV4PagedHostPool``s built with
+``page_aligned_only=True`` (``DEEPSEEK_V4_C1`` / ``C1_INDEXER`` / ``C1_INDEXER_SCALE`` and the
+same for C2, ALL_PAGES beside the KV anchor), and keeps no ratio-2 compressor state: a page
+edge is a multiple of 2 tokens, where that state is empty and SGLang rebuilds it. Both pool
+sets are checked below.
+
 Checked: the backend attaches (Mooncake's fails on the logical anchor, sglang issue 26647);
 pages round-trip byte-exact by SGLang's own ``get_data_page``; and ``batch_exists_v2`` gives
 the same ``restorable_prefix_pages`` and ``kv_hit_pages`` as SGLang's own ``HiCacheFile``
@@ -63,6 +71,31 @@ def dsv4_pools(layout):
     return LogicalHostPool(PAGES * PS, PS, layout=layout), pools
 
 
+def dsv41_pools(layout):
+    """DeepSeek V4.1's pool set: the logical anchor, SWA (TRAILING_PAGES) and the page-aligned
+    ratio-1 / ratio-2 KV and indexer pools (ALL_PAGES), each SGLang's own class as its
+    assembler builds them (item bytes here are small stand-ins for the model's row sizes)."""
+    def paged(name, layers, item_bytes, aligned=True):
+        return DeepSeekV4PagedHostPool(name, [torch.zeros(8, item_bytes, dtype=torch.uint8) for _ in range(layers)],
+                                       item_bytes, PAGES, PS, layout=layout, pin_memory=False, page_aligned_only=aligned)
+
+    pools = {PoolName.SWA: (paged(str(PoolName.SWA), 3, 64, aligned=False), TRAIL)}
+    for names, layers, kv_bytes in (((PoolName.DEEPSEEK_V4_C1, PoolName.DEEPSEEK_V4_C1_INDEXER,
+                                      PoolName.DEEPSEEK_V4_C1_INDEXER_SCALE), 2, 48),
+                                     ((PoolName.DEEPSEEK_V4_C2, PoolName.DEEPSEEK_V4_C2_INDEXER,
+                                       PoolName.DEEPSEEK_V4_C2_INDEXER_SCALE), 1, 24)):
+        for name, item_bytes in zip(names, (kv_bytes, 16, 4)):
+            pools[name] = (paged(str(name), layers, item_bytes), ALL)
+    for pool, _ in pools.values():
+        buf = pool.kv_buffer
+        for t in buf if isinstance(buf, list) else [buf]:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    return LogicalHostPool(PAGES * PS, PS, layout=layout), pools
+
+
+POOL_SETS = {"dsv4": dsv4_pools, "dsv4.1": dsv41_pools}
+
+
 def attach(backend, anchor, pools):
     backend.register_mem_pool_host(anchor)
     backend.register_mem_host_pool_v2(anchor, PoolName.KV)
@@ -89,11 +122,12 @@ def queries(pools, ks):
     return [PoolTransfer(name=name, keys=ks[-W:] if policy == TRAIL else ks, hit_policy=policy) for name, (_, policy) in pools.items()]
 
 
+@pytest.mark.parametrize("model", list(POOL_SETS))
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_dsv4_pools_round_trip_byte_exact(tmp_path, layout):
-    anchor, pools = dsv4_pools(layout)
+def test_dsv4_pools_round_trip_byte_exact(tmp_path, layout, model):
+    anchor, pools = POOL_SETS[model](layout)
     b = attach(KVConnectStorage(storage_config(tmp_path), {}), anchor, pools)
-    assert b._logical == {"kv"} and len(b._groups) == 4
+    assert b._logical == {"kv"} and set(b._groups) == {str(name) for name in pools}
     ks = keys(4, layout)
     src, dst = [0, 5, 2, 9], [12, 13, 14, 15]
     want = {name: [pool.get_data_page(p * PS, flat=True).clone() for p in src] for name, (pool, _) in pools.items()}
@@ -110,10 +144,11 @@ def test_dsv4_pools_round_trip_byte_exact(tmp_path, layout):
     b.close()
 
 
-def test_restorable_prefixes_agree_with_sglangs_file_backend(tmp_path):
+@pytest.mark.parametrize("model", list(POOL_SETS))
+def test_restorable_prefixes_agree_with_sglangs_file_backend(tmp_path, model):
     """Random patterns of stored sidecar pages; kvconnect's gate vs HiCacheFile's rules."""
     rng = random.Random(7)
-    anchor, pools = dsv4_pools("page_first")
+    anchor, pools = POOL_SETS[model]("page_first")
     ours = attach(KVConnectStorage(storage_config(tmp_path), {}), anchor, pools)
     for trial in range(25):
         n = rng.randint(1, 8)
@@ -133,6 +168,28 @@ def test_restorable_prefixes_agree_with_sglangs_file_backend(tmp_path):
         assert got.restorable_prefix_pages == sorted(want.restorable_prefix_pages), (stored, want, got)
         assert got.kv_hit_pages == want.kv_hit_pages
     ours.close()
+
+
+def test_dsv41_hit_is_the_intersection_of_every_pools_legal_ends_not_the_minimum(tmp_path):
+    """SWA's window is stored at node ends 2 and 5 (pages 0, 1, 3, 4), C2 only for pages
+    0-3: the longest run of each is 5 and 4, and their minimum, 4, needs SWA pages 2 and 3
+    (page 2 is missing): restoring there would leave the window's KV wrong. The ends every
+    pool allows are 1 and 2."""
+    anchor, pools = dsv41_pools("page_first_direct")
+    b = attach(KVConnectStorage(storage_config(tmp_path), {}), anchor, pools)
+    ks = keys(5, "intersect")
+    stored = {name: list(range(5)) for name in pools}
+    stored[PoolName.SWA] = [0, 1, 3, 4]
+    stored[PoolName.DEEPSEEK_V4_C2] = [0, 1, 2, 3]
+    b.batch_set_v2(transfers(pools, ks, list(range(5)), stored))
+    result = b.batch_exists_v2(ks, queries(pools, ks))
+    assert result.restorable_prefix_pages == [1, 2] and result.kv_hit_pages == 2
+    assert result.extra_pool_hit_pages[str(PoolName.SWA)] == 5
+    assert result.extra_pool_hit_pages[str(PoolName.DEEPSEEK_V4_C2)] == 4
+    # after a prefetch of 2 pages every pool's pages come back (SGLang asks by the hit's keys)
+    got = b.batch_get_v2(transfers(pools, ks[:2], [8, 9], {name: [0, 1] for name in pools}))
+    assert all(v == [True, True] for v in got.values()), got
+    b.close()
 
 
 @pytest.fixture

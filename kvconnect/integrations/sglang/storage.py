@@ -51,6 +51,7 @@ from kvconnect.layout.spec import GroupSpec
 
 from .flat_pages import FlatPages
 from .host_pools import PoolPlanes, pool_planes
+from .identity import sglang_model_identity
 from .page_hash import build_sglang_page_hash
 from kvconnect.metrics.recorders import OpLog
 from kvconnect.metrics.sglang import sglang_storage_metrics
@@ -100,6 +101,8 @@ class KVConnectStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         self.storage_config = storage_config
         self.config = kvconnect_config(storage_config)
+        # name@revision#digest of SGLang's own model config (identity.py); a model_name set wins
+        self.model_identity = self.config.model_name or sglang_model_identity(storage_config.model_name)
         self.is_writer = storage_config.is_storage_writer
         # without "interface_v1" SGLang moves KV pages through the generic API (flat pages), and
         # its batch_exists must answer for those objects
@@ -178,7 +181,7 @@ class KVConnectStorage(HiCacheStorage):
                 raise LayoutError("kvconnect: no SGLang host pool with data was registered")
             layout = KVLayout.from_tensors(
                 kv_caches, groups=groups, layer_groups=layer_groups, layout_hints="page",
-                model_name=self.config.model_name or (sc.model_name or ""),
+                model_name=self.model_identity,
                 tp_rank=0 if replicated else sc.tp_rank, tp_size=1 if replicated else sc.tp_size,
                 identity=identity,
             )
@@ -189,9 +192,9 @@ class KVConnectStorage(HiCacheStorage):
             self._store = PageStore(engine)
             if KV in self._groups:
                 self._flat = FlatPages(engine, self._pools[KV], self._store.page_bytes(self._groups[KV]))
-            logger.info("kvconnect: SGLang HiCache backend ready: pools %s (logical: %s), %d planes, chunk_size %d "
+            logger.info("kvconnect: SGLang HiCache backend ready: model %s, pools %s (logical: %s), %d planes, chunk_size %d "
                         "(SGLang's page: the unit it stores and asks for; a chunk_size set is not used), tiers %s",
-                        list(self._groups), sorted(self._logical), len(layout.planes), page_tokens,
+                        self.model_identity, list(self._groups), sorted(self._logical), len(layout.planes), page_tokens,
                         [t.name for t in engine.storage.tiers] or "pool only")
 
     def _ready(self) -> Optional[PageStore]:

@@ -49,7 +49,6 @@ The neighbours, one concept each (import from them): ``specs`` (spec -> GroupSpe
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -61,6 +60,7 @@ import torch
 from kvconnect.errors import BlockTableError, LayoutError, UnsupportedLayoutError
 from kvconnect.layout.kv_layout import KVLayout
 from kvconnect.layout.detect import detect_hint, split_planes
+from kvconnect.layout.model_identity import model_identity as layout_model_identity
 from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions, ShardKind, TPShard
 
 from . import engine_tables, recurrent
@@ -314,24 +314,10 @@ def extra_config(vllm_config: Any) -> dict:
     return dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
 
 
-# the model config fields that decide a layer's KV: a path or name alone may be reused for
-# another checkpoint (a local directory rewritten, a quantised variant), these may not
-HF_IDENTITY_FIELDS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "vocab_size", "kv_lora_rank", "qk_rope_head_dim",
-                      "qk_nope_head_dim", "v_head_dim", "rope_theta", "rope_scaling", "sliding_window", "layer_types",
-                      "quantization_config", "torch_dtype")
-
-
 def model_identity(vllm_config: Any) -> str:
-    """``name@revision#digest``: the model vLLM serves, and a digest of its config's fields that
-    decide the KV (``HF_IDENTITY_FIELDS``, the serving dtype and quantisation). Shared tiers
-    key chunks by it, so two deployments share KV only when they serve the same model."""
+    """``name@revision#digest`` of the model vLLM serves (``kvconnect.layout.model_identity``):
+    shared tiers key chunks by it, so two deployments share KV only when they serve the same model."""
     model = vllm_config.model_config
-    hf = getattr(model, "hf_config", None)
-    values = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)) if hf is not None else {}
-    fields = {name: values[name] for name in HF_IDENTITY_FIELDS if values.get(name) is not None}
-    fields["dtype"] = getattr(model, "dtype", None)
-    fields["quantization"] = getattr(model, "quantization", None)
-    digest = blake3.blake3(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return f"{model.model}@{getattr(model, 'revision', None) or ''}#{digest}"
+    return layout_model_identity(model.model, getattr(model, "revision", None), getattr(model, "hf_config", None),
+                                 getattr(model, "dtype", None), getattr(model, "quantization", None))
 
