@@ -15,11 +15,17 @@ row shapes (heads x head size) and order, group kinds, compress ratios and windo
 DCP shard, format version, and the regions of split planes) and deliberately not the engine's block size or block stride
 of token planes: a chunk stored by a deployment with block size 128 is read by one with
 block size 32.
+
+Rebuilt groups (``spec.RebuiltGroup``): engine groups that carry no stored bytes because the
+engine rebuilds them after a hit (vLLM's per-request rings, bounded-replay windows). They have
+no planes; their description enters the fingerprint, and ``resume_every`` tells the restore
+gate where a hit may land (``KVLayout.resumable_at``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Optional, Sequence, Union
@@ -32,7 +38,7 @@ from .views import drop_aliased_views
 from ..errors import LayoutError
 from .detect import plane_geometry, split_planes, split_regions
 from .rows import GroupGeometry
-from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec, RowRegions
+from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec, RebuiltGroup, RowRegions
 
 FORMAT_VERSION = 1
 
@@ -55,6 +61,7 @@ class KVLayout:
     tp_size: int
     fingerprint: Fingerprint
     identity: tuple[tuple[str, str], ...] = ()  # the extra identity strings, sorted
+    rebuilt: tuple[RebuiltGroup, ...] = ()  # groups the engine rebuilds after a hit: identity only, no planes
 
     @classmethod
     def from_tensors(
@@ -70,6 +77,7 @@ class KVLayout:
         dcp: DCPSpec = DCPSpec(),
         identity: Optional[Mapping[str, str]] = None,
         row_regions: Optional[Mapping[str, RegionAssignment]] = None,
+        rebuilt: Sequence[RebuiltGroup] = (),
     ) -> "KVLayout":
         """Build a layout from ``{layer_name: tensor | tuple_of_tensors}``.
 
@@ -81,6 +89,9 @@ class KVLayout:
         row_regions: per layer, the ``RowRegions`` of its row planes (or a tuple with one
             entry, possibly None, per tensor of a tuple value): each such plane becomes one
             sub-plane per region, in region order.
+        rebuilt: the engine's groups that hold no stored bytes because the engine rebuilds them
+            after a hit (``spec.RebuiltGroup``): in the fingerprint, and a restore point must be a
+            multiple of each one's ``resume_every``.
 
         Example::
 
@@ -154,10 +165,12 @@ class KVLayout:
                             )
                         )
                         tensors.append(view)
-        return cls._assemble(groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity or {})
+        return cls._assemble(groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity or {},
+                             tuple(rebuilt))
 
     @classmethod
-    def _assemble(cls, groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity) -> "KVLayout":
+    def _assemble(cls, groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity,
+                  rebuilt: tuple = ()) -> "KVLayout":
         if not planes:
             raise LayoutError("a layout needs at least one plane")
         devices = {t.device for t in tensors}
@@ -175,7 +188,9 @@ class KVLayout:
             if is_page and dcp.size > 1:
                 raise LayoutError(f"group {g}: page planes cannot be sharded by decode context parallel")
             geometries.append(GroupGeometry.of(group, is_page=is_page, dcp=dcp))
-        fingerprint = _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity)
+        if any(not isinstance(r, RebuiltGroup) for r in rebuilt):
+            raise LayoutError(f"rebuilt groups must be RebuiltGroup values, got {rebuilt!r}")
+        fingerprint = _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity, rebuilt)
         return cls(
             groups=tuple(groups),
             planes=tuple(planes),
@@ -187,6 +202,7 @@ class KVLayout:
             tp_size=tp_size,
             fingerprint=fingerprint,
             identity=tuple(sorted(identity.items())),
+            rebuilt=rebuilt,
         )
 
     def with_identity(self, *, model_name: Optional[str] = None,
@@ -197,7 +213,8 @@ class KVLayout:
         extra = {**dict(self.identity), **(identity or {})}
         if name == self.model_name and extra == dict(self.identity):
             return self
-        return self._assemble(self.groups, self.planes, self.tensors, self.dcp, name, self.tp_rank, self.tp_size, extra)
+        return self._assemble(self.groups, self.planes, self.tensors, self.dcp, name, self.tp_rank, self.tp_size, extra,
+                              self.rebuilt)
 
     def with_sliced_planes(self, slices: Mapping[int, int]) -> "KVLayout":
         """This layout with plane ``i`` cut into ``slices[i]`` column slices (``PlaneSpec``):
@@ -231,7 +248,7 @@ class KVLayout:
                 planes.append(dataclasses.replace(spec, plane_index=index))
                 tensors.append(view)
         return self._assemble(self.groups, planes, tensors, self.dcp, self.model_name, self.tp_rank, self.tp_size,
-                              dict(self.identity))
+                              dict(self.identity), self.rebuilt)
 
     @property
     def device(self) -> torch.device:
@@ -240,6 +257,16 @@ class KVLayout:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @cached_property
+    def resume_every(self) -> int:
+        """Restore points must be multiples of this many tokens: the least common multiple of the
+        rebuilt groups' ``resume_every`` (1 without rebuilt groups)."""
+        return math.lcm(1, *(r.resume_every for r in self.rebuilt))
+
+    def resumable_at(self, boundary: int) -> bool:
+        """Whether the engine can rebuild every rebuilt group after a restore at ``boundary``."""
+        return boundary % self.resume_every == 0
 
     @cached_property
     def _group_num_blocks(self) -> tuple[int, ...]:
@@ -283,7 +310,7 @@ def _regions_per_tensor(layer_name: str, given: Optional[RegionAssignment], coun
     return out
 
 
-def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity) -> Fingerprint:
+def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, identity, rebuilt=()) -> Fingerprint:
     doc = {
         "format": FORMAT_VERSION,
         "model": model_name,
@@ -308,6 +335,10 @@ def _fingerprint(groups, planes, geometries, dcp, model_name, tp_rank, tp_size, 
     if any(p.num_slices > 1 for p in planes):
         # a sliced plane's chunk rows are stored in column slices: never read as whole rows
         doc["slices"] = [[p.slice_index, p.num_slices] for p in planes]
+    if rebuilt:
+        # groups stored without bytes (the engine rebuilds them): another engine layout's chunks
+        # (the same groups stored, or other rebuilt groups) must never be read, nor ours by it
+        doc["rebuilt"] = [[r.what, r.resume_every] for r in rebuilt]
     # rows of equal bytes split otherwise (4 heads x 128 vs 8 x 64) are other models' KV
     doc["row_shapes"] = [list(p.row_shape) for p in planes]
     return Fingerprint(blake3.blake3(msgpack.packb(doc)).digest(16))

@@ -76,7 +76,8 @@ class KVConnectScheduler:
                  save_decode_cache: bool = False, min_load_tokens: int = 0, log_interval_s: float = 0.0,
                  role: RolePolicy = BOTH, tail_align_tokens: int = 1, exact_resume: bool = False) -> None:
         self.hits = hits
-        # recurrent-state layouts (recurrent.py): a restore point P is the state after exactly P tokens, so
+        # recurrent-state layouts (recurrent.py) and engine-rebuilt groups (rebuilt.py): a restore point P is
+        # the state after exactly P tokens, or P is on a rebuilt group's period, so
         # vLLM must resume at P itself; the lookup covers prompt[:-1], leaving the last token to compute
         self.exact_resume = exact_resume
         # P/D tails end on a multiple of this (vLLM's block size): a restore of a paged layout resumes

@@ -10,7 +10,10 @@ unit-tested with look-alike objects on machines without vLLM.
 
 Groups. Each vLLM group becomes one kvconnect group (two when it mixes opaque pages and
 token rows); a kvconnect group reads the block ids of the vLLM group it came from. Which
-GroupSpec a vLLM spec becomes is the table in ``specs`` (``group_spec_of``).
+GroupSpec a vLLM spec becomes is the table in ``specs`` (``group_spec_of``). Groups vLLM
+rebuilds after a hit (rings, bounded-replay windows: ``rebuilt``) become no kvconnect group:
+they are stored without bytes, as ``RebuiltGroup`` entries of the layout's identity that
+restrict where a hit lands (``KVLayout.resume_every``).
 
 Tensors (one value per layer). Which planes a registered value becomes is the table in
 ``tensors`` (``planes_of``); a layer whose module reports a tiled layout (``tiled_layers``)
@@ -59,7 +62,7 @@ from kvconnect.layout.kv_layout import KVLayout
 from kvconnect.layout.detect import split_planes
 from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions
 
-from . import engine_tables, recurrent
+from . import engine_tables, rebuilt, recurrent
 from .engine_tables import EngineRelease
 from .metadata import BlockIds, freeze_block_ids
 from .specs import TP_REPLICATED_SPECS, layer_spec_of, group_spec_of
@@ -173,8 +176,11 @@ def translate_kv_caches(
     quant: set[str] = set()
     page_backends: set[str] = set()
     states: set[str] = set()
+    # groups vLLM rebuilds after a hit (rings, bounded-replay windows): identity only, no planes
+    rebuilt_groups = rebuilt.rebuilt_groups(kv_cache_config, release, dcp.size)
+    rebuilt_ids = set(rebuilt.rebuilt_group_ids(kv_cache_config))
     for vllm_group, group in enumerate(vllm_groups):
-        if vllm_group not in transferable:
+        if vllm_group not in transferable or vllm_group in rebuilt_ids:
             continue
         for layer in group.layer_names:
             if layer not in kv_caches:  # runner-only layers have no registered cache
@@ -241,6 +247,7 @@ def translate_kv_caches(
     layout = KVLayout.from_tensors(
         values, groups=group_specs, layer_groups=layer_groups, layout_hints=hints, model_name=model_name,
         tp_rank=0 if tp_replicated else tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
+        rebuilt=rebuilt_groups,
     )
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
                        layer_names=layer_names, kernel_splits=tuple(splits), release=release.name,
