@@ -68,6 +68,12 @@ def test_hits_restore_cacheable_groups_and_vllm_rebuilds_the_rest(rig, name):
     assert len(layout.rebuilt) == sum(_kind(g[0].spec) != "rows" for g in structure) and rebuilt_layers
     assert layout.resume_every == rebuilt.resume_every_of(r.kv_cache_config)
     assert CHUNK % layout.resume_every == 0  # chunk ends are rebuildable points here
+    # kvconnect's rebuilt groups are the groups vLLM keeps out of prefix_cacheable_group_ids, and
+    # get_loaded_kv_cache_group_ids stays vLLM's default (those groups: the ones kvconnect loads)
+    config = r.kv_cache_config
+    groups = set(range(len(config.kv_cache_groups)))
+    assert set(rebuilt.rebuilt_group_ids(config)) == groups - set(config.prefix_cacheable_group_ids)
+    assert set(r.connector.get_loaded_kv_cache_group_ids(None)) == set(config.prefix_cacheable_group_ids)
 
     tokens = _prompt(1, 3 * CHUNK + 45)
     r.add(tokens)

@@ -69,6 +69,8 @@ def _refused_cases():
         "ChunkedLocalAttentionSpec": kv.ChunkedLocalAttentionSpec(**attn, attention_chunk_size=64),
         "CrossAttentionSpec": kv.CrossAttentionSpec(**attn),
         "EncoderOnlyAttentionSpec": kv.EncoderOnlyAttentionSpec(**attn),
+        "SinkFullAttentionSpec": kv.SinkFullAttentionSpec(**attn, sink_len=16),
+        "RSWASpec": kv.RSWASpec(**attn, rswa_window=128),
         "HiddenStateCacheSpec": kv.HiddenStateCacheSpec(**attn),
         "HiSparseHotSpec": kv.HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=8),
         "HiSparseResidentSpec": kv.HiSparseResidentSpec(block_size=64, page_size=4096),
@@ -112,23 +114,6 @@ def test_rebuilt_specs_are_what_vllm_says_and_carry_no_group_spec():
     assert plain.prefix_cacheable and plain.prefix_replay_tokens == 0 and not rebuilt.is_rebuilt(plain)
     group = specs.group_spec_of(plain, device_type="cpu")
     assert (group.block_size, group.sliding_window, group.restore_window, group.window_free_every) == (64, 128, 127, None)
-
-
-def test_rebuilt_groups_are_vllms_non_prefix_cacheable_groups():
-    """kvconnect's rebuilt groups are exactly the groups vLLM's KVCacheConfig keeps out of
-    ``prefix_cacheable_group_ids``, and kvconnect leaves ``get_loaded_kv_cache_group_ids`` at vLLM's
-    default (those groups: the ones it loads)."""
-    from kvconnect.integrations.vllm import rebuilt
-    from kvconnect.integrations.vllm.connector import KVConnectConnector
-    from vllm_rebuilt_rig import STRUCTURES, _kv_cache_config
-
-    for name, make in STRUCTURES.items():
-        config = _kv_cache_config(make(), 16)
-        groups = range(len(config.kv_cache_groups))
-        assert set(rebuilt.rebuilt_group_ids(config)) == set(groups) - set(config.prefix_cacheable_group_ids), name
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    assert KVConnectConnector.get_loaded_kv_cache_group_ids is KVConnectorBase_V1.get_loaded_kv_cache_group_ids
 
 
 # --- the C128 compressor state's readers on CUDA / ROCm ------------------------------------------

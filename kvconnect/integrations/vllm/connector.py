@@ -41,7 +41,7 @@ from kvconnect.errors import LayoutError, UnsupportedLayoutError
 
 from kvconnect.metrics.vllm import ReportGate
 
-from . import chunk_size, kv_events, logs, pd, rebuilt, recurrent, request_reads, roles, specs, stats, tensors, translate
+from . import chunk_size, kv_events, logs, pd, rebuilt, recurrent, request_reads, roles, stats, tensors, translate
 from .ranks import data_parallel_rank, default_channel_address, parallel_ranks
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
@@ -105,11 +105,6 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             chunk_choice = chunk_size.choose_vllm_chunk_size(self._state_blocks,
                                                             parallel_ranks(vllm_config, in_worker=False).dcp)
             config = dataclasses.replace(config, chunk_size=chunk_choice.tokens)
-            self._config = config
-        prompt_only = specs.prompt_only_reason(kv_cache_config)
-        if prompt_only and config.save_decode_cache:
-            logger.warning("kvconnect: save_decode_cache is off for this model: %s", prompt_only)
-            config = dataclasses.replace(config, save_decode_cache=False)
             self._config = config
         if role == KVConnectorRole.SCHEDULER:
             ranks = parallel_ranks(vllm_config, in_worker=False)

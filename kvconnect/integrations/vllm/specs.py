@@ -5,11 +5,10 @@ every layer of every transferable vLLM group.
 
 | vLLM spec (class name)                                  | kvconnect GroupSpec |
 |---------------------------------------------------------|---------------------|
-| FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec, SinkFullAttentionSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
+| FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
 | SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU and CUDA) |
 | Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
 | UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
-| RSWASpec (``PROMPT_ONLY_SPECS``)                        | full, prompt chunks only: the connector turns ``save_decode_cache`` off |
 | MambaSpec (Gated DeltaNet, Mamba), ``mamba_cache_mode`` "align" | STATE group of the spec's block size: one state page per block, its snapshot at a restore point P is row P / B - 1 (``recurrent``); other modes refused |
 | CircularBufferSpec (per-request rings), SlidingWindowMLASpec with ``bounded_replay`` (DeepSeek V4.1) | no GroupSpec: engine-rebuilt groups (``rebuilt``), in the layout's identity with no bytes; ``translate`` never asks this module for them |
 | a spec in ``REFUSED_SPECS`` (RSWASpec, SinkFullAttentionSpec, ...) | ``UnsupportedLayoutError`` naming the spec and the reason: the connector stays off |
@@ -34,12 +33,7 @@ from kvconnect.layout.spec import GroupSpec
 from . import engine_tables, rebuilt, recurrent
 from .engine_tables import EngineRelease
 
-# SinkFullAttentionSpec (openPangu's static sink): vLLM's SinkFullAttentionManager is a full-attention manager,
-# so the request's block b holds tokens bB..(b+1)B-1; the sink rows live in fixed blocks 1..sink_len/B that
-# only the attention metadata prepends (static_sink_attention.py), never in a request's block table
-# (tests/integration/test_vllm_scheduler_sink_rswa.py)
-_FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec", "AscendSFAIndexerCacheSpec",
-                         "SinkFullAttentionSpec"})
+_FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec", "AscendSFAIndexerCacheSpec"})
 _WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec", "AscendSlidingWindowMLASpec"})
 _CONTAINER_SPECS = frozenset({"UniformTypeKVCacheSpecs"})
 _ABSTRACT_SPECS = frozenset({"KVCacheSpec", "AttentionSpec"})  # bases: never a layer's spec
@@ -53,6 +47,18 @@ REFUSED_SPECS = {
     "CrossAttentionSpec": "cross attention (Whisper, encoder-decoder models): its rows are the encoder's output, not the "
                           "prompt's tokens, so no token-keyed chunk describes them",
     "EncoderOnlyAttentionSpec": "encoder-only attention allocates no KV cache",
+    "SinkFullAttentionSpec": "static sink attention (openPangu): vLLM 0.32's and 0.33's own KV-cache coordinator cannot "
+                             "build its SinkFullAttentionManager (its __init__ lacks the needs_kv_cache_zeroing "
+                             "argument every manager is given: TypeError), so no model with this spec runs on these "
+                             "releases. By the manager's code the request's block b would hold tokens "
+                             "b x B.. (b+1) x B - 1 (a full-attention manager; the sink rows sit in fixed blocks "
+                             "only the attention metadata prepends): to be served as a full group once a release "
+                             "runs it",
+    "RSWASpec": "reference sliding window (DeepSeek V2 R-SWA): a generated token attends the prompt and the last "
+                "rswa_window generated tokens (vLLM frees the gap blocks between them during decode), while the same "
+                "token in a later prompt is computed with every token visible, so its KV differs; only chunks wholly "
+                "inside the storing request's prompt could be served, and that restriction is not yet proven under "
+                "vLLM's scheduler",
     "HiddenStateCacheSpec": "hidden states for extract_hidden_states (speculative decoding), read by vLLM's own "
                             "hidden-states connector: not a KV cache",
     "HiSparseHotSpec": "HiSparse's per-request hot cache (sparse MLA with host-backed KV): " + _NOT_A_PREFIX,
@@ -63,14 +69,6 @@ REFUSED_SPECS = {
 }
 """Spec classes refused by name, with why (docs/vllm.md "Cache specs")."""
 
-PROMPT_ONLY_SPECS = {
-    "RSWASpec": "reference sliding window (DeepSeek V2 R-SWA): a generated token attends the prompt and the last "
-                "rswa_window generated tokens (vLLM frees the gap blocks between them during decode), while the same "
-                "token in a later prompt is computed with every token visible, so its KV differs; prompt rows are "
-                "kept and computed as any prompt's. Served as a full group for chunks wholly inside the storing "
-                "request's prompt: save_decode_cache is off for this model",
-}
-"""Spec classes served as full groups for prompt chunks only (the connector turns save_decode_cache off)."""
 
 TP_REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec", "AscendMLAAttentionSpec",
                                  "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec"})
@@ -138,7 +136,7 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
         return GroupSpec(block_size=tokens, compress_ratio=ratio,
                          sliding_window=window, restore_window=max(1, window - 1),
                          window_free_every=release.window_free_every(spec, device_type))
-    if name in _FULL_SPECS or name in PROMPT_ONLY_SPECS or name in release.compressed_full_specs:
+    if name in _FULL_SPECS or name in release.compressed_full_specs:
         # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
         # keeps blocks for every token, so it is restored as a full group.
         return GroupSpec(block_size=tokens, compress_ratio=ratio)
@@ -152,19 +150,8 @@ def known_specs(release: EngineRelease = engine_tables.VLLM) -> frozenset:
     """Every spec class name this module has a rule for on ``release`` (served, refused by name,
     or an abstract base): an engine spec class outside it is one nobody has looked at."""
     return (_FULL_SPECS | _WINDOW_SPECS | _CONTAINER_SPECS | recurrent.STATE_SPECS | _ABSTRACT_SPECS
-            | rebuilt.RING_SPECS | frozenset(REFUSED_SPECS) | frozenset(PROMPT_ONLY_SPECS)
-            | release.compressed_full_specs)
+            | rebuilt.RING_SPECS | frozenset(REFUSED_SPECS) | release.compressed_full_specs)
 
-
-def prompt_only_reason(kv_cache_config: Any) -> Optional[str]:
-    """Why only prompt chunks may be stored for this cache config (``PROMPT_ONLY_SPECS``), or None."""
-    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
-        spec = group.kv_cache_spec
-        for layer_spec in (spec.kv_cache_specs.values() if type(spec).__name__ == "UniformTypeKVCacheSpecs" else (spec,)):
-            reason = PROMPT_ONLY_SPECS.get(type(layer_spec).__name__)
-            if reason:
-                return f"{type(layer_spec).__name__}: {reason}"
-    return None
 
 
 def layer_spec_of(group_spec: Any, layer_name: str) -> Any:
