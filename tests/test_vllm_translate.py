@@ -8,7 +8,7 @@ byte-exact store/retrieve round trip through KVCacheEngine into other blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from fractions import Fraction
 from types import SimpleNamespace
 from typing import Optional
@@ -555,28 +555,6 @@ def test_c128_compressor_state_is_window_free_on_the_devices_it_was_shown_on():
     ]
     for other in others:
         assert group_spec_of(other, device_type="cpu").window_free_every is None, other
-
-
-@dataclass(frozen=True)
-class BoundedReplaySWASpec(SlidingWindowMLASpec):  # vLLM 0.32's DeepSeek V4.1 SWA with bounded_replay
-    bounded_replay: bool = True
-
-
-BoundedReplaySWASpec.__name__ = "SlidingWindowMLASpec"
-
-
-def test_bounded_replay_window_is_refused_before_anything_is_registered():
-    """DeepSeek V4.1's replayed SWA: layers past the last KV-source layer compute window rows for a
-    prefill's last W tokens only; a window part from it could hold rows never computed."""
-    spec = BoundedReplaySWASpec(64, 1, 512, torch.uint8, sliding_window=128, **FP8)
-    with pytest.raises(UnsupportedLayoutError, match="bounded_replay.*never computed"):
-        group_spec_of(spec, device_type="cpu")
-    group = SimpleNamespace(kv_cache_spec=spec, layer_names=["swa"])
-    config = SimpleNamespace(kv_cache_groups=[group], num_blocks=4)
-    with pytest.raises(UnsupportedLayoutError, match="bounded_replay"):
-        translate_kv_caches(config, {"swa": torch.zeros(4, 64, 1, 584, dtype=torch.uint8)})
-    served = replace(spec, bounded_replay=False)
-    assert group_spec_of(served, device_type="cpu").restore_window == 127
 
 
 def test_refused_specs_name_the_class_and_the_reason():

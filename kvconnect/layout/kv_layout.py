@@ -22,11 +22,17 @@ global head, so it is the same at every TP size) and the *part identity*, one ``
 group: nothing of TP for a replicated group, the global head range for a head-sharded one,
 rank and size for any other split. ``fingerprint`` hashes both; it never holds the TP rank
 of a group that is not split by rank.
+
+Rebuilt groups (``spec.RebuiltGroup``): engine groups that carry no stored bytes because the
+engine rebuilds them after a hit (vLLM's per-request rings, bounded-replay windows). They have
+no planes; their description enters the fingerprint, and ``resume_every`` tells the restore
+gate where a hit may land (``KVLayout.resumable_at``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Optional, Sequence, Union
@@ -39,7 +45,7 @@ from .views import drop_aliased_views
 from ..errors import LayoutError
 from .detect import plane_geometry, split_planes, split_regions
 from .rows import GroupGeometry
-from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec, RowRegions, ShardKind, TPShard
+from .spec import DCPSpec, Fingerprint, GroupKind, GroupSpec, PlaneSpec, RebuiltGroup, RowRegions, ShardKind, TPShard
 
 FORMAT_VERSION = 1
 
@@ -64,6 +70,7 @@ class KVLayout:
     identity: tuple[tuple[str, str], ...] = ()  # the extra identity strings, sorted
     shards: tuple[TPShard, ...] = ()  # per group: what of it this TP rank holds (its part identity)
     model_fingerprint: Fingerprint = Fingerprint(b"")  # the TP-free model identity
+    rebuilt: tuple[RebuiltGroup, ...] = ()  # groups the engine rebuilds after a hit: identity only, no planes
 
     @classmethod
     def from_tensors(
@@ -80,6 +87,7 @@ class KVLayout:
         identity: Optional[Mapping[str, str]] = None,
         row_regions: Optional[Mapping[str, RegionAssignment]] = None,
         group_shards: Optional[Sequence[Optional[TPShard]]] = None,
+        rebuilt: Sequence[RebuiltGroup] = (),
     ) -> "KVLayout":
         """Build a layout from ``{layer_name: tensor | tuple_of_tensors}``.
 
@@ -93,6 +101,9 @@ class KVLayout:
             sub-plane per region, in region order.
         group_shards: per group, what of it this TP rank holds (``TPShard``); None (or a None
             entry): ``TPShard.rank(tp_rank, tp_size)``, read only by the same rank and size.
+        rebuilt: the engine's groups that hold no stored bytes because the engine rebuilds them
+            after a hit (``spec.RebuiltGroup``): in the fingerprint, and a restore point must be a
+            multiple of each one's ``resume_every``.
 
         Example::
 
@@ -167,10 +178,12 @@ class KVLayout:
                         )
                         tensors.append(view)
         shards = _group_shards(group_shards, len(groups), tp_rank, tp_size)
-        return cls._assemble(groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity or {}, shards)
+        return cls._assemble(groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity or {}, shards,
+                             tuple(rebuilt))
 
     @classmethod
-    def _assemble(cls, groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity, shards) -> "KVLayout":
+    def _assemble(cls, groups, planes, tensors, dcp, model_name, tp_rank, tp_size, identity, shards,
+                  rebuilt: tuple = ()) -> "KVLayout":
         if not planes:
             raise LayoutError("a layout needs at least one plane")
         devices = {t.device for t in tensors}
@@ -188,8 +201,10 @@ class KVLayout:
             if is_page and dcp.size > 1:
                 raise LayoutError(f"group {g}: page planes cannot be sharded by decode context parallel")
             geometries.append(GroupGeometry.of(group, is_page=is_page, dcp=dcp))
+        if any(not isinstance(r, RebuiltGroup) for r in rebuilt):
+            raise LayoutError(f"rebuilt groups must be RebuiltGroup values, got {rebuilt!r}")
         _check_head_planes(planes, shards)
-        model_doc = _model_doc(groups, planes, geometries, dcp, model_name, identity, shards)
+        model_doc = _model_doc(groups, planes, geometries, dcp, model_name, identity, shards, rebuilt)
         model_fingerprint = Fingerprint(blake3.blake3(msgpack.packb(model_doc)).digest(16))
         fingerprint = layout_fingerprint(model_fingerprint, shards)
         return cls(
@@ -205,6 +220,7 @@ class KVLayout:
             identity=tuple(sorted(identity.items())),
             shards=tuple(shards),
             model_fingerprint=model_fingerprint,
+            rebuilt=rebuilt,
         )
 
     def with_identity(self, *, model_name: Optional[str] = None,
@@ -216,7 +232,7 @@ class KVLayout:
         if name == self.model_name and extra == dict(self.identity):
             return self
         return self._assemble(self.groups, self.planes, self.tensors, self.dcp, name, self.tp_rank, self.tp_size, extra,
-                              self.shards)
+                              self.shards, self.rebuilt)
 
     def with_sliced_planes(self, slices: Mapping[int, int]) -> "KVLayout":
         """This layout with plane ``i`` cut into ``slices[i]`` column slices (``PlaneSpec``):
@@ -250,7 +266,7 @@ class KVLayout:
                 planes.append(dataclasses.replace(spec, plane_index=index))
                 tensors.append(view)
         return self._assemble(self.groups, planes, tensors, self.dcp, self.model_name, self.tp_rank, self.tp_size,
-                              dict(self.identity), self.shards)
+                              dict(self.identity), self.shards, self.rebuilt)
 
     @property
     def device(self) -> torch.device:
@@ -259,6 +275,16 @@ class KVLayout:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @cached_property
+    def resume_every(self) -> int:
+        """Restore points must be multiples of this many tokens: the least common multiple of the
+        rebuilt groups' ``resume_every`` (1 without rebuilt groups)."""
+        return math.lcm(1, *(r.resume_every for r in self.rebuilt))
+
+    def resumable_at(self, boundary: int) -> bool:
+        """Whether the engine can rebuild every rebuilt group after a restore at ``boundary``."""
+        return boundary % self.resume_every == 0
 
     @cached_property
     def _group_num_blocks(self) -> tuple[int, ...]:
@@ -345,7 +371,7 @@ def layout_fingerprint(model_fingerprint: Fingerprint, shards) -> Fingerprint:
     return Fingerprint(blake3.blake3(msgpack.packb(doc)).digest(16))
 
 
-def _model_doc(groups, planes, geometries, dcp, model_name, identity, shards) -> dict:
+def _model_doc(groups, planes, geometries, dcp, model_name, identity, shards, rebuilt=()) -> dict:
     doc = {
         "format": FORMAT_VERSION,
         "model": model_name,
@@ -369,6 +395,10 @@ def _model_doc(groups, planes, geometries, dcp, model_name, identity, shards) ->
     if any(p.num_slices > 1 for p in planes):
         # a sliced plane's chunk rows are stored in column slices: never read as whole rows
         doc["slices"] = [[p.slice_index, p.num_slices] for p in planes]
+    if rebuilt:
+        # groups stored without bytes (the engine rebuilds them): another engine layout's chunks
+        # (the same groups stored, or other rebuilt groups) must never be read, nor ours by it
+        doc["rebuilt"] = [[r.what, r.resume_every] for r in rebuilt]
     # rows of equal bytes split otherwise (4 heads x 128 vs 8 x 64) are other models' KV
     doc["row_shapes"] = [_per_head_shape(p, shards[p.group_index]) for p in planes]
     return doc

@@ -186,6 +186,31 @@ class TPShard:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RebuiltGroup:
+    """A cache group the engine rebuilds itself after a hit: part of a layout's identity, no bytes.
+
+    vLLM keeps such groups out of prefix caching (``prefix_cacheable`` False) and rebuilds them
+    after any hit: a per-request ring (``CircularBufferSpec``) is claimed fresh and holds only the
+    open, not yet compressed token group, empty at a multiple of the group's period; a
+    bounded-replay window (DeepSeek V4.1's SWA) is recomputed by the scheduler over the hit's last
+    window. kvconnect stores none of their bytes; they enter the fingerprint (a store made under
+    another layout is never read) and restrict where a hit may land.
+
+    what: the engine's description of the group (spec class, shape, dtype, layers), fingerprinted.
+    resume_every: a restore point must be a multiple of this many (global) tokens (1: anywhere).
+    """
+
+    what: str
+    resume_every: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.what, str) or not self.what:
+            raise LayoutError("a RebuiltGroup needs a description (what)")
+        if not isinstance(self.resume_every, int) or self.resume_every <= 0:
+            raise LayoutError(f"resume_every must be a positive int, got {self.resume_every!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DCPSpec:
     """Decode context parallel: this process holds rank ``rank`` of ``size`` token shards.
 

@@ -50,7 +50,9 @@ def restorable_boundary(layout: KVLayout, chunks: Sequence[Chunk], masks: Sequen
     extends past a chunk that is not stored, even one holding none of this rank's rows of
     them, e.g. a DCP rank's share of a short chunk); a windowed group needs
     its rows in every chunk that holds rows of [P - W, P); page/state groups also need P on
-    a row edge. Chunks ending at or below ``present_below`` are already in the engine.
+    a row edge; a layout with rebuilt groups (``KVLayout.resume_every``) needs P on a multiple of
+    their period, where the engine can rebuild them. Chunks ending at or below ``present_below`` are
+    already in the engine.
     """
     all_groups = (1 << layout.num_groups) - 1
     geos = layout.geometries
@@ -67,7 +69,7 @@ def restorable_boundary(layout: KVLayout, chunks: Sequence[Chunk], masks: Sequen
         boundary = chunks[k].end
         if boundary <= present_below and present_below:
             return boundary
-        if not all(geo.boundary_ok(boundary) for geo in geos):
+        if not layout.resumable_at(boundary) or not all(geo.boundary_ok(boundary) for geo in geos):
             continue
         if all((eff[j] & groups) == groups for j, groups in window_walk(layout, windowed, chunks, k)):
             return boundary

@@ -5,9 +5,11 @@
    (``specs.known_specs``), and docs/vllm.md's "Cache specs" table lists it: a new spec fails here
    instead of passing silently.
 2. The refused specs, built by vLLM's own classes, are refused naming the class and the reason.
-3. ``SlidingWindowMLASpec.bounded_replay`` (DeepSeek V4.1): vLLM's own spec says the group is not
-   prefix-cacheable and replays its window; kvconnect refuses it, so no window part is ever
-   written from rows the engine never computed.
+3. Engine-rebuilt groups (``rebuilt.py``): ``CircularBufferSpec`` and ``SlidingWindowMLASpec``
+   with ``bounded_replay`` (DeepSeek V4.1) are what vLLM's own specs say: not prefix-cacheable,
+   the window replayed; kvconnect gives them no GroupSpec (no bytes) and a period. The DeepSeek V4
+   C128 state's spec on every platform branch of the installed compressor is one the C128 rule
+   (``engine_tables.DSV4_C128_STATE_FREE``) names, in either spelling (paged or ring).
 4. The C128 window-free rule on CUDA / ROCm (``engine_tables.DSV4_C128_STATE_FREE``): every reader
    of DeepSeek V4's compressor state in the installed vLLM gathers rows p - R + 1 .. p only for a
    token p closing a compression group ((p + 1) % R == 0). After a resume at a multiple of 128 such
@@ -18,8 +20,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,7 @@ pytestmark = [
 ]
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _docs_spec_table() -> str:
@@ -64,9 +69,8 @@ def _refused_cases():
         "ChunkedLocalAttentionSpec": kv.ChunkedLocalAttentionSpec(**attn, attention_chunk_size=64),
         "CrossAttentionSpec": kv.CrossAttentionSpec(**attn),
         "EncoderOnlyAttentionSpec": kv.EncoderOnlyAttentionSpec(**attn),
-        "CircularBufferSpec": kv.CircularBufferSpec(block_size=136, num_kv_heads=1, head_size=512, dtype=torch.float32),
+        "SinkFullAttentionSpec": kv.SinkFullAttentionSpec(**attn, sink_len=16),
         "RSWASpec": kv.RSWASpec(**attn, rswa_window=128),
-        "SinkFullAttentionSpec": kv.SinkFullAttentionSpec(**attn, sink_len=4),
         "HiddenStateCacheSpec": kv.HiddenStateCacheSpec(**attn),
         "HiSparseHotSpec": kv.HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=8),
         "HiSparseResidentSpec": kv.HiSparseResidentSpec(block_size=64, page_size=4096),
@@ -84,26 +88,30 @@ def test_refused_specs_are_refused_by_name_with_the_reason():
             specs.group_spec_of(spec, device_type="cpu")
         assert name in str(err.value) and specs.REFUSED_SPECS[name] in str(err.value), name
     # what the reasons rest on, in vLLM's own classes
-    assert not cases["CircularBufferSpec"].prefix_cacheable and not cases["CircularBufferSpec"].uses_slot_mapping
     assert not cases["HiSparseHotSpec"].prefix_cacheable and not cases["HiSparseResidentSpec"].prefix_cacheable
 
 
-def test_bounded_replay_window_is_refused_and_the_plain_one_served():
+def test_rebuilt_specs_are_what_vllm_says_and_carry_no_group_spec():
     import torch
+    from vllm.v1 import kv_cache_interface as kv
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 
     from kvconnect.errors import UnsupportedLayoutError
-    from kvconnect.integrations.vllm import specs
+    from kvconnect.integrations.vllm import rebuilt, specs
 
     swa = dict(block_size=64, num_kv_heads=1, head_size=584, dtype=torch.uint8, sliding_window=128,
                cache_dtype_str="fp8_ds_mla", model_version="deepseek_v4")
     replayed = SlidingWindowMLASpec(**swa, bounded_replay=True)
-    # vLLM's own view: out of prefix caching, the hit's last window recomputed after every hit
+    ring = kv.CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=1024, dtype=torch.float32)
+    # vLLM's own view: out of prefix caching; the window recomputed after every hit; the ring per request
     assert not replayed.prefix_cacheable and replayed.prefix_replay_tokens == 128
-    with pytest.raises(UnsupportedLayoutError, match="bounded_replay.*never computed"):
-        specs.group_spec_of(replayed, device_type="cpu")
+    assert not ring.prefix_cacheable and not ring.uses_slot_mapping
+    for spec in (replayed, ring):
+        assert rebuilt.is_rebuilt(spec)
+        with pytest.raises(UnsupportedLayoutError, match="engine-rebuilt"):
+            specs.group_spec_of(spec, device_type="cpu")
     plain = SlidingWindowMLASpec(**swa)
-    assert plain.prefix_cacheable and plain.prefix_replay_tokens == 0
+    assert plain.prefix_cacheable and plain.prefix_replay_tokens == 0 and not rebuilt.is_rebuilt(plain)
     group = specs.group_spec_of(plain, device_type="cpu")
     assert (group.block_size, group.sliding_window, group.restore_window, group.window_free_every) == (64, 128, 127, None)
 
@@ -136,6 +144,42 @@ def test_c128_state_cache_is_touched_only_by_the_known_files():
     root = spec_classes.package_dir("vllm") / _V4
     touching = {str(p.relative_to(root)) for p in root.rglob("*.py") if "state_cache" in p.read_text()}
     assert touching == set(_STATE_FILES), f"new DeepSeek V4 state-cache code: {sorted(touching ^ set(_STATE_FILES))}"
+
+
+def _state_cache_spec_spellings() -> dict[str, set[str]]:
+    """Per file of the installed vLLM's DeepSeek V4 model (every platform directory), the spec
+    classes that a compressor state cache's ``get_kv_cache_spec`` constructs, on any branch."""
+    from support import spec_classes
+
+    root = spec_classes.package_dir("vllm") / _V4
+    found: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ClassDef) and "State" in node.name):
+                continue
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "get_kv_cache_spec":
+                    calls = {c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+                             for c in ast.walk(fn) if isinstance(c, ast.Call)
+                             and isinstance(c.func, (ast.Name, ast.Attribute))}
+                    found.setdefault(str(path.relative_to(root)), set()).update(
+                        name for name in calls if name.endswith("Spec"))
+    return found
+
+
+def test_c128_state_spec_on_every_platform_branch_has_the_rule():
+    """DeepSeek V4's C128 state: every spec class its state cache builds, on any platform branch,
+    is a spelling the one C128 rule names (paged: window-free; ring, vLLM PR 58074: rebuilt on the
+    rule's period). A new spelling (PR 58074 landing, another platform) without a rule fails here."""
+    from kvconnect.integrations.vllm.engine_tables import DSV4_C128_STATE_FREE as rule
+
+    spellings = _state_cache_spec_spellings()
+    assert spellings, "no DeepSeek V4 compressor state cache found in the installed vLLM"
+    named = set(rule.spec_classes) | set(rule.ring_spec_classes)
+    for path, classes in spellings.items():
+        assert classes and classes <= named, f"{path}: the C128 state is built as {sorted(classes)}; rule: {sorted(named)}"
+    assert "SlidingWindowMLASpec" in spellings["compressor.py"]  # vLLM 0.32's paged spelling
+    assert rule.every == 128 and ("head_size", 1024) in rule.ring_match
 
 
 def test_c128_state_geometry_matches_the_rule():

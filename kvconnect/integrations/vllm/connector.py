@@ -41,7 +41,7 @@ from kvconnect.errors import LayoutError, UnsupportedLayoutError
 
 from kvconnect.metrics.vllm import ReportGate
 
-from . import chunk_size, drafts, kv_events, logs, pd, recurrent, request_reads, roles, stats, tensors, translate
+from . import chunk_size, drafts, kv_events, logs, pd, rebuilt, recurrent, request_reads, roles, stats, tensors, translate
 from .ranks import data_parallel_rank, default_channel_address, parallel_ranks
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
@@ -119,7 +119,10 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                                                  min_load_tokens=config.effective_min_load_tokens,
                                                  log_interval_s=config.log_interval_s, role=self._role,
                                                  tail_align_tokens=pd.engine_block_tokens(vllm_config, kv_cache_config),
-                                                 exact_resume=bool(self._state_blocks),
+                                                 # recurrent states, and engine-rebuilt groups (rebuilt.py): vLLM
+                                                 # resumes exactly at the hit, which the gate put on their period
+                                                 exact_resume=bool(self._state_blocks)
+                                                 or bool(rebuilt.rebuilt_group_ids(kv_cache_config)),
                                                  skip_last_n_tokens=config.skip_last_n_tokens)
             self._pd = pd.PDScheduler(self._scheduler, self._role, pd.ServerIdentity(
                 chunk_tokens=config.chunk_size, tp_size=ranks.tp_size, model=config.model_name,

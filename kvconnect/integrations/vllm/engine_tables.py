@@ -130,6 +130,15 @@ class EngineRelease:
                 return rule.every
         return None
 
+    def ring_every(self, spec: Any) -> Optional[int]:
+        """The period of a per-request ring (``CircularBufferSpec``) this release's tables know
+        (a ``WindowFree`` rule's state spelled as a ring: DeepSeek V4's C128 state under vLLM PR
+        58074); None: only the ring's own capacity is known (``rebuilt``)."""
+        for rule in self.window_free:
+            if rule.applies_to_ring(spec):
+                return rule.every
+        return None
+
     def unaudited(self, spec: Any, dtype: str, row_bytes: int) -> bool:
         """Whether a packed (uint8) cache belongs to a family whose blocks are written split but
         whose row width is not in ``split_rows`` (its layout is unknown: refuse, never guess)."""
@@ -167,6 +176,9 @@ class WindowFree:
         torch dtype is compared by name, e.g. "float32").
     device_types: the registered tensors' device types it was shown on (others keep the rows).
     proof: per device type, the bench or the engine's state-read code that shows it.
+    ring_spec_classes / ring_match: the same state spelled as a per-request ring, which vLLM
+        rebuilds after a hit (``rebuilt``): on every device, a hit lands only at multiples of
+        ``every`` (the open group is empty there); a ring's capacity must be a multiple of it.
     """
 
     spec_classes: frozenset
@@ -174,18 +186,33 @@ class WindowFree:
     every: int
     device_types: frozenset
     proof: str
+    ring_spec_classes: frozenset = frozenset()
+    ring_match: tuple = ()
 
-    def applies(self, spec: Any, device_type: Optional[str]) -> bool:
+    @staticmethod
+    def _matches(spec: Any, match: tuple) -> bool:
         def value(key):
             v = getattr(spec, key, None)
             return str(v).replace("torch.", "") if key == "dtype" else v
 
+        return all(value(key) == want for key, want in match)
+
+    def applies(self, spec: Any, device_type: Optional[str]) -> bool:
         return (device_type in self.device_types and type(spec).__name__ in self.spec_classes
-                and all(value(key) == want for key, want in self.match))
+                and self._matches(spec, self.match))
+
+    def applies_to_ring(self, spec: Any) -> bool:
+        return (type(spec).__name__ in self.ring_spec_classes and self._matches(spec, self.ring_match)
+                and int(getattr(spec, "block_size", 0)) % self.every == 0)
 
 
 # vLLM's DeepSeek V4 ``CompressorStateCache`` at compress ratio 128 (vllm/models/deepseek_v4/compressor.py:
 # sliding window coff x ratio = 128, block 8, fp32); the C4 states (window 8) are read and keep their rows.
+# One rule for both spellings of that state: today's paged SlidingWindowMLASpec (stored, window-free at
+# multiples of 128 where shown) and vLLM PR 58074's CircularBufferSpec ring on CUDA (open: not stored,
+# rebuilt by vLLM; a hit only at multiples of 128, where the open 128-token group is empty; its state row
+# is kv + score, 2 x 512 fp32, as the paged spelling's). tests/integration/test_vllm_spec_classes.py reads
+# the installed compressor's spec choice on every platform branch and fails on a spelling not named here.
 DSV4_C128_STATE_FREE = WindowFree(
     spec_classes=frozenset({"SlidingWindowMLASpec"}), match=(("dtype", "float32"), ("sliding_window", 128), ("block_size", 8)),
     every=128,
@@ -197,7 +224,8 @@ DSV4_C128_STATE_FREE = WindowFree(
           "_compress_gather_split_sparse_attn) read state rows only for a token at position p with (p + 1) % 128 "
           "== 0, rows p - 127 .. p: after a resume at a multiple of 128 only rows the resumed forward wrote "
           "(tests/integration/test_vllm_spec_classes.py reads that code in the installed vLLM and runs the Triton "
-          "gather under Triton's interpreter; docs/vllm.md)")
+          "gather under Triton's interpreter; docs/vllm.md)",
+    ring_spec_classes=frozenset({"CircularBufferSpec"}), ring_match=(("dtype", "float32"), ("head_size", 1024)))
 
 _MLA_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec"})
 

@@ -83,7 +83,8 @@ class KVConnectScheduler:
         self.hits = hits
         # LMCache's vLLM key: every lookup leaves the last this many tokens of what it asks about out
         self.skip_last_n_tokens = skip_last_n_tokens
-        # recurrent-state layouts (recurrent.py): a restore point P is the state after exactly P tokens, so
+        # recurrent-state layouts (recurrent.py) and engine-rebuilt groups (rebuilt.py): a restore point P is
+        # the state after exactly P tokens, or P is on a rebuilt group's period, so
         # vLLM must resume at P itself; the lookup covers prompt[:-1], leaving the last token to compute
         self.exact_resume = exact_resume
         # P/D tails end on a multiple of this (vLLM's block size): a restore of a paged layout resumes

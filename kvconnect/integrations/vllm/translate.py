@@ -10,7 +10,10 @@ unit-tested with look-alike objects on machines without vLLM.
 
 Groups. Each vLLM group becomes one kvconnect group (two when it mixes opaque pages and
 token rows); a kvconnect group reads the block ids of the vLLM group it came from. Which
-GroupSpec a vLLM spec becomes is the table in ``specs`` (``group_spec_of``).
+GroupSpec a vLLM spec becomes is the table in ``specs`` (``group_spec_of``). Groups vLLM
+rebuilds after a hit (rings, bounded-replay windows: ``rebuilt``) become no kvconnect group:
+they are stored without bytes, as ``RebuiltGroup`` entries of the layout's identity that
+restrict where a hit lands (``KVLayout.resume_every``).
 
 Tensors (one value per layer). Which planes a registered value becomes is the table in
 ``tensors`` (``planes_of``); a layer whose module reports a tiled layout (``tiled_layers``)
@@ -63,7 +66,7 @@ from kvconnect.layout.detect import detect_hint, split_planes
 from kvconnect.layout.model_identity import model_identity as layout_model_identity
 from kvconnect.layout.spec import DCPSpec, GroupSpec, RowRegions, ShardKind, TPShard
 
-from . import engine_tables, recurrent
+from . import engine_tables, rebuilt, recurrent
 from .engine_tables import EngineRelease
 from .metadata import BlockIds, freeze_block_ids
 from .specs import TP_REPLICATED_SPECS, layer_spec_of, group_spec_of, num_heads_of
@@ -182,8 +185,11 @@ def translate_kv_caches(
     quant: set[str] = set()
     page_backends: set[str] = set()
     states: set[str] = set()
+    # groups vLLM rebuilds after a hit (rings, bounded-replay windows): identity only, no planes
+    rebuilt_groups = rebuilt.rebuilt_groups(kv_cache_config, release, dcp.size)
+    rebuilt_ids = set(rebuilt.rebuilt_group_ids(kv_cache_config))
     for vllm_group, group in enumerate(vllm_groups):
-        if vllm_group not in transferable:
+        if vllm_group not in transferable or vllm_group in rebuilt_ids:
             continue
         for layer in group.layer_names:
             if layer not in kv_caches:  # runner-only layers have no registered cache
@@ -257,6 +263,7 @@ def translate_kv_caches(
         values, groups=group_specs, layer_groups=layer_groups, layout_hints=hints, model_name=model_name,
         tp_rank=tp_rank, tp_size=tp_size, dcp=dcp, identity=ident, row_regions=regions,
         group_shards=[shards.pop() if len(shards) == 1 else TPShard.rank(tp_rank, tp_size) for shards in group_shards],
+        rebuilt=rebuilt_groups,
     )
     # fewer KV heads than ranks: vLLM gives each head to tp / heads consecutive ranks, which name it
     # alike; the first of them writes the shared tiers, the others read its objects (as replicated KV)
