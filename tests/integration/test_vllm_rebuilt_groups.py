@@ -55,17 +55,17 @@ def _prompt(seed: int, n: int) -> np.ndarray:
 @pytest.mark.parametrize("name", ["deepseek_v41", "qwen4_exp", "glm5_next", "step5"])
 def test_hits_restore_cacheable_groups_and_vllm_rebuilds_the_rest(rig, name):
     from kvconnect.integrations.vllm import rebuilt
-    from vllm_rebuilt_rig import STRUCTURES, _kind
+    from vllm_rebuilt_rig import STRUCTURES, kind_of
 
     structure = STRUCTURES[name]()
     r = rig(structure)
     translation = r.worker._worker.translation
     layout = translation.layout
-    stored = {layer.name for group in structure for layer in group if _kind(layer.spec) == "rows"}
+    stored = {layer.name for group in structure for layer in group if kind_of(layer.spec) == "rows"}
     rebuilt_layers = {layer.name for group in structure for layer in group} - stored
     # no plane, so no byte, of a rebuilt group; each one named in the identity
     assert {p.layer_name for p in layout.planes} == stored
-    assert len(layout.rebuilt) == sum(_kind(g[0].spec) != "rows" for g in structure) and rebuilt_layers
+    assert len(layout.rebuilt) == sum(kind_of(g[0].spec) != "rows" for g in structure) and rebuilt_layers
     assert layout.resume_every == rebuilt.resume_every_of(r.kv_cache_config)
     assert CHUNK % layout.resume_every == 0  # chunk ends are rebuildable points here
     # kvconnect's rebuilt groups are the groups vLLM keeps out of prefix_cacheable_group_ids, and
@@ -115,11 +115,11 @@ def test_the_rigs_ring_reads_catch_a_hit_off_the_period(rig, monkeypatch):
     12-token chunk holds whole rows) leaves the open group [56, 64) half computed in a fresh ring,
     and the token closing it reads ring rows vLLM never rebuilt: the rig's check fails."""
     from kvconnect.integrations.vllm import rebuilt
-    from vllm_rebuilt_rig import Layer, _ring, qwen4_exp
+    from vllm_rebuilt_rig import Layer, ring_spec, qwen4_exp
 
     monkeypatch.setattr(rebuilt, "_resume_every", lambda spec, block, release: 1)
     structure = qwen4_exp(block=64, ratio=4)
-    structure[-1] = [Layer("layers.3.qsa.k_ring", _ring(8, 1, 32), period=8)]
+    structure[-1] = [Layer("layers.3.qsa.k_ring", ring_spec(8, 1, 32), period=8)]
     r = rig(structure, extra={"chunk_size": 12})
     assert r.worker._worker.translation.layout.resume_every == 1
     tokens = _prompt(4, 62)

@@ -40,7 +40,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_scheduler_rig import Rig, _ids, expected_rows
+from vllm_scheduler_rig import Rig, request_ids, expected_rows
 
 F32 = torch.float32
 
@@ -56,7 +56,7 @@ def _mla(block, head, ratio=1):
     return kv.MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=head, dtype=F32, tokens_per_state=ratio)
 
 
-def _ring(capacity, heads, head):
+def ring_spec(capacity, heads, head):
     return kv.CircularBufferSpec(block_size=capacity, num_kv_heads=heads, head_size=head, head_size_v=0, dtype=F32)
 
 
@@ -70,7 +70,7 @@ def deepseek_v41(block: int = 64, drafts: int = 0) -> list[list[Layer]]:
                                   bounded_replay=True)
     return [[Layer("layers.0.attn", _mla(block, 32, 1))],
             [Layer("layers.1.attn", _mla(block, 32, 2))],
-            [Layer("layers.1.compressor.state_cache", _ring(capacity, 1, 64), period=2)],
+            [Layer("layers.1.compressor.state_cache", ring_spec(capacity, 1, 64), period=2)],
             [Layer("layers.0.swa_cache", swa), Layer("layers.1.swa_cache", swa)]]
 
 
@@ -83,7 +83,7 @@ def qwen4_exp(block: int = 64, ratio: int = 4, drafts: int = 0) -> list[list[Lay
     capacity = ratio * -(-(ratio + drafts) // ratio)
     return [[Layer("layers.3.attn", kv.FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=16, dtype=F32))],
             [Layer("layers.3.qsa.k_compressed", _mla(block, 32, ratio))],
-            [Layer("layers.3.qsa.k_ring", _ring(capacity, 1, 32), period=ratio)]]
+            [Layer("layers.3.qsa.k_ring", ring_spec(capacity, 1, 32), period=ratio)]]
 
 
 def glm5_next(block: int = 128, kpool: int = 4, drafts: int = 0) -> list[list[Layer]]:
@@ -94,7 +94,7 @@ def glm5_next(block: int = 128, kpool: int = 4, drafts: int = 0) -> list[list[La
     ring = kpool * (1 << (-(-(kpool + drafts) // kpool) - 1).bit_length())
     return [[Layer("layers.0.attn", _mla(block, 32, 1))],
             [Layer("layers.0.indexer.k_cache", _mla(block, 16, kpool))],
-            [Layer("layers.0.indexer.tail_cache", _ring(ring, 2, 16), period=kpool)]]
+            [Layer("layers.0.indexer.tail_cache", ring_spec(ring, 2, 16), period=kpool)]]
 
 
 def step5(block: int = 64) -> list[list[Layer]]:
@@ -105,13 +105,13 @@ def step5(block: int = 64) -> list[list[Layer]]:
     return [[Layer("layers.0.attn", main)],
             [Layer("layers.0.summary", kv.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=16,
                                                             dtype=F32, tokens_per_state=8))],
-            [Layer("layers.0.csa_tail_ring", _ring(block, 1, 32), period=8)]]
+            [Layer("layers.0.csa_tail_ring", ring_spec(block, 1, 32), period=8)]]
 
 
 STRUCTURES = {"deepseek_v41": deepseek_v41, "qwen4_exp": qwen4_exp, "glm5_next": glm5_next, "step5": step5}
 
 
-def _kind(spec) -> str:
+def kind_of(spec) -> str:
     if isinstance(spec, kv.CircularBufferSpec):
         return "ring"
     if getattr(spec, "bounded_replay", False):
@@ -124,7 +124,7 @@ def _ratio(spec) -> int:
 
 
 def _rows_per_block(spec) -> int:
-    return spec.block_size if _kind(spec) == "ring" else spec.block_size // _ratio(spec)
+    return spec.block_size if kind_of(spec) == "ring" else spec.block_size // _ratio(spec)
 
 
 class RebuiltRig(Rig):
@@ -141,7 +141,7 @@ class RebuiltRig(Rig):
 
     def add(self, tokens, max_tokens: int = 2, req_id: Optional[str] = None) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = Request(request_id=req_id or f"r{next(_ids)}", prompt_token_ids=[int(t) for t in tokens],
+        req = Request(request_id=req_id or f"r{next(request_ids)}", prompt_token_ids=[int(t) for t in tokens],
                       sampling_params=params, pooling_params=None, mm_features=None,
                       block_hasher=get_request_block_hasher(self.hash_block_size, sha256))
         self.scheduler.add_request(req)
@@ -179,7 +179,7 @@ class RebuiltRig(Rig):
         return table[row // rpb], row % rpb
 
     def _write(self, layer, cache, table, values, start, end, req_id) -> None:
-        spec, kind = layer.spec, _kind(layer.spec)
+        spec, kind = layer.spec, kind_of(layer.spec)
         view = cache.view(cache.shape[0], cache.shape[1], -1, cache.shape[-1])  # [B, H, N, C]
         for p in range(start, end):
             if kind == "ring":
@@ -204,7 +204,7 @@ class RebuiltRig(Rig):
         tables = self._tables(req.request_id)
         for g, group in enumerate(self.layers):
             for i, layer in enumerate(group):
-                spec, kind = layer.spec, _kind(layer.spec)
+                spec, kind = layer.spec, kind_of(layer.spec)
                 if kind == "ring":
                     continue  # read at the tokens closing a period (_write)
                 values = expected_rows(tokens, self._layer_index(g, i))

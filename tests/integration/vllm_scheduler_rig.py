@@ -57,7 +57,7 @@ KV_HEADS = 2
 HEAD_SIZE = 32
 SAMPLED = 7
 _MOD = 1 << 20  # row values stay exact in float32
-_ids = itertools.count()
+request_ids = itertools.count()
 init_none_hash(sha256)
 
 
@@ -97,7 +97,7 @@ class Rig:
     # -- requests ------------------------------------------------------------------
     def add(self, tokens, max_tokens: int = 2, req_id: Optional[str] = None) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = Request(request_id=req_id or f"r{next(_ids)}", prompt_token_ids=[int(t) for t in tokens],
+        req = Request(request_id=req_id or f"r{next(request_ids)}", prompt_token_ids=[int(t) for t in tokens],
                       sampling_params=params, pooling_params=None, mm_features=None,
                       block_hasher=get_request_block_hasher(self.block_size, sha256))
         self.scheduler.add_request(req)
