@@ -18,7 +18,7 @@ if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1"; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
 fi
 
-scripts_dir() {  # $1: a python interpreter; where its packages' executables land (pyenv, venv, /usr/local alike)
+scripts_dir() {  # $1: a python interpreter; where its packages' executables land (a venv, a version manager's python, /usr/local alike)
     "$1" -c "import sysconfig; print(sysconfig.get_path('scripts'))"
 }
 

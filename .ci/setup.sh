@@ -4,7 +4,7 @@
 #
 # Which python: an active virtual environment (VIRTUAL_ENV, or $PYTHON inside one) is installed
 # into; otherwise a virtual environment .venv is made from $PYTHON (else python3) and used, so
-# torch and kvconnect never land in a machine's global interpreter (pyenv, conda, /usr/local, or
+# torch and kvconnect never land in a machine's global interpreter (a version manager's, conda, /usr/local, or
 # the OS's). The last line says which python to run, and .ci/python holds its path.
 #
 # torch: an importable torch 2.13 is kept. Otherwise the CPU build, torch==2.13.0+cpu, from pip's

@@ -33,14 +33,10 @@ from vllm.v1 import kv_cache_interface as kv
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from vllm import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_scheduler_rig import Rig, request_ids, expected_rows
+from vllm_scheduler_rig import Rig, expected_rows
 
 F32 = torch.float32
 
@@ -139,13 +135,9 @@ class RebuiltRig(Rig):
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=self.block_size, hash_block_size=self.hash_block_size)
 
-    def add(self, tokens, max_tokens: int = 2, req_id: Optional[str] = None) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = Request(request_id=req_id or f"r{next(request_ids)}", prompt_token_ids=[int(t) for t in tokens],
-                      sampling_params=params, pooling_params=None, mm_features=None,
-                      block_hasher=get_request_block_hasher(self.hash_block_size, sha256))
-        self.scheduler.add_request(req)
-        return req
+    @property
+    def request_hash_block_size(self) -> int:
+        return self.hash_block_size
 
     def _tables(self, req_id):
         return self.scheduler.kv_cache_manager.get_block_ids(req_id)

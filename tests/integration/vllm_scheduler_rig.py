@@ -99,9 +99,14 @@ class Rig:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(request_id=req_id or f"r{next(request_ids)}", prompt_token_ids=[int(t) for t in tokens],
                       sampling_params=params, pooling_params=None, mm_features=None,
-                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+                      block_hasher=get_request_block_hasher(self.request_hash_block_size, sha256))
         self.scheduler.add_request(req)
         return req
+
+    @property
+    def request_hash_block_size(self) -> int:
+        """The block size a request's block hashes are made at (vLLM's hash block size)."""
+        return self.block_size
 
     # -- one engine step -----------------------------------------------------------
     def step(self, before_worker: Optional[Callable[[Any], None]] = None):

@@ -24,7 +24,7 @@ from support.redis_server import free_port
 from support.service_process import START_TIMEOUT_S, ServiceProcess
 
 def _beside_interpreter(name: str) -> Optional[str]:
-    """``name`` from this interpreter's scripts directory (where pip put it: a venv's or pyenv's bin,
+    """``name`` from this interpreter's scripts directory (where pip put it: a venv's or a version manager's bin,
     never on PATH by itself), else from PATH."""
     path = Path(sysconfig.get_path("scripts")) / name
     if path.is_file() and os.access(path, os.X_OK):
