@@ -61,11 +61,11 @@ def test_hits_restore_cacheable_groups_and_vllm_rebuilds_the_rest(rig, name):
     r = rig(structure)
     translation = r.worker._worker.translation
     layout = translation.layout
-    stored = {layer.name for group in structure for layer in group if kind_of(layer.spec) == "rows"}
+    stored = {layer.name for group in structure for layer in group if kind_of(layer.spec) in ("rows", "window")}
     rebuilt_layers = {layer.name for group in structure for layer in group} - stored
     # no plane, so no byte, of a rebuilt group; each one named in the identity
     assert {p.layer_name for p in layout.planes} == stored
-    assert len(layout.rebuilt) == sum(kind_of(g[0].spec) != "rows" for g in structure) and rebuilt_layers
+    assert len(layout.rebuilt) == sum(kind_of(g[0].spec) not in ("rows", "window") for g in structure) and rebuilt_layers
     assert layout.resume_every == rebuilt.resume_every_of(r.kv_cache_config)
     assert CHUNK % layout.resume_every == 0  # chunk ends are rebuildable points here
     # kvconnect's rebuilt groups are the groups vLLM keeps out of prefix_cacheable_group_ids, and

@@ -12,9 +12,10 @@ tables: a compressed (or full) group one row per closed group of ``tokens_per_st
 value of the closing token's prefix (``expected_rows``); a ring slot ``p % capacity`` of the
 request's one ring block for every token, and at each token closing a ring period it first checks
 the period's earlier ring rows hold this request's values (a ring read: fails if the ring was not
-rebuilt, e.g. after a hit off the period); a bounded-replay window row p in block p // B. Before
-every forward it checks every cacheable row of the computed prefix and the window rows from
-``replay_start`` on, so a wrong byte a load brings back, or a window vLLM did not replay, fails.
+rebuilt, e.g. after a hit off the period); a window row p (bounded replay or stored) in block p // B.
+Before every forward it checks every cacheable row of the computed prefix, the window rows from
+``replay_start`` on and a stored window's rows of every token vLLM retains (``retained_of``), so a
+wrong byte a load brings back, a retained row it leaves out, or a window vLLM did not replay, fails.
 """
 
 from __future__ import annotations
@@ -108,11 +109,21 @@ STRUCTURES = {"deepseek_v41": deepseek_v41, "qwen4_exp": qwen4_exp, "glm5_next":
 
 
 def kind_of(spec) -> str:
+    """ring / replayed: rebuilt by vLLM; window: a stored sliding window (rows of the tokens vLLM
+    retains, ``retained_of``); rows: every closed group's row (full and compressed groups)."""
     if isinstance(spec, kv.CircularBufferSpec):
         return "ring"
     if getattr(spec, "bounded_replay", False):
         return "replayed"
+    if isinstance(spec, kv.SlidingWindowSpec):
+        return "window"
     return "rows"
+
+
+def retained_of(spec) -> int:
+    """Tokens vLLM keeps below a request's next position in a sliding-window group, from vLLM's own
+    fields (``SlidingWindowManager.get_num_skipped_tokens``: W - 1 + extra_retained_tokens)."""
+    return spec.sliding_window - 1 + spec.extra_retained_tokens
 
 
 def _ratio(spec) -> int:
@@ -182,14 +193,15 @@ class RebuiltRig(Rig):
                         assert bool((got == float(values[q])).all()), (
                             f"{req_id}: ring of {layer.name} lacks position {q} when token {p} closes its group")
                 view[block, :, p % spec.block_size, :] = float(values[p])
-            elif kind == "replayed" or (p + 1) % _ratio(spec) == 0:
-                row = p if kind == "replayed" else (p + 1) // _ratio(spec) - 1
+            elif kind in ("replayed", "window") or (p + 1) % _ratio(spec) == 0:
+                row = p if kind in ("replayed", "window") else (p + 1) // _ratio(spec) - 1
                 block, offset = self._slot(spec, table, row)
                 assert block != 0, f"{req_id}: {layer.name} writes row {row} into the null block"
                 view[block, :, offset, :] = float(values[p])
 
     def check_rows(self, req, upto: int) -> None:
-        """Cacheable rows of tokens [0, upto) and window rows of [replay_start, upto) hold their values."""
+        """Cacheable rows of tokens [0, upto), window rows of [replay_start, upto) (bounded replay) and
+        of the retained tokens (stored windows) hold their values."""
         if upto == 0:
             return
         tokens = np.asarray(req.all_token_ids[:upto], dtype=np.int64)
@@ -205,6 +217,8 @@ class RebuiltRig(Rig):
                 if kind == "replayed":
                     positions = range(max(req.replay_start, upto - spec.sliding_window + 1), upto)
                     rows = [(p, p) for p in positions]
+                elif kind == "window":  # every row vLLM keeps readable, the extra retained ones too
+                    rows = [(p, p) for p in range(max(0, upto - retained_of(spec)), upto)]
                 else:
                     r = _ratio(spec)
                     rows = [((k + 1) * r - 1, k) for k in range(upto // r)]

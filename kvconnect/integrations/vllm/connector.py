@@ -41,7 +41,8 @@ from kvconnect.errors import LayoutError, UnsupportedLayoutError
 
 from kvconnect.metrics.vllm import ReportGate
 
-from . import chunk_size, drafts, kv_events, logs, pd, rebuilt, recurrent, request_reads, roles, stats, tensors, translate
+from . import (chunk_size, drafts, kv_events, logs, pd, rebuilt, recurrent, request_reads, roles, specs, stats, tensors,
+               translate)
 from .ranks import data_parallel_rank, default_channel_address, parallel_ranks
 from .lookup_channel import LookupClient, dp_rank_base, rank_address
 from .metadata import StepPlan
@@ -148,8 +149,10 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         so no chunk could restore them. The connector stays off there (one WARNING naming the
         release and the reason, ``translate.states_refusal``), never raises."""
         assert self._worker is not None
-        refusal = drafts.draft_refusal(self._vllm_config, self._kv_cache_config)
-        if refusal:  # speculative decoding with draft KV layers (drafts.py): off, never stored as target layers
+        # speculative decoding with draft KV layers (drafts.py): off, never stored as target layers;
+        # a config field kvconnect has no rule for a non-zero value of (specs.SPEC_FIELDS): off
+        refusal = drafts.draft_refusal(self._vllm_config, self._kv_cache_config) or specs.config_refusal(self._vllm_config)
+        if refusal:
             logger.warning("kvconnect: off for this model: %s", refusal)
             return
         if kv_states:

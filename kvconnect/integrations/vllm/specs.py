@@ -6,7 +6,7 @@ every layer of every transferable vLLM group.
 | vLLM spec (class name)                                  | kvconnect GroupSpec |
 |---------------------------------------------------------|---------------------|
 | FullAttentionSpec, MLAAttentionSpec, AscendMLAAttentionSpec, AscendSFAIndexerCacheSpec | full; compress ratio from ``compress_ratio`` (Ascend) or an integer ``tokens_per_state`` |
-| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window W - 1 (vLLM keeps exactly the last W - 1 tokens' blocks); ``window_free_every`` N where the release's table has a proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU and CUDA) |
+| SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window = the tokens vLLM retains below a resume point (``retained_tokens``: W - 1, plus ``extra_retained_tokens`` under multi-module MTP; vLLM 0.33 names the sum ``num_retained_tokens``); ``window_free_every`` N where the release's table has a proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU and CUDA) |
 | Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
 | UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
 | MambaSpec (Gated DeltaNet, Mamba), ``mamba_cache_mode`` "align" | STATE group of the spec's block size: one state page per block, its snapshot at a restore point P is row P / B - 1 (``recurrent``); other modes refused |
@@ -18,12 +18,17 @@ Every spec class of the installed vLLM / vLLM-Ascend must be in ``KNOWN_SPECS`` 
 with a reason, or an abstract base): tests/integration/test_vllm_spec_classes.py and
 tests/ascend/test_spec_classes.py enumerate the engine's classes, so a new one fails CI.
 
+Fields that change which rows a hit needs, or whether one is possible, are rules too
+(``SPEC_FIELDS``; tests/test_vllm_spec_field_rules.py checks each rule, and
+tests/integration/test_vllm_spec_fields.py which installed release carries which field).
+
 What a spec's ``block_size`` counts depends on the engine release (``engine_tables``):
 vLLM-Ascend 0.23 counts compressed blocks in rows, vLLM in tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Optional
 
@@ -74,6 +79,75 @@ TP_REPLICATED_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec", "As
                                  "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec"})
 """Specs whose cache is the same on every TP rank: MLA latents, DeepSeek V4's compressed and SWA
 latents and compressor states, the V3.2 / V4 indexer K (one head from replicated weights)."""
+
+
+@dataclass(frozen=True)
+class SpecField:
+    """One field of vLLM's KV-cache description and kvconnect's rule for it (``SPEC_FIELDS``).
+
+    owner: the spec classes that carry it, or ``VllmConfig`` for a config property.
+    releases: the vLLM releases that have it (tests/integration/test_vllm_spec_fields.py reads
+        the installed vLLM and fails where this says otherwise).
+    rule: ``restore_window`` (it sets the tokens a windowed group restores: ``retained_tokens``),
+        ``rows_unchanged`` (it changes no stored row and no row a hit needs), or
+        ``refused_unless_zero`` (a non-zero value turns the connector off: ``config_refusal``).
+    """
+
+    name: str
+    owner: frozenset
+    releases: frozenset
+    rule: str
+    why: str
+
+    RULES = ("restore_window", "rows_unchanged", "refused_unless_zero")
+
+    def __post_init__(self) -> None:
+        if self.rule not in self.RULES:
+            raise ValueError(f"spec field {self.name}: rule {self.rule!r} is not one of {self.RULES}")
+
+
+_SWA = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec"})
+SPEC_FIELDS = (
+    SpecField("extra_retained_tokens", _SWA, frozenset({"0.32", "0.33"}), "restore_window",
+              "multi-module MTP re-prefills the last num_prefill_lookahead_tokens - 1 tokens, so vLLM keeps that "
+              "many tokens' blocks below the window (SlidingWindowManager.get_num_skipped_tokens) and allocates "
+              "them for an external hit: kvconnect restores W - 1 + extra_retained_tokens trailing tokens"),
+    SpecField("num_retained_tokens", _SWA, frozenset({"0.33"}), "restore_window",
+              "vLLM 0.33's name for W - 1 + extra_retained_tokens: the tokens below a request's first scheduled "
+              "position attention may still read (its worker nulls block-table entries below them); read where "
+              "present, else computed from the fields as 0.32 does"),
+    SpecField("topk_buffer_width", frozenset({"MLAAttentionSpec"}), frozenset({"0.33"}), "rows_unchanged",
+              "the width of sparse MLA's per-step top-k index buffer (GLM-5-Next: index_topk + kpool - 1, rounded "
+              "up to 128; HiSparse sizes its device buffer by it): a read-side buffer, not cache rows; a sparse "
+              "layer selects among every row of the prefix, so the group is restored as a full group"),
+    SpecField("num_hash_lookahead_tokens", frozenset({"VllmConfig"}), frozenset({"0.33"}), "refused_unless_zero",
+              "with EAGLE block drop vLLM 0.33 may extend each block's hash over the next L tokens (the drafter's "
+              "row at a block's last position reads that far ahead) and then checkpoints Mamba state L tokens "
+              "earlier; kvconnect's chunks are keyed by their own tokens and its restore points assume the legacy "
+              "hashes. vLLM itself sets L = 0 whenever a KV connector is configured (VllmConfig."
+              "num_hash_lookahead_tokens), so this never fires under vLLM's own config"),
+)
+"""Fields of vLLM's KV-cache description with a rule here (docs/vllm.md, "Cache specs")."""
+
+
+def retained_tokens(spec: Any) -> int:
+    """Tokens a sliding-window group needs (and vLLM keeps) below a resume point: vLLM 0.33's
+    ``num_retained_tokens``, or, on releases without it, ``sliding_window - 1 + extra_retained_tokens``."""
+    retained = getattr(spec, "num_retained_tokens", None)
+    if retained is None:
+        retained = int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    return int(retained)
+
+
+def config_refusal(vllm_config: Any) -> Optional[str]:
+    """Why a ``refused_unless_zero`` config field turns kvconnect off for this config; None when none does."""
+    for field in SPEC_FIELDS:
+        if field.rule != "refused_unless_zero" or "VllmConfig" not in field.owner:
+            continue
+        value = getattr(vllm_config, field.name, 0) or 0
+        if value:
+            return f"VllmConfig.{field.name} = {value}: {field.why}"
+    return None
 
 
 def _compress_ratio(spec: Any) -> int:
@@ -131,10 +205,10 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
     tokens = _block_tokens(spec, ratio, release) // max(1, kernel_split)
     if name in _WINDOW_SPECS:
         window = int(spec.sliding_window)
-        # vLLM frees blocks whose tokens are all before P - W + 1 (get_num_skipped_tokens),
-        # so W - 1 trailing tokens is what it needs and what it keeps.
+        # vLLM frees blocks whose tokens are all before P - retained (get_num_skipped_tokens), so
+        # the retained tokens (W - 1, plus MTP's extra ones: SPEC_FIELDS) are what it keeps and reads.
         return GroupSpec(block_size=tokens, compress_ratio=ratio,
-                         sliding_window=window, restore_window=max(1, window - 1),
+                         sliding_window=window, restore_window=max(1, retained_tokens(spec)),
                          window_free_every=release.window_free_every(spec, device_type))
     if name in _FULL_SPECS or name in release.compressed_full_specs:
         # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
