@@ -6,8 +6,8 @@ the installed vLLM (CI: 0.32 in tests/integration, 0.33 in its own stage).
   window): under vLLM's own Scheduler and SlidingWindowManager (vllm_rebuilt_rig, a hand-built
   full + sliding-window KVCacheConfig), kvconnect restores every row vLLM keeps readable after an
   external hit, byte-exact; with the old W - 1 rule the rig's row check fails (the negative control);
-- ``num_hash_lookahead_tokens`` (0.33): vLLM's own ``VllmConfig`` property is 0 under a KV
-  connector even with EAGLE block drop asked for, and non-zero without one, which kvconnect refuses.
+- ``num_hash_lookahead_tokens`` (0.33): vLLM's own ``VllmConfig`` property, with a real EAGLE
+  ``SpeculativeConfig``, is 0 under a KV connector and non-zero without one, which kvconnect refuses.
 """
 
 from __future__ import annotations
@@ -138,13 +138,15 @@ def _hash_lookahead(config, speculative, transfer) -> int:
     return other.num_hash_lookahead_tokens
 
 
-def test_vllm_keeps_legacy_hashes_under_a_connector_and_kvconnect_refuses_lookahead(rig):
-    """vLLM 0.33's ``VllmConfig.num_hash_lookahead_tokens``, vLLM's own property, with EAGLE block drop
-    asked for (a SYNTHETIC stand-in speculative config with the fields the property reads: no draft
-    model runs here): 0 under the rig's KV connector, as vLLM's Scheduler and block pool then use,
-    and the MTP runway without a connector, which ``specs.config_refusal`` refuses."""
+def test_vllm_keeps_legacy_hashes_under_a_connector_and_kvconnect_refuses_lookahead(rig, model_dir):
+    """vLLM 0.33's own ``VllmConfig.num_hash_lookahead_tokens`` with an EAGLE drafter (a real
+    ``SpeculativeConfig`` over the tiny Llama as the draft, block drop on): 0 under the rig's KV
+    connector, as vLLM's Scheduler and block pool then use, and the drafter's lookahead without
+    a connector, which ``specs.config_refusal`` refuses."""
     if _release() != "0.33":
         pytest.skip("num_hash_lookahead_tokens is new in vLLM 0.33")
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
     from kvconnect.integrations.vllm import specs
 
     r = rig(_mtp_window_structure())
@@ -152,10 +154,12 @@ def test_vllm_keeps_legacy_hashes_under_a_connector_and_kvconnect_refuses_lookah
     assert config.num_hash_lookahead_tokens == 0 == r.scheduler.num_hash_lookahead_tokens
     assert r.scheduler.kv_cache_manager.block_pool.num_hash_lookahead_tokens == 0
     assert specs.config_refusal(config) is None
-    mtp = SimpleNamespace(use_eagle=lambda: True, use_eagle_block_drop=lambda: True, use_multi_module_mtp=lambda: True,
-                          disable_lookahead_block_hashes=False, num_speculative_tokens=3)
-    assert _hash_lookahead(config, mtp, config.kv_transfer_config) == 0  # a connector keeps the legacy hashes
-    lookahead = _hash_lookahead(config, mtp, None)
-    assert lookahead == 3  # multi-module MTP: one token a module
+    target = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
+    eagle = SpeculativeConfig(method="eagle", model=model_dir, num_speculative_tokens=1, target_model_config=target,
+                              target_parallel_config=ParallelConfig())
+    assert eagle.use_eagle_block_drop()
+    assert _hash_lookahead(config, eagle, config.kv_transfer_config) == 0  # a connector keeps the legacy hashes
+    lookahead = _hash_lookahead(config, eagle, None)
+    assert lookahead == 1  # EAGLE reads the next token
     reason = specs.config_refusal(SimpleNamespace(num_hash_lookahead_tokens=lookahead))
-    assert reason and reason.startswith("VllmConfig.num_hash_lookahead_tokens = 3")
+    assert reason and reason.startswith("VllmConfig.num_hash_lookahead_tokens = 1: ")
