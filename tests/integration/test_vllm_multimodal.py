@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.resumed_logprobs import assert_resumed_logprobs
 
 pytestmark = [
     pytest.mark.vllm,
@@ -81,10 +82,12 @@ def test_the_same_image_at_the_same_place_hits_with_the_cold_runs_outputs_and_lo
     assert r["prompt_tokens"][a_cold].count(r["prompt_tokens"][a_cold][TEXT]) == 64  # the image's 64 placeholders
     assert r["cached_tokens"][a_cold] == 0 and r["cached_tokens"][short_cold] == 0
     assert r["cached_tokens"][a_hit] == n_a // CHUNK * CHUNK  # every full chunk, the image's included
-    assert r["outputs"][a_hit] == r["outputs"][a_cold] and r["logprobs"][a_hit] == r["logprobs"][a_cold]
+    assert r["outputs"][a_hit] == r["outputs"][a_cold]
+    assert_resumed_logprobs(r["logprobs"][a_hit], r["logprobs"][a_cold], "a")
     # a resume inside the image: vLLM encodes it again for the placeholders past the hit
     assert r["cached_tokens"][short_hit] == 96
-    assert r["outputs"][short_hit] == r["outputs"][short_cold] and r["logprobs"][short_hit] == r["logprobs"][short_cold]
+    assert r["outputs"][short_hit] == r["outputs"][short_cold]
+    assert_resumed_logprobs(r["logprobs"][short_hit], r["logprobs"][short_cold], "short")
 
 
 def test_another_image_behind_the_same_placeholders_never_hits_past_the_text(mm_run):
@@ -95,7 +98,8 @@ def test_another_image_behind_the_same_placeholders_never_hits_past_the_text(mm_
     assert r["logprobs"][b_first] != r["logprobs"][a_cold]  # the image decides the KV
     # B's own chunks come back to B, with B's outputs
     assert r["cached_tokens"][b_hit] == len(r["prompt_tokens"][b_first]) // CHUNK * CHUNK
-    assert r["outputs"][b_hit] == r["outputs"][b_first] and r["logprobs"][b_hit] == r["logprobs"][b_first]
+    assert r["outputs"][b_hit] == r["outputs"][b_first]
+    assert_resumed_logprobs(r["logprobs"][b_hit], r["logprobs"][b_first], "b")
 
 
 def test_the_text_before_the_image_is_shared_with_a_text_only_prompt(mm_run):
