@@ -276,3 +276,21 @@ def test_verify_settings_are_read_and_checked():
                 {"KVCONNECT_VERIFY_RATE": "often"}, {"KVCONNECT_VERIFY_FIRST": "-2"}, {"KVCONNECT_VERIFY_FIRST": "1.5"}):
         with pytest.raises(ConfigError, match="(?i)verify"):
             Config.from_env(bad)
+
+
+def test_checks_gathered_in_several_scratch_batches_find_the_one_bad_object(monkeypatch):
+    """Fresh rows are gathered in batches that fit a reused scratch buffer (verify.SCRATCH_BYTES):
+    with a batch of one object, the swapped object is still the one mismatch, the others pass."""
+    from kvconnect.restore import verify
+
+    monkeypatch.setattr(verify, "SCRATCH_BYTES", 1)
+    case, engine, tok, tables, _ = _setup("llama-flash", tokens=4 * 64)
+    try:
+        objects = _objects(engine, tok)
+        assert _swap_planes(engine, objects[2][2])
+        _verify(engine, tok, tables)
+        assert _checks(engine) == {("full", "exact"): 3, ("full", "mismatch"): 1}
+        (mismatch,) = engine.verifier.take_mismatches()
+        assert mismatch.chunk.index == objects[2][0].index
+    finally:
+        engine.close()
