@@ -294,3 +294,40 @@ def test_checks_gathered_in_several_scratch_batches_find_the_one_bad_object(monk
         assert mismatch.chunk.index == objects[2][0].index
     finally:
         engine.close()
+
+
+def test_a_pd_probe_over_the_lookup_channel_is_never_sampled(tmp_path):
+    """The vLLM lookup channel marks a P/D wait's probe (``count=False``): the worker serves its
+    hit as it is (a sampled probe would read as "not landed yet" and hold the request until its
+    timeout); the request's own lookup is sampled. The handler forwards ``verify`` as the vLLM
+    worker does (KVConnectWorker.lookup)."""
+    from kvconnect.integrations.vllm.lookup_channel import LookupClient, LookupServer
+
+    case, engine, tok, tables, _ = _setup("llama-flash")
+
+    class Handler:
+        def lookup(self, tokens, namespace=b"", generation=None, media=(), verify=True):
+            return engine.lookup(tokens, namespace=namespace, generation=generation, media=media, verify=verify)
+
+        def stats(self):
+            return {}
+
+        def clear(self, generation=None, retire=None):
+            pass
+
+        def retired(self, generation):
+            return False
+
+    address = f"ipc://{tmp_path}/kvc"
+    server = LookupServer(address, Handler())
+    client = LookupClient([address], timeout_s=30.0)
+    try:
+        hit = engine.restore.lookup(engine.chunks(tok, include_partial=True))
+        assert client.lookup(tok, count=False) == hit > 0
+        assert engine.verifier.snapshot()[1] == 0
+        assert client.lookup(tok) == 0  # the request's lookup: sampled at rate 1.0
+        assert engine.verifier.snapshot()[1] == 1
+    finally:
+        client.close()
+        server.close()
+        engine.close()

@@ -113,13 +113,13 @@ class KVConnectWorker:
 
     # -- lookup channel handler (called from the server thread) --------------------------
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None,
-               media: Sequence[MediaItem] = ()) -> int:
+               media: Sequence[MediaItem] = (), verify: bool = True) -> int:
         self._count("lookups")
         if self.engine is None:
             return 0
-        # verify=True: a hit sampled for verification (KVCONNECT_VERIFY_RATE) is a miss here, so
-        # vLLM computes the prefix and this worker's save compares it with the stored chunks
-        return self.engine.lookup(tokens, namespace=namespace, generation=generation, media=media, verify=True)
+        # a hit sampled for verification (KVCONNECT_VERIFY_RATE) is a miss here, so vLLM computes the
+        # prefix and this worker's save compares it with the stored chunks; a P/D probe never is
+        return self.engine.lookup(tokens, namespace=namespace, generation=generation, media=media, verify=verify)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
