@@ -99,32 +99,32 @@ def torch_cat_halves(rows, half: int):
 
 
 def state_from(engine, tokens, other_tokens) -> int:
-    """Each window piece of ``tokens``' chunks replaced by the same piece stored for
-    ``other_tokens``' last chunk that has one: state snapshots of another position."""
+    """Each window piece of ``tokens``' chunks (a recurrent-state snapshot) replaced by the same
+    piece stored for ``other_tokens``' last chunk that has one: a snapshot of another position.
+    Pieces are read through the engine's storage (a lower tier's are promoted into the pool)."""
     from kvconnect.restore.parts import window_key
 
-    pool, pieces = engine.pool, range(len(engine.parts.pieces))
+    storage, pool, pieces = engine.storage, engine.pool, range(len(engine.parts.pieces))
     donor_chunks = engine.chunks(np.asarray(other_tokens, np.int64), include_partial=False)
     changed = 0
     for c in engine.chunks(np.asarray(tokens, np.int64), include_partial=False):
         for p in pieces:
-            (entry,) = pool.acquire([window_key(c.key, p)], touch=False)
+            (entry,) = storage.acquire([window_key(c.key, p)])
             if entry is None:
                 continue
             for d in reversed(donor_chunks):
-                (donor,) = pool.acquire([window_key(d.key, p)], touch=False)
-                ok = donor is not None and donor.slot != entry.slot \
-                    and donor.header.payload_bytes == entry.header.payload_bytes
+                (donor,) = storage.acquire([window_key(d.key, p)])
+                ok = donor is not None and donor.slot != entry.slot and donor.header.payload_bytes == entry.header.payload_bytes
                 if ok:
                     n = entry.header.payload_bytes
                     view, theirs = pool.slot_view(entry.slot), pool.slot_view(donor.slot)
                     if not bool((view[:n] == theirs[:n]).all()):
                         view[:n] = theirs[:n]
                         changed += 1
-                pool.release([donor])
+                storage.release([donor])
                 if ok:
                     break
-            pool.release([entry])
+            storage.release([entry])
     return changed
 
 
