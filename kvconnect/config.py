@@ -38,6 +38,8 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_READ_TP_SIZES        | read_tp_sizes        | str   | 1,2,4,8 | head-sharded KV (GQA/MHA): on a miss, also read chunks that ranks of these other TP sizes wrote, cutting this rank's heads out of theirs (comma-separated; empty: off; docs/design.md, "The identity of a chunk") |
 | KVCONNECT_STEP_END_WINDOW_PARTS | step_end_window_parts | bool | false | hybrid layouts: also keep the window part where an engine's prefill step ends (vLLM's chunked prefill), first evicted: it serves a request that diverges exactly there while it lives, at one window part per step (docs/performance.md, "Through vLLM") |
 | KVCONNECT_SKIP_LAST_N_TOKENS   | skip_last_n_tokens   | int   | 0       | vLLM adapter: the lookup leaves a request's last N prompt tokens out, so a hit never covers them (LMCache's vLLM key of the same name) |
+| KVCONNECT_VERIFY_RATE          | verify_rate          | float | 0.0     | vLLM adapter: the fraction (0..1) of lookups that would hit which serve no hit; the engine computes the prefix and its fresh rows are compared with the stored chunks (kvconnect/restore/verify.py, docs/operations.md "Restores verified in production"); 0: off |
+| KVCONNECT_VERIFY_FIRST         | verify_first         | int   | -1      | vLLM adapter: after start, every hit is verified until this many checks have passed (-1: 8 when verify_rate > 0, else 0) |
 
 Every number is checked once (``check_number`` over ``NUMERIC_RANGES``): NaN, infinities
 and values out of range are a ``ConfigError`` naming the setting. Values are parsed as
@@ -90,6 +92,7 @@ CUDA_TRANSFERS = ("kernel", "staged")  # kvconnect.transfer.cuda.route_tuning
 TRANSFER_ROUTES = ("auto", "compiled", "triton", "torch")  # kvconnect.transfer.dispatch.route_backend
 EVICTION_POLICIES = ("s3fifo", "arc", "2q", "lru")  # kvconnect.storage.eviction.POLICIES
 
+DEFAULT_VERIFY_FIRST = 8  # verify_first when unset and verify_rate > 0: the first hits after a start (a new engine release, a new layout) are all checked
 MAX_SIZE_GB = float(1 << 20)  # 1 PiB: a size past it is a typo, never a host's memory or disk
 MAX_TOKENS = 1 << 31
 # A remote call cannot finish in less than a millisecond (1e-6 s once turned Mooncake into all
@@ -113,6 +116,8 @@ NUMERIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "pd_poll_interval_s": (0, 60, False),
     "restore_interval_tokens": (0, MAX_TOKENS, False),
     "skip_last_n_tokens": (0, MAX_TOKENS, False),
+    "verify_rate": (0, 1, False),
+    "verify_first": (-1, MAX_TOKENS, False),
 }
 _LMCACHE_NAMED = {"chunk_size", "max_local_cpu_size", "max_local_disk_size", "local_cpu", "local_disk", "remote_url",
                   "save_unfull_chunk", "save_decode_cache"}
@@ -173,6 +178,8 @@ class Config:
     step_end_window_parts: bool = False  # short-lived restore points at prefill step ends (restore/points.py)
     skip_last_n_tokens: int = 0  # vLLM adapter: lookups leave the prompt's last N tokens out (LMCache's vLLM key)
     read_tp_sizes: str = "1,2,4,8"  # other TP sizes whose head-sharded chunks a miss reads (restore/other_tp.py)
+    verify_rate: float = 0.0  # vLLM adapter: share of would-be hits recomputed and compared (restore/verify.py); 0: off
+    verify_first: int = -1  # checks that must pass after start before only verify_rate samples; -1: auto
 
     def __post_init__(self) -> None:
         for name, (low, high, low_open) in NUMERIC_RANGES.items():
@@ -208,6 +215,14 @@ class Config:
             if int(part) not in out:
                 out.append(int(part))
         return tuple(out)
+
+    @property
+    def verify_first_checks(self) -> int:
+        """How many passed checks the first hits after start must give before sampling takes over:
+        ``verify_first``, or when it is -1 (unset) DEFAULT_VERIFY_FIRST with verification on, 0 with it off."""
+        if self.verify_first >= 0:
+            return self.verify_first
+        return DEFAULT_VERIFY_FIRST if self.verify_rate > 0 else 0
 
     @property
     def effective_min_load_tokens(self) -> int:

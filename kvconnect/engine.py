@@ -59,6 +59,7 @@ from .restore.points import splits_window_groups
 from .restore.other_tp_reads import OtherTPReader
 from .restore.reads import ChunkLoader
 from .restore.scheme import RestoreScheme
+from .restore.verify import RowCheck, Verifier
 from .restore.whole_chunks import WholeChunks
 from .restore.window_parts import WindowParts
 from .restore.writes import ObjectWriter
@@ -134,6 +135,8 @@ class KVCacheEngine:
         self.shared_writer = shared_writer
         self.counters = Counters()
         self.stats = self.counters.stats
+        # verified restores (restore/verify.py): sampled hits are recomputed and compared at their store
+        self.verifier = Verifier(layout, rate=self.config.verify_rate, first=self.config.verify_first_checks)
         self.ops = OpLog()  # store/retrieve latency and per-operation sizes
         self.metrics_instance = register_engine(self)  # Prometheus: kvconnect.metrics
         start_exporter(self.config)  # opt-in (KVCONNECT_METRICS_PORT), once per process
@@ -144,6 +147,9 @@ class KVCacheEngine:
         self.events: Optional[ChunkEventLog] = None  # enable_events(): chunk events for KV-aware routers
         self._all_absent = RepeatingWarning(logger.warning)  # stores handed only -1 block ids (store())
         writer = ObjectWriter(layout, self.storage, self.gather_to_pool)
+        if self.verifier.enabled:
+            writer.check = RowCheck(layout, self.storage, self.verifier, self.gather_into,
+                                    pin_memory=_want_pinned(layout.device))
         loader = ChunkLoader(layout, self.storage, self.scatter_from_pool, self.counters, self.ops)
         self.restore: RestoreScheme = (
             WindowParts(layout, self.parts, self.storage, writer, loader, self.counters, self.ops,
@@ -341,7 +347,7 @@ class KVCacheEngine:
 
     # -- lookup ----------------------------------------------------------------------
     def lookup(self, tokens: Tokens, *, namespace: Namespace = None, generation: Optional[bytes] = None,
-               media: Sequence[MediaItem] = ()) -> int:
+               media: Sequence[MediaItem] = (), verify: bool = False) -> int:
         """Tokens restorable from token 0: the largest chunk end at which every group can resume
         (with window groups: the largest restore point whose prefix and window parts are present).
 
@@ -349,11 +355,20 @@ class KVCacheEngine:
         between an engine's lookup and its retrieve evict other chunks first (a hit is still
         not a promise: ``retrieve`` returns what it loaded). ``generation``: the key generation
         to look under (None: this engine's; kvconnect/chunks/keys.py). ``media``: as in ``store``.
+        ``verify``: the caller can serve no hit and have the engine compute the prefix; a hit the
+        verifier samples (``KVCONNECT_VERIFY_RATE``, restore/verify.py) is then 0, and the store of
+        the recomputed prefix compares its rows with the stored ones. After a mismatch (the layout
+        fingerprint retired) every lookup is 0.
         """
+        if self.verifier.retired:
+            return 0
         tok = tokens_as_int64(tokens)
         chunks = self._chunks(tok, include_partial=True, namespace=namespace, generation=generation, media=media)
         self._fill_from_other_tp(tok, chunks, namespace, generation)
-        return self.restore.lookup(chunks)
+        hit = self.restore.lookup(chunks)
+        if verify and hit and self.verifier.sample(chunks, hit):
+            return 0
+        return hit
 
     def lookup_chunks(self, chunks: list[Chunk]) -> int:
         """``lookup`` over chunks whose keys the caller computed: the restorable chunk end."""
@@ -366,8 +381,11 @@ class KVCacheEngine:
         """Load the rows needed to resume at the restorable boundary P into ``block_ids``.
 
         Returns P minus the masked prefix (0 on a miss). Raises BlockTableError, before
-        anything is written, when a needed row has no valid block.
+        anything is written, when a needed row has no valid block. After a verification
+        mismatch (restore/verify.py) it loads nothing.
         """
+        if self.verifier.retired:
+            return 0
         start_s = time.perf_counter()
         tok = tokens_as_int64(tokens)
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
@@ -396,6 +414,11 @@ class KVCacheEngine:
     def gather_to_pool(self, tables) -> None:
         """Planes -> pool slots, on the store's threads and route."""
         dispatch.gather(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
+                        cuda_tuning=self._cuda_tuning)
+
+    def gather_into(self, tables, buffer: torch.Tensor) -> None:
+        """Planes -> ``buffer`` (a verification's scratch), on the store's threads and route."""
+        dispatch.gather(self.layout, tables, buffer, backend=self.backend, num_threads=self.store_threads,
                         cuda_tuning=self._cuda_tuning)
 
     def scatter_from_pool(self, tables) -> None:

@@ -41,6 +41,11 @@ CATALOGUE: dict[str, Metric] = {m.name: m for m in (
     Metric("kvconnect_window_pieces_evicted_total", COUNTER, "window-part pieces evicted from the CPU pool"),
     Metric("kvconnect_restore_point_hits_total", COUNTER, "retrieves that resumed at a restore point (prefix parts + one window part)"),
     Metric("kvconnect_prefix_chunks_demoted_total", COUNTER, "prefix parts a lookup found past every usable restore point (evicted first)"),
+    Metric("kvconnect_verify_checks_total", COUNTER,
+           "stored objects compared with freshly computed rows (KVCONNECT_VERIFY_RATE), by group kind and result: "
+           "exact, within_tolerance, mismatch, unverifiable", ("group_kind", "result")),
+    Metric("kvconnect_verify_requests_total", COUNTER, "hits served as misses so that the engine computes them and they are verified"),
+    Metric("kvconnect_verify_retired", GAUGE, "1 once a verification mismatch retired this layout fingerprint (no hits, loads or stores)"),
     Metric("kvconnect_store_seconds", HISTOGRAM, "duration of one store call"),
     Metric("kvconnect_retrieve_seconds", HISTOGRAM, "duration of one retrieve call that loaded (misses are not timed)"),
     # -- CPU pool ---------------------------------------------------------------------------

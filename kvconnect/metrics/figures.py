@@ -30,6 +30,7 @@ class EngineLike(Protocol):
 
     ops: "OpLog"
     storage: StorageLike
+    verifier: Any  # restore.verify.Verifier: snapshot() -> (checks by (group kind, result), requests, retired)
 
     def stats_snapshot(self) -> dict[str, int]: ...
 
@@ -85,6 +86,11 @@ def engine_figures(engine: EngineLike, *, lookups: bool = True) -> Figures:
     f.set("kvconnect_window_pieces_evicted_total", s["window_pieces_evicted"])
     f.set("kvconnect_restore_point_hits_total", s["restore_point_hits"])
     f.set("kvconnect_prefix_chunks_demoted_total", s["prefix_chunks_demoted"])
+    checks, verified_requests, retired = engine.verifier.snapshot()
+    for (kind, result), count in sorted(checks.items()):
+        f.set("kvconnect_verify_checks_total", count, kind, result)
+    f.set("kvconnect_verify_requests_total", verified_requests)
+    f.set("kvconnect_verify_retired", int(retired))
     f.set("kvconnect_store_seconds", engine.ops.store_seconds.snapshot())
     f.set("kvconnect_retrieve_seconds", engine.ops.retrieve_seconds.snapshot())
     storage_figures(engine.storage, f)

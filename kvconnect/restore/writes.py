@@ -29,6 +29,7 @@ class ObjectWriter:
         self.layout = layout
         self.storage = storage
         self.gather = gather
+        self.check = None  # a verify.RowCheck when restores are verified: present objects awaiting a check are compared
 
     def write(self, objects: list[tuple[StorePlan, bytes]], existing: list[Optional[int]]) -> list[tuple[StorePlan, bytes]]:
         """Gather and commit ``objects`` in order, skipping those stored with a superset of
@@ -38,6 +39,14 @@ class ObjectWriter:
         # rewrite a stored object only when the new one holds strictly more groups: a re-store
         # with fewer groups (window blocks already freed) must not shrink a good entry
         todo = [(p, k) for (p, k), m in zip(objects, existing) if m is None or (m != p.group_mask and (m & p.group_mask) == m)]
+        if self.check is not None:  # verified restores (verify.py): the fresh rows of what is already stored
+            awaited = [((p, k), m) for (p, k), m in zip(objects, existing) if self.check.wanted(p)]
+            for (p, _), m in awaited:
+                if m is None:
+                    self.check.verifier.unverifiable(p.chunk, p.group_mask)
+            self.check.check([o for o, m in awaited if m is not None])
+            if self.check.verifier.retired:  # a mismatch: this layout's rows are not what it would store
+                return []
         # pin the objects of this prompt already in the pool while making room: eviction must
         # not drop the prompt's own prefix to store its suffix (a pin, not a use)
         held = pool.acquire([k for (_, k), m in zip(objects, existing) if m is not None], touch=False) if todo else []

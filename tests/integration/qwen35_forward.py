@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--chunk-size", type=int, default=128, help="kvconnect's chunk size")
+    parser.add_argument("--chunk-size", type=int, default=128, help="kvconnect's chunk size (0: chosen from vLLM's layout)")
     parser.add_argument("--local-disk", default=None, help="kvconnect's disk tier directory")
     parser.add_argument("--defaults", type=_bool, default=False,
                         help="kvconnect: no setting but the tier (--local-disk / --server-url): no chunk size, "
@@ -104,6 +104,11 @@ def main() -> None:
     parser.add_argument("--save-decode-cache", type=_bool, default=False, help="kvconnect: store generated tokens' chunks")
     parser.add_argument("--randomize-state", type=_bool, default=False,
                         help="kvconnect: randomise the restored state blocks after each load (negative control)")
+    parser.add_argument("--verify-rate", type=float, default=0.0, help="kvconnect's verify_rate (verified restores)")
+    parser.add_argument("--state-fault", default="",
+                        help="TEST HARNESS: JSON {\"phase\": N, \"donor\": [token ids]}: before phase N, the stored state "
+                             "snapshots of that phase's prompts are replaced by those stored for the donor prompt "
+                             "(tests/support/stored_faults.py: a snapshot from the wrong position)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -119,12 +124,16 @@ def main() -> None:
         recorder.install()
         extra = {"lookup_url": args.lookup_url, "chunk_size": args.chunk_size, "max_local_cpu_size": 0.25,
                  "lookup_timeout_s": 10.0, "save_decode_cache": args.save_decode_cache}
+        if not args.chunk_size:  # 0: kvconnect chooses it from vLLM's layout
+            del extra["chunk_size"]
         if args.defaults:  # what a user sets: a tier, nothing else (the chunk size is kvconnect's choice)
             extra = {}
         if args.local_disk:
             extra.update(local_disk=args.local_disk, max_local_disk_size=0.25)
         if args.server_url:
             extra.update(server_url=args.server_url)
+        if args.verify_rate:
+            extra.update(verify_rate=args.verify_rate)
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVConnectConnector", kv_role="kv_both",
             kv_connector_module_path="kvconnect.integrations.vllm", kv_load_failure_policy="recompute",
@@ -157,9 +166,22 @@ def main() -> None:
         url = args.lookup_url or default_channel_address(llm.llm_engine.vllm_config)
         client = LookupClient([rank_address(url, 0)], timeout_s=10.0)
     outputs, logprobs, cached, stats, resets, loads = [], [], [], [], [], []
+    state_fault = json.loads(args.state_fault) if args.state_fault else None
+    faults_made = []
     for i, prompts in enumerate(phases):
         if i and args.reset_between_phases:
             resets.append(bool(llm.reset_prefix_cache()))
+        if state_fault and i == state_fault["phase"]:
+            import sys
+            from pathlib import Path
+
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: support
+            from support import stored_faults
+
+            engine = get_kv_transfer_group()._worker.engine
+            faults_made += [stored_faults.state_from(engine, p, state_fault["donor"]) for p in prompts]
         for prompt in prompts:  # one request at a time: bit-deterministic
             before = len(recorder.loads)
             (r,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
@@ -186,7 +208,7 @@ def main() -> None:
         extra_out["kvconnect"] = kvconnect.__file__  # the tree under test
     with open(args.out, "w") as f:
         json.dump({"outputs": outputs, "logprobs": logprobs, "cached_tokens": cached, "stats": stats,
-                   "resets": resets, "loads": loads, "config": config, **extra_out,
+                   "resets": resets, "loads": loads, "config": config, "faults_made": faults_made, **extra_out,
                    "seconds": {"start": started - start, "generate": time.monotonic() - started}}, f)
     del llm
 

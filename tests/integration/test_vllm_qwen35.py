@@ -21,7 +21,14 @@ Engine runs, one process each, every request alone (greedy, logprobs on):
   decode's 768 was never proven, so never stored) -- outputs and logprobs bit-identical;
 - ``rand``: the same resume of ``a`` with the restored state blocks overwritten by random
   states right after the load: the logprobs must differ (the hit tests would catch a wrong
-  snapshot; this random model's greedy tokens may stay the same).
+  snapshot; this random model's greedy tokens may stay the same);
+- ``verify``: kvconnect with ``verify_rate`` 1.0 (issue 39 item 4, kvconnect/restore/verify.py),
+  CPU pool only, chunk size chosen from the layout: ``a`` and ``c`` stored cold; ``a`` again:
+  its hit verified instead of served (computed; its fresh attention rows and state snapshot
+  compared with the stored ones: all pass); then the TEST HARNESS replaces ``a``'s stored state
+  snapshot by ``c``'s, taken at another position (tests/support/stored_faults.py), and ``a``
+  again: a ``state`` mismatch, the layout retired; outputs and logprobs equal to ``plain``
+  every time.
 """
 
 from __future__ import annotations
@@ -143,6 +150,12 @@ def runs(model_dir, tmp_path_factory) -> dict:
                                  "--local-disk", str(workdir / "defaults-disk"))
     out["defaults_load"] = _run(model_dir, workdir, "defaults_load", [[p["a"]], [p["b"]]], *first,
                                 "--local-disk", str(workdir / "defaults-disk"), "--reset-between-phases", "true")
+    # verified restores (issue 39 item 4): a process of its own (CPU pool only); the chunk size is
+    # kvconnect's choice from vLLM's layout (vLLM's align block differs between CPUs: 384 or 256)
+    out["verify"] = _run(model_dir, workdir, "verify", [[p["a"], p["c"]], [p["a"]], [p["a"]]], "--connector", "kvconnect",
+                         "--chunk-size", "0", "--prefix-caching", "true", "--reset-between-phases", "true",
+                         "--verify-rate", "1.0", "--state-fault", json.dumps({"phase": 2, "donor": p["c"]}),
+                         "--lookup-url", f"ipc://{workdir}/kvc-verify")
     out["records"] = [json.loads(line) for line in record.read_text().splitlines()]
     return out
 
@@ -271,3 +284,22 @@ def test_with_no_setting_but_a_tier_a_fresh_engine_resumes_bit_exactly(runs):
     assert _same(stored, 0, plain, NAMES.index("a"))
     assert _same(load, 0, plain, NAMES.index("a"))
     assert _same(load, 1, plain, NAMES.index("b"))
+
+
+def test_verified_restores_pass_and_catch_a_state_snapshot_from_the_wrong_position(runs):
+    verify, plain = runs["verify"], runs["plain"]
+    a, c = NAMES.index("a"), NAMES.index("c")
+    assert verify["faults_made"] and all(verify["faults_made"])  # a's stored state pieces rewritten
+    assert _same(verify, 0, plain, a) and _same(verify, 1, plain, c)  # cold
+    assert _same(verify, 2, plain, a) and _same(verify, 3, plain, a)  # verified: computed, never loaded
+    assert verify["loads"] == [[], [], [], []]
+    stored, first, second = (s for (s,) in verify["stats"])
+    passed = lambda s, kind: s.get(f"verify_{kind}_exact", 0) + s.get(f"verify_{kind}_within_tolerance", 0)  # noqa: E731
+    assert stored["enabled"] == 1 and stored["engine_window_parts_stored"] == 2 and stored["verify_requests"] == 0
+    assert first["verify_requests"] == 1 and first["verify_retired"] == 0
+    assert passed(first, "state") > 0 and passed(first, "full") > 0
+    assert first.get("verify_state_mismatch", 0) == 0 and first.get("verify_full_mismatch", 0) == 0
+    assert second["verify_requests"] == 2 and second["verify_retired"] == 1
+    assert second["verify_state_mismatch"] > 0 and second.get("verify_full_mismatch", 0) == 0
+    errors = [line for line in verify["log"].splitlines() if "VERIFICATION MISMATCH" in line]
+    assert errors and all("(state): chunk " in e and "rows " in e for e in errors), "\n".join(errors)

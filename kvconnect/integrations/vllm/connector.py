@@ -132,7 +132,9 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._ranks = parallel_ranks(vllm_config, in_worker=True)
             # the scheduler hands the worker a partial last chunk only to store it (P/D prefills)
-            worker_config = dataclasses.replace(config, save_unfull_chunk=True) if self._role.stores_prompt else config
+            # a server that stores no prompt (kv_consumer) cannot verify a restore: no save of its holds the prompt's rows
+            worker_config = (dataclasses.replace(config, save_unfull_chunk=True) if self._role.stores_prompt
+                             else dataclasses.replace(config, verify_rate=0.0, verify_first=0))
             self._worker = KVConnectWorker(worker_config, rank_address(channel, self._ranks.worker_index),
                                            chunk_words=chunk_size.describe(chunk_choice))
 

@@ -18,7 +18,8 @@ object serialisation of any other kind. Requests ``{"id": int, "op": "lookup", "
 not empty; ``gen``, the key generation to look under, empty or 16 bytes, absent: the worker's
 own; ``mm``, the prompt's multimodal items, only when it has any: msgpack of (identifier str,
 offset, length) triples, unpacked under its own caps, kvconnect/chunks/extra_keys.py),
-``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin, "retire": bin}``
+``probe``, true for a P/D wait's probe, which the worker never samples for verification
+(kvconnect/restore/verify.py), ``{"id": int, "op": "stats"}``, ``{"id": int, "op": "clear", "gen": bin, "retire": bin}``
 (``gen``: the 16-byte generation every worker moves to, chosen by the scheduler; absent: a
 random one per worker; ``retire``, only from a P/D producer: the generation its saves used,
 whose marker the workers leave in the tiers), ``{"id": int, "op": "retired", "gen": bin}``
@@ -70,7 +71,7 @@ _POLL_MS = 100
 
 class LookupHandler(Protocol):
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None,
-               media: Sequence[MediaItem] = ()) -> int: ...
+               media: Sequence[MediaItem] = (), verify: bool = True) -> int: ...
     def stats(self) -> dict[str, int]: ...
     def clear(self, generation: Optional[bytes] = None, retire: Optional[bytes] = None) -> None: ...
     def retired(self, generation: bytes) -> bool: ...
@@ -253,7 +254,11 @@ class LookupServer:
                     raise ValueError("tokens must be little-endian int64 bytes")
                 if not isinstance(namespace, bytes) or len(namespace) > MAX_NAMESPACE_BYTES:
                     raise ValueError(f"ns must be at most {MAX_NAMESPACE_BYTES} bytes")
-                hit = self._handler.lookup(np.frombuffer(data, dtype="<i8"), namespace, _generation(msg), _media(msg))
+                tokens = np.frombuffer(data, dtype="<i8")
+                if msg.get("probe") is True:  # a P/D wait's probe: never a verification (KVCONNECT_VERIFY_RATE)
+                    hit = self._handler.lookup(tokens, namespace, _generation(msg), _media(msg), verify=False)
+                else:
+                    hit = self._handler.lookup(tokens, namespace, _generation(msg), _media(msg))
                 return {"id": rid, "ok": True, "hit": int(hit)}
             if op == "stats":
                 return {"id": rid, "ok": True, "stats": {str(k): int(v) for k, v in self._handler.stats().items()}}
@@ -374,6 +379,8 @@ class LookupClient:
             msg["mm"] = pack_media(media)
         if generation is not None:
             msg["gen"] = generation_bytes(generation)
+        if not count:
+            msg["probe"] = True  # the workers serve a probe's hit as it is, never sampling it for verification
         if count:
             self.num_lookups += 1  # figures for kvconnect.metrics (the scheduler calls from one thread)
             self.requested_tokens += len(tokens)

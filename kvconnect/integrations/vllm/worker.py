@@ -113,17 +113,22 @@ class KVConnectWorker:
 
     # -- lookup channel handler (called from the server thread) --------------------------
     def lookup(self, tokens: np.ndarray, namespace: bytes = b"", generation: Optional[bytes] = None,
-               media: Sequence[MediaItem] = ()) -> int:
+               media: Sequence[MediaItem] = (), verify: bool = True) -> int:
         self._count("lookups")
         if self.engine is None:
             return 0
-        return self.engine.lookup(tokens, namespace=namespace, generation=generation, media=media)
+        # a hit sampled for verification (KVCONNECT_VERIFY_RATE) is a miss here, so vLLM computes the
+        # prefix and this worker's save compares it with the stored chunks; a P/D probe never is
+        return self.engine.lookup(tokens, namespace=namespace, generation=generation, media=media, verify=verify)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = dict(self.counters)
         if self.engine is not None:
             out.update({f"engine_{k}": v for k, v in vars(self.engine.stats).items()})
+            checks, requests, retired = self.engine.verifier.snapshot()
+            out.update({f"verify_{kind}_{result}": n for (kind, result), n in checks.items()})
+            out["verify_requests"], out["verify_retired"] = requests, int(retired)
         out["enabled"] = int(self.engine is not None)
         out["num_groups"] = self.translation.layout.num_groups if self.engine is not None else 0
         return out
@@ -274,7 +279,18 @@ class KVConnectWorker:
             logger.warning("kvconnect: save of %s failed; it will be a miss", job.req_id, exc_info=True)
             self._count("save_failures")
         finally:
+            self._report_mismatches(job.req_id)
             self._count("save_us", int((time.perf_counter() - start) * 1e6))
+
+    def _report_mismatches(self, req_id: str) -> None:
+        """One loud error per verification mismatch of this save (kvconnect/restore/verify.py)."""
+        if self.engine is None:
+            return
+        for mismatch in self.engine.verifier.take_mismatches():
+            logger.error("kvconnect: VERIFICATION MISMATCH in request %s: the rows vLLM computed differ from the stored "
+                         "ones: %s; retiring layout fingerprint %s: this process serves no hit from it, loads and stores "
+                         "nothing for it from now on", req_id, mismatch.describe(self.engine.layout),
+                         self.engine.layout.fingerprint.hex()[:16])
 
     def _log_summary(self) -> None:
         if self.engine is None:
