@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from kvconnect.chunks import chunk_format
 from support import zoo
 from support.mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
 from mooncake_peer import HYBRID_CHUNK, HYBRID_TOKENS, hybrid_case, hybrid_engine, wait_connected
@@ -40,6 +41,27 @@ def test_hybrid_layout_round_trips_byte_exact_between_processes(stored, master, 
         # masks come from the header objects: identical to what the storing engine recorded
         keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
         assert all(m is not None and m > 0 for m in tier_of(engine).masks(keys))
+    finally:
+        engine.close()
+
+
+def test_get_returns_the_chunks_a_peer_stored_and_removes_nothing(stored, master, tmp_path):
+    """``get`` (what a rank of another TP size reads a writer's objects with, restore/other_tp_reads.py)
+    reads the header object apart from its payload: it returns each whole encoded chunk, verified,
+    and a read never counts it corrupt nor removes it (it once parsed the header object as a whole
+    chunk, called every chunk corrupt and removed the writer's objects)."""
+    _, _, engine, tokens, *_ = reader(master, tmp_path)
+    tier = tier_of(engine)
+    try:
+        keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
+        got = tier.get(keys)
+        assert all(d is not None for d in got)
+        for key, data in zip(keys, got):
+            header, payload = chunk_format.decode(data, fingerprint=tier.fingerprint, key=key)
+            assert header.payload_bytes == len(payload) > 0
+        stats = tier.stats()
+        assert stats.get_hits == len(keys) and stats.corrupt == 0 and stats.errors == 0
+        assert all(m is not None for m in tier.masks(keys))  # still there
     finally:
         engine.close()
 

@@ -281,7 +281,8 @@ class MooncakeReader:
             self.objects.count(errors=int(what is not Meaning.ABSENT))
             return None
         try:
-            header = chunk_format.decode_header(bytes(self._copy_scratch.view(0, code)))
+            # the header object alone: its payload, read below, must then be the length it names
+            header = chunk_format.decode_detached_header(bytes(self._copy_scratch.view(0, code)), payload_bytes=None)
         except CorruptChunkError:
             header = None
         if header is None or header.payload_bytes > (1 << 34):
