@@ -57,7 +57,9 @@ def pd_mooncake(tmp_path_factory):
     work = tmp_path_factory.mktemp("pd_mooncake")
     model = tiny_models.make_llama(str(work / "llama1"), num_layers=1)
     cluster = pc.PDCluster(model, work, chunk_tokens=CHUNK, block_size=BLOCK, tier="mooncake", mooncake_segment_gb=0.25,
-                           producer_cores="0", consumer_cores="0|1", consumer_tp=2)
+                           producer_cores="0", consumer_cores="0|1", consumer_tp=2,
+                           # three engine processes on 2 cores: a slow write-behind put is waited for, not recomputed
+                           wait_timeout_s=15.0)
     try:
         cluster.start()
         cluster.model = model
