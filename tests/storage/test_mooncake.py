@@ -95,6 +95,28 @@ def test_foreign_values_under_kvconnect_names_are_misses(stored, master, tmp_pat
         engine.close()
 
 
+def test_a_followers_reads_remove_nothing(stored, master, tmp_path):
+    """A follower (a TP replica, a rank reading another TP size's objects: ``removes=False``)
+    counts a foreign value a miss and leaves it in place; the writer's own tier removes it."""
+    from kvconnect.storage.mooncake.tier import MooncakeTier
+
+    _, _, engine, tokens, *_ = reader(master, tmp_path)
+    tier = tier_of(engine)
+    follower = MooncakeTier(tier.spec, tier.fingerprint, timeout_s=5.0, removes=False)
+    try:
+        assert wait_connected(follower)
+        key = engine.chunks(tokens, include_partial=False)[1].key
+        assert Peer("put-foreign", master.address, tier.object_keys(key)[1], "4096").result["rc"] == 0
+        assert follower.get([key]) == [None]
+        assert follower.stats().corrupt == 1
+        assert follower.masks([key])[0] is not None  # still there
+        assert tier.read_into(key, memoryview(engine.pool.slot_view(0).numpy())) is None
+        assert tier.masks([key]) == [None]  # the writer's tier removed it
+    finally:
+        follower.close()
+        engine.close()
+
+
 def test_killed_master_costs_misses_not_exceptions(stored, master, tmp_path):
     """A killed master: lookups miss within the timeout, then at once (breaker); nothing raises.
     Restarted (every key lost), the clients re-register by themselves and the tier serves again."""
