@@ -56,7 +56,7 @@ from .restore.parts import PartLayout, slice_wide_planes
 from .layout.chunk_size import check_chunk_size, choose_chunk_size, layout_rules
 from .restore.plan import BlockTables
 from .restore.points import splits_window_groups
-from .restore.other_tp_reads import OtherTPReader
+from .restore.other_tp_reads import OtherTPReader, read_refusal
 from .restore.reads import ChunkLoader
 from .restore.scheme import RestoreScheme
 from .restore.verify import RowCheck, Verifier
@@ -249,6 +249,11 @@ class KVCacheEngine:
         """Whether some engine's reset left ``generation`` behind (its marker is in a tier)."""
         key = ChunkKeyer(self.layout.fingerprint, self.config.chunk_size, generation=generation_bytes(generation)).retirement_key()
         return self.storage.masks([key])[0] is not None
+
+    def tp_read_refusal(self, tp_size: int) -> Optional[str]:
+        """Why this rank cannot restore chunks that ranks of TP size ``tp_size`` stored (named
+        before anything is looked up), or None (restore/other_tp_reads.py, ``read_refusal``)."""
+        return read_refusal(self.layout, self.config, self.other_tp, tp_size, window_parts=self.parts.split)
 
     # -- keys ------------------------------------------------------------------------
     def chunks(self, tokens: Tokens, *, include_partial: bool, namespace: Namespace = None,

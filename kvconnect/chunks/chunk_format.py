@@ -27,6 +27,7 @@ import functools
 import itertools
 import struct
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import xxhash
@@ -132,11 +133,12 @@ def decode_header(data) -> ChunkHeader:
     return _header_from(view, fields)
 
 
-def decode_detached_header(data, *, payload_bytes: int) -> ChunkHeader:
-    """Parse a header held apart from its ``payload_bytes``-byte payload (exactly the header's bytes)."""
+def decode_detached_header(data, *, payload_bytes: Optional[int]) -> ChunkHeader:
+    """Parse a header held apart from its ``payload_bytes``-byte payload (exactly the header's bytes);
+    ``payload_bytes`` None: the payload is not read yet, the caller checks its length against the header's."""
     view = memoryview(data).cast("B")
     fields = _fixed_fields(view)
-    if len(view) != FIXED_HEADER_BYTES + 8 * fields[8] or fields[10] != payload_bytes:
+    if len(view) != FIXED_HEADER_BYTES + 8 * fields[8] or (payload_bytes is not None and fields[10] != payload_bytes):
         raise CorruptChunkError("header sizes do not match the chunk")
     return _header_from(view, fields)
 

@@ -80,6 +80,7 @@ CATALOGUE: dict[str, Metric] = {m.name: m for m in (
     Metric("kvconnect_pd_remote_prefill_ready_total", COUNTER, "... whose chunks were all found in the shared tier"),
     Metric("kvconnect_pd_remote_prefill_timeouts_total", COUNTER, "... not all found within pd_wait_timeout_s (recomputed)"),
     Metric("kvconnect_pd_remote_prefill_rejected_total", COUNTER, "... whose params were unusable or named another prompt"),
+    Metric("kvconnect_pd_remote_prefill_other_tp_total", COUNTER, "... admitted from a producer of another TP size"),
     Metric("kvconnect_pd_remote_prefill_wait_seconds_total", COUNTER, "time decode requests waited for a producer's chunks"),
     # -- node cache server ------------------------------------------------------------------
     Metric("kvconnect_server_used_bytes", GAUGE, "shared pool bytes in use"),

@@ -65,6 +65,34 @@ def writer_shards(layout: KVLayout, tp_size: int, tp_rank: int) -> Optional[tupl
     return tuple(out)
 
 
+def refusal(layout: KVLayout, tp_size: int) -> Optional[str]:
+    """Why a rank of this layout can never restore what ranks of TP size ``tp_size`` stored,
+    or None where it can: the same size, every group replicated (TP-free objects, the same
+    for every size), or every writer range readable (``sources_at``, or the writers' objects
+    are this rank's own). Named for a caller that must decide before anything is looked up
+    (a P/D decode side whose producer runs another TP size, integrations/vllm/pd.py)."""
+    if tp_size == layout.tp_size:
+        return None
+    kinds = [s.kind for s in layout.shards]
+    if all(k is ShardKind.REPLICATED for k in kinds):
+        return None
+    ranked = [g for g, k in enumerate(kinds) if k is ShardKind.RANK]
+    if ranked:
+        return (f"KV-cache group(s) {ranked} are split over TP ranks in a way kvconnect keys by rank (recurrent "
+                "states, layouts it does not describe by heads): what another TP size stored is never theirs")
+    if not cross_readable(layout):
+        return ("a head-sharded group's rows are not its heads as equal leading slices (one plane per head, "
+                "column slices or row regions): it cannot be cut into another TP size's heads")
+    for g, shard in enumerate(layout.shards):
+        if shard.kind is ShardKind.HEADS:
+            try:
+                for rank in range(tp_size):
+                    TPShard.of_kv_heads(shard.total, tp_rank=rank, tp_size=tp_size)
+            except LayoutError:
+                return f"TP {tp_size} does not split KV-cache group {g}'s {shard.total} KV heads"
+    return None
+
+
 @dataclass(frozen=True)
 class Sources:
     """The writer ranks of one TP size whose objects together hold this rank's part."""

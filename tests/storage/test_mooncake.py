@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from kvconnect.chunks import chunk_format
 from support import zoo
 from support.mooncake_master import MooncakeMaster, NodeHolder, client_env, mooncake_available
 from mooncake_peer import HYBRID_CHUNK, HYBRID_TOKENS, hybrid_case, hybrid_engine, wait_connected
@@ -44,6 +45,27 @@ def test_hybrid_layout_round_trips_byte_exact_between_processes(stored, master, 
         engine.close()
 
 
+def test_get_returns_the_chunks_a_peer_stored_and_removes_nothing(stored, master, tmp_path):
+    """``get`` (what a rank of another TP size reads a writer's objects with, restore/other_tp_reads.py)
+    reads the header object apart from its payload: it returns each whole encoded chunk, verified,
+    and a read never counts it corrupt nor removes it (it once parsed the header object as a whole
+    chunk, called every chunk corrupt and removed the writer's objects)."""
+    _, _, engine, tokens, *_ = reader(master, tmp_path)
+    tier = tier_of(engine)
+    try:
+        keys = [c.key for c in engine.chunks(tokens, include_partial=False)]
+        got = tier.get(keys)
+        assert all(d is not None for d in got)
+        for key, data in zip(keys, got):
+            header, payload = chunk_format.decode(data, fingerprint=tier.fingerprint, key=key)
+            assert header.payload_bytes == len(payload) > 0
+        stats = tier.stats()
+        assert stats.get_hits == len(keys) and stats.corrupt == 0 and stats.errors == 0
+        assert all(m is not None for m in tier.masks(keys))  # still there
+    finally:
+        engine.close()
+
+
 def test_another_model_identity_misses(stored, master, tmp_path):
     _, _, engine, tokens, *_ = reader(master, tmp_path, model="another-model")
     try:
@@ -70,6 +92,28 @@ def test_foreign_values_under_kvconnect_names_are_misses(stored, master, tmp_pat
         assert tier.masks(keys)[:2] == [None, None]  # both removed, the third chunk untouched
         assert engine.lookup(tokens) == 0  # the prefix breaks at chunk 0
     finally:
+        engine.close()
+
+
+def test_a_followers_reads_remove_nothing(stored, master, tmp_path):
+    """A follower (a TP replica, a rank reading another TP size's objects: ``removes=False``)
+    counts a foreign value a miss and leaves it in place; the writer's own tier removes it."""
+    from kvconnect.storage.mooncake.tier import MooncakeTier
+
+    _, _, engine, tokens, *_ = reader(master, tmp_path)
+    tier = tier_of(engine)
+    follower = MooncakeTier(tier.spec, tier.fingerprint, timeout_s=5.0, removes=False)
+    try:
+        assert wait_connected(follower)
+        key = engine.chunks(tokens, include_partial=False)[1].key
+        assert Peer("put-foreign", master.address, tier.object_keys(key)[1], "4096").result["rc"] == 0
+        assert follower.get([key]) == [None]
+        assert follower.stats().corrupt == 1
+        assert follower.masks([key])[0] is not None  # still there
+        assert tier.read_into(key, memoryview(engine.pool.slot_view(0).numpy())) is None
+        assert tier.masks([key]) == [None]  # the writer's tier removed it
+    finally:
+        follower.close()
         engine.close()
 
 

@@ -10,6 +10,7 @@ timeout counts as a 0 hit, so a stuck worker costs recomputation, never a wrong 
     client.lookup(tokens, namespace=b"", generation=None) -> int # min over workers, 0 on any failure
     client.stats() -> list[dict | None]; client.clear(generation=None, retire=None) -> bool
     client.retired(generation) -> bool                           # True if any worker says so, or is silent
+    client.tp_refusal(tp_size) -> str | None                     # why some worker cannot read TP tp_size's chunks
     server.close(); client.close()
 
 Wire format: msgpack maps with a fixed schema, no extension types, sizes capped; no
@@ -23,8 +24,10 @@ offset, length) triples, unpacked under its own caps, kvconnect/chunks/extra_key
 (``gen``: the 16-byte generation every worker moves to, chosen by the scheduler; absent: a
 random one per worker; ``retire``, only from a P/D producer: the generation its saves used,
 whose marker the workers leave in the tiers), ``{"id": int, "op": "retired", "gen": bin}``
-(whether a marker says some producer left ``gen`` behind); replies ``{"id": int, "ok": bool,
-...}`` with ``hit`` (int), ``stats`` (str -> int) or ``retired`` (bool).
+(whether a marker says some producer left ``gen`` behind), ``{"id": int, "op": "tp_refusal",
+"tp": int}`` (why the worker cannot restore what ranks of TP size ``tp`` stored: a P/D
+producer of another size, pd.py); replies ``{"id": int, "ok": bool, ...}`` with ``hit``
+(int), ``stats`` (str -> int), ``retired`` (bool) or ``refusal`` (str, empty when it can).
 
 Addresses: ``ipc://`` paths (the default) or ``tcp://`` on a loopback host.
 ``dp_rank_base(base, dp_rank, workers)`` derives a data-parallel rank's prefix (each DP rank
@@ -67,6 +70,8 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20  # 8M tokens of int64
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _POLL_MS = 100
+MAX_TP_SIZE = 4096  # as Config.read_tp_sizes
+MAX_REFUSAL_BYTES = 240  # under the unpacker's max_str_len (256)
 
 
 class LookupHandler(Protocol):
@@ -75,6 +80,7 @@ class LookupHandler(Protocol):
     def stats(self) -> dict[str, int]: ...
     def clear(self, generation: Optional[bytes] = None, retire: Optional[bytes] = None) -> None: ...
     def retired(self, generation: bytes) -> bool: ...
+    def tp_refusal(self, tp_size: int) -> str: ...
 
 
 def check_address(address: str) -> str:
@@ -165,6 +171,11 @@ def _media(msg: dict) -> tuple[MediaItem, ...]:
     if not isinstance(triples, tuple) or not all(isinstance(t, tuple) and len(t) == 3 for t in triples):
         raise ValueError("mm must be a list of (identifier, offset, length)")
     return media_items(triples)  # TokenError is a ValueError
+
+
+def _clip(text: str) -> str:
+    """``text`` cut to MAX_REFUSAL_BYTES of UTF-8."""
+    return text.encode()[:MAX_REFUSAL_BYTES].decode(errors="ignore")
 
 
 def _generation(msg: dict) -> Optional[bytes]:
@@ -271,6 +282,11 @@ class LookupServer:
                 if generation is None:
                     raise ValueError("retired needs gen")
                 return {"id": rid, "ok": True, "retired": bool(self._handler.retired(generation))}
+            if op == "tp_refusal":
+                size = msg.get("tp")
+                if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_TP_SIZE:
+                    raise ValueError(f"tp must be an integer in [1, {MAX_TP_SIZE}]")
+                return {"id": rid, "ok": True, "refusal": _clip(str(self._handler.tp_refusal(size)))}
             raise ValueError(f"unknown op {op!r}")
         except Exception as exc:
             logger.warning("kvconnect: lookup channel request %r failed: %s", op, exc)
@@ -412,6 +428,18 @@ class LookupClient:
         and when any worker does not answer (a decode then recomputes rather than risk stale KV)."""
         replies = self._ask({"op": "retired", "gen": generation_bytes(generation)})
         return any(r is None or r.get("retired") is not False for r in replies)
+
+    def tp_refusal(self, tp_size: int) -> Optional[str]:
+        """Why some worker cannot restore what ranks of TP size ``tp_size`` stored (the first
+        such reason, naming the worker), or None when every worker can. A worker that does not
+        answer is a reason too: the caller then does not wait on chunks it may not read."""
+        for i, reply in enumerate(self._ask({"op": "tp_refusal", "tp": int(tp_size)})):
+            why = reply.get("refusal") if reply else None
+            if not isinstance(why, str):
+                return f"worker {i} did not answer whether it reads TP {tp_size}'s chunks"
+            if why:
+                return f"worker {i}: {why}"
+        return None
 
     def close(self) -> None:
         for sock in self._socks:

@@ -26,7 +26,20 @@ over ``PROBE_TOKENS_PER_REQUEST``, so the tokens one request's probes look up ar
 its length), until every named token is restorable; then it is
 an ordinary load (small hits and partial chunks included). Past ``pd_wait_timeout_s`` it takes
 what the tier holds (vLLM recomputes the rest). Params that are malformed or name another
-prompt, model, chunk size or TP size are not waited on (a plain lookup). Timeouts and rejected params
+prompt, model or chunk size are not waited on (a plain lookup).
+
+Producer and decode side may run different TP sizes (issue 40 item 3). The decode side's
+ranks then restore the producer's chunks by cutting their own heads out of the objects the
+producer's ranks wrote (kvconnect/restore/other_tp_reads.py): its probes and its load are the
+ordinary ones, whose lookup on each worker first assembles, from the writers' objects, the
+chunks every head range that rank needs is present for (a chunk missing one range is not
+assembled: the probe waits on). Before waiting, the decode side asks its workers once
+whether they can read that TP size at all (``hits.tp_refusal``, one lookup-channel round
+trip, remembered per size once every worker said yes): a layout whose groups cannot be read
+across sizes (groups keyed by rank, such as recurrent states; window pieces; a head count
+the producer's size does not split; a size ``read_tp_sizes`` leaves out) is refused by name,
+counted in ``remote_prefill_rejected``, and does a plain lookup, before anything is loaded.
+Admitted mismatches are counted in ``remote_prefill_other_tp``. Timeouts and rejected params
 are counted (``counters``) and logged at most once per ``WARN_INTERVAL_S``. Without params the
 decode side does a plain lookup.
 
@@ -90,7 +103,8 @@ COUNTERS = (
     "remote_prefills",  # decode side: requests whose params named a producer's chunks
     "remote_prefill_ready",  # ... found complete in the shared tier (loaded)
     "remote_prefill_timeouts",  # ... not complete within pd_wait_timeout_s (the rest recomputed)
-    "remote_prefill_rejected",  # ... params unusable or naming another prompt / chunk size / TP size
+    "remote_prefill_rejected",  # ... params unusable or naming another prompt / chunk size, or a TP size not readable here
+    "remote_prefill_other_tp",  # ... admitted with a producer of another TP size (its heads cut out of the producer's objects)
     "remote_prefill_wait_us",  # time such requests waited for the producer's chunks
 )
 
@@ -138,6 +152,7 @@ class PDScheduler:
                                       held_note=" ({held} more since the last such message)").failed
         # generation -> (producer engine id, this server's generation at its first load)
         self._generations: "OrderedDict[bytes, tuple[str, bytes]]" = OrderedDict()
+        self._readable_tp: set[int] = set()  # producer TP sizes every worker said it reads
 
     # -- new requests ------------------------------------------------------------------
     def num_new_matched_tokens(self, req: RequestView, num_computed: int, params: Any) -> tuple[Optional[int], bool]:
@@ -153,6 +168,8 @@ class PDScheduler:
             now = self._clock()
             waiting = self._waiting[req.req_id] = _Waiting(stored, now, now - self.poll_interval_s, self.poll_interval_s)
             self.counters["remote_prefills"] += 1
+            if stored.tp_size != self.identity.tp_size:
+                self.counters["remote_prefill_other_tp"] += 1
         now = self._clock()
         expired = now - waiting.since >= self.wait_timeout_s
         if not expired and now - waiting.probed < waiting.interval_s:
@@ -214,7 +231,7 @@ class PDScheduler:
                        "on both sides): a plain lookup instead", req.req_id)
             return None
         why = mismatch(stored, prompt=req.prompt_tokens, namespace=req.namespace,
-                       chunk_tokens=self.identity.chunk_tokens, tp_size=self.identity.tp_size, model=self.identity.model)
+                       chunk_tokens=self.identity.chunk_tokens, model=self.identity.model) or self._tp_refusal(stored.tp_size)
         if why is not None:
             self.counters["remote_prefill_rejected"] += 1
             self._warn("kvconnect: P/D: cannot use the producer's chunks for %s (a plain lookup instead): %s", req.req_id, why)
@@ -225,6 +242,18 @@ class PDScheduler:
                        "(KV of the previous weights, or a replayed request): a plain lookup instead", req.req_id)
             return None
         return stored
+
+    def _tp_refusal(self, tp_size: int) -> Optional[str]:
+        """Why this server's ranks cannot restore what a producer of ``tp_size`` stored, or None.
+        A size every worker reads is remembered (a layout does not change while it serves); a
+        refusal is asked again next time (a worker that did not answer may answer then)."""
+        if tp_size == self.identity.tp_size or tp_size in self._readable_tp:
+            return None
+        why = self.scheduler.hits.tp_refusal(tp_size)
+        if why is None:
+            self._readable_tp.add(tp_size)
+            return None
+        return f"the producer runs TP {tp_size}, this server TP {self.identity.tp_size}, and {why}"
 
     # -- finished ----------------------------------------------------------------------
     def request_finished(self, req: RequestView, params: Any) -> Optional[dict[str, Any]]:

@@ -132,21 +132,21 @@ def _int(entry: Mapping, name: str, *, minimum: int) -> int:
     return value
 
 
-def mismatch(stored: StoredPrefill, *, prompt: np.ndarray, namespace: bytes, chunk_tokens: int, tp_size: int,
+def mismatch(stored: StoredPrefill, *, prompt: np.ndarray, namespace: bytes, chunk_tokens: int,
              model: str = "") -> Optional[str]:
     """Why the producer's chunks cannot serve this decode server's request, or None.
 
-    Chunk keys fold in the model, the chunk size and the TP shard: a producer serving another
-    model (or revision), chunk size or TP size stored chunks this server can never find, so
-    waiting for them would only cost the wait. Params that name no model (built by hand or by
-    another proxy) are not checked on it: at worst they cost the bounded wait.
+    Chunk keys fold in the model and the chunk size: a producer serving another model (or
+    revision) or chunk size stored chunks this server can never find, so waiting for them
+    would only cost the wait. Params that name no model (built by hand or by another proxy)
+    are not checked on it: at worst they cost the bounded wait. The TP size is not decided
+    here: another size's chunks are readable where the decode side's layout can cut its
+    heads out of them, which its workers say (pd.py, ``PDScheduler``).
     """
     if stored.model and model and stored.model != model:
         return f"the producer serves model {stored.model!r}, this server {model!r}"
     if stored.chunk_tokens != chunk_tokens:
         return f"the producer stores {stored.chunk_tokens}-token chunks, this server {chunk_tokens}-token ones"
-    if stored.tp_size != tp_size:
-        return f"the producer runs TP {stored.tp_size}, this server TP {tp_size} (P and D must use the same TP size)"
     if stored.tokens > len(prompt):
         return f"the producer stored {stored.tokens} tokens of a {len(prompt)}-token prompt"
     if stored.prompt_digest != prompt_digest(prompt, namespace):

@@ -148,6 +148,13 @@ class KVConnectWorker:
         """Whether a P/D producer's reset left ``generation`` behind (its marker is in a tier)."""
         return self.engine is not None and self.engine.generation_retired(generation)
 
+    def tp_refusal(self, tp_size: int) -> str:
+        """Why this rank cannot restore what ranks of TP size ``tp_size`` stored ("" when it can;
+        a P/D decode side asks before waiting for a producer of another TP size, pd.py)."""
+        if self.engine is None:
+            return "kvconnect is off on this worker"
+        return self.engine.tp_read_refusal(tp_size) or ""
+
     # -- per step ----------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
         """Before this step's forward: land pending saves whose source blocks the step may reuse

@@ -14,7 +14,10 @@ payload of another is a miss, counted as ``corrupt``, and removed. Only bytes th
 read and failed these checks are ever removed; a return code never removes anything
 (``codes`` decides what each code means), with one exception: the two objects
 are evicted independently, so a read that finds one part of a chunk absent removes the
-other part (counted in ``parts_missing``), and lookups stop offering the chunk.
+other part (counted in ``parts_missing``), and lookups stop offering the chunk. A follower's
+reader (``removes=False``: a TP replica, a rank reading another TP size's objects) counts the
+same misses and removes nothing: the objects are the writer's, whose own reads remove what
+is damaged or half evicted.
 
 Bounds. A read may take ``read_budget_s`` of the bytes it asks for: ``timeout_s`` plus the
 bytes at the slower of an assumed healthy rate and half the measured one (one constant cut
@@ -60,9 +63,12 @@ class MooncakeReader:
     """The read path of one ``MooncakeTier``: ``read_into``, ``read_many_into``, ``get``."""
 
     def __init__(self, objects: MooncakeObjects, *, worker_scratch: Sequence[RegisteredSlots],
-                 copy_scratch: RegisteredSlots, timeout_s: float) -> None:
+                 copy_scratch: RegisteredSlots, timeout_s: float, removes: bool = True) -> None:
         self.objects = objects
         self.timeout_s = timeout_s
+        # False for a follower (a replica, a reader of another TP size's objects): it never removes
+        # the writer's objects, not even a chunk that looks partial or corrupt (the writer's decides)
+        self.removes = removes
         self.read_rate = ReadRate()
         self._scratch = list(worker_scratch)  # one per read worker
         self._workers = Workers("kvconnect-mooncake-read", len(self._scratch))
@@ -227,8 +233,12 @@ class MooncakeReader:
             out_headers.append(header)
         self._drop_partial(store, partial)
         if bad:
-            self.objects.remove(store, bad)
+            self._remove(store, bad)
         return out_headers
+
+    def _remove(self, store, keys: Sequence[ChunkKey]) -> None:
+        if self.removes:
+            self.objects.remove(store, keys)
 
     def _drop_partial(self, store, keys: Sequence[ChunkKey]) -> None:
         """Remove chunks found with one part evicted: the other part alone is never a hit, and
@@ -236,7 +246,7 @@ class MooncakeReader:
         if keys:
             self.objects.bump("parts_missing", len(keys))
             self.objects.count(errors=len(keys))
-            self.objects.remove(store, keys)
+            self._remove(store, keys)
 
     def _read_copy(self, store, key: ChunkKey, out: memoryview) -> Optional[ChunkHeader]:
         """read_into for a buffer outside every attached pool: through a registered copy."""
@@ -281,12 +291,13 @@ class MooncakeReader:
             self.objects.count(errors=int(what is not Meaning.ABSENT))
             return None
         try:
-            header = chunk_format.decode_header(bytes(self._copy_scratch.view(0, code)))
+            # the header object alone: its payload, read below, must then be the length it names
+            header = chunk_format.decode_detached_header(bytes(self._copy_scratch.view(0, code)), payload_bytes=None)
         except CorruptChunkError:
             header = None
         if header is None or header.payload_bytes > (1 << 34):
             self.objects.count(errors=1, corrupt=1)
-            self.objects.remove(store, [key])
+            self._remove(store, [key])
             return None
         buffer = np.empty(header.header_bytes + header.payload_bytes, dtype=np.uint8)
         buffer[: header.header_bytes] = self._copy_scratch.array[: header.header_bytes]
@@ -309,7 +320,7 @@ class MooncakeReader:
             return None
         if got != header.payload_bytes or not verified(buffer, self.objects.fingerprint, key):
             self.objects.count(errors=1, corrupt=1)
-            self.objects.remove(store, [key])
+            self._remove(store, [key])
             return None
         return buffer.tobytes()
 

@@ -70,8 +70,9 @@ class MooncakeTier(LowerTier):
     reads_into = True
 
     def __init__(self, spec: MooncakeSpec, fingerprint: Fingerprint, *, timeout_s: float = 1.0,
-                 retry_after_s: float = 0.5, max_retry_after_s: float = 10.0) -> None:
+                 retry_after_s: float = 0.5, max_retry_after_s: float = 10.0, removes: bool = True) -> None:
         """A tier on the Mooncake master of ``spec``; returns at once and connects in the background.
+        ``removes`` False: a follower's reads never remove an object (``MooncakeReader``).
 
         Raises StorageError when Mooncake cannot be imported (a configuration error at start).
         """
@@ -90,7 +91,7 @@ class MooncakeTier(LowerTier):
             max_retry_after_s=max_retry_after_s,
             adopt=lambda store: all(store.register_buffer(b.base, b.array.nbytes) == 0 for b in scratch))
         self.reader = MooncakeReader(self.objects, worker_scratch=reader_scratch, copy_scratch=copy_scratch,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, removes=removes)
         self._write_lock = threading.Lock()
         self._lookups = Workers("kvconnect-mooncake-lookup", LOOKUP_THREADS)
         self._stats.capacity_bytes = spec.global_segment_bytes
