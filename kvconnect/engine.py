@@ -418,8 +418,7 @@ class KVCacheEngine:
     # -- pool transfers (also PageStore's) --------------------------------------------
     def gather_to_pool(self, tables) -> None:
         """Planes -> pool slots, on the store's threads and route."""
-        dispatch.gather(self.layout, tables, self.pool.buffer, backend=self.backend, num_threads=self.store_threads,
-                        cuda_tuning=self._cuda_tuning)
+        self.gather_into(tables, self.pool.buffer)
 
     def gather_into(self, tables, buffer: torch.Tensor) -> None:
         """Planes -> ``buffer`` (a verification's scratch), on the store's threads and route."""
