@@ -1,7 +1,8 @@
 """Fixtures for the end-to-end engine tests (tests/integration).
 
 The tests here drive a real engine in subprocesses (one process per engine run, so
-engine teardown never leaks into the next run). They skip only when the engine package is
+engine teardown never leaks into the next run; the runs fork from a process that imported the
+engine once: support/forked_runs.py). They skip only when the engine package is
 not installed at all; a broken install fails them. For vLLM: ``.ci/install_vllm.sh`` then
 ``.venv-vllm/bin/python -m pytest tests/integration -m vllm``.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,25 +41,28 @@ def run_vllm(tmp_path):
 
     ``phases``: list of phases, each a list of prompts (token-id lists); vLLM's prefix cache
     is reset between phases. ``connector``: the lookup-channel URL, or None for a plain run.
-    The result also holds ``log``: the run's stdout and stderr.
+    The result also holds ``log``: the run's stdout and stderr. Each run is its own process,
+    forked from one that imported vLLM once (TEST HARNESS, support/forked_runs.py).
     """
+    from support.forked_runs import run_script
+
     counter = iter(range(1000))
 
     def run(model_dir: str, phases, connector=None, timeout_s: float = 240.0, **options) -> dict:
         n = next(counter)
         prompts, out = tmp_path / f"prompts{n}.json", tmp_path / f"result{n}.json"
         prompts.write_text(json.dumps(phases))
-        cmd = [sys.executable, str(HERE / "vllm_run.py"), "--model", model_dir, "--prompts", str(prompts), "--out", str(out)]
+        args = ["--model", model_dir, "--prompts", str(prompts), "--out", str(out)]
         if connector:
-            cmd += ["--connector", connector]
+            args += ["--connector", connector]
         for key, value in options.items():
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+            args += [f"--{key.replace('_', '-')}", str(value)]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(tmp_path))
+        proc = run_script(HERE / "vllm_run.py", args, env=env, cwd=str(tmp_path), timeout_s=timeout_s)
         if proc.returncode != 0 or not out.exists():
-            pytest.fail(f"vLLM run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+            pytest.fail(f"vLLM run failed (rc {proc.returncode}):\n{proc.stdout[-12000:]}")
         result = json.loads(out.read_text())
-        result["log"] = proc.stdout + proc.stderr  # vLLM's log, kvconnect's lines included
+        result["log"] = proc.stdout  # vLLM's log, kvconnect's lines included
         return result
 
     return run

@@ -18,11 +18,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.forked_runs import run_script
 from support.resumed_logprobs import assert_resumed_logprobs
 
 pytestmark = [
@@ -60,17 +59,17 @@ def mm_run(tmp_path_factory):
     phases = [[a, short], [a, b, short, text_only], [b]]
     (root / "phases.json").write_text(json.dumps(phases))
     out = root / "result.json"
-    cmd = [sys.executable, str(HERE / "vllm_mm_run.py"), "--model", model, "--prompts", str(root / "phases.json"),
-           "--out", str(out), "--connector", f"ipc://{root}/lookup", "--chunk-size", str(CHUNK)]
+    args = ["--model", model, "--prompts", str(root / "phases.json"), "--out", str(out),
+            "--connector", f"ipc://{root}/lookup", "--chunk-size", str(CHUNK)]
     # vLLM's llava.py imports torchvision at module level (PyPI has no CPU build beside this torch):
     # the import stub of the Qwen3.5 runs; the PIL image processor calls no torchvision op
     path = os.pathsep.join(p for p in (str(HERE / "qwen35_harness"), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=path)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(root))
+    proc = run_script(HERE / "vllm_mm_run.py", args, env=env, cwd=str(root), timeout_s=600)  # forked: support/forked_runs.py
     if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"vLLM run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        pytest.fail(f"vLLM run failed (rc {proc.returncode}):\n{proc.stdout[-12000:]}")
     result = json.loads(out.read_text())
-    result["log"] = proc.stdout + proc.stderr
+    result["log"] = proc.stdout
     return result
 
 

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.forked_runs import run_script
 
 pytestmark = [
     pytest.mark.vllm,
@@ -84,15 +85,14 @@ def model_dir(tmp_path_factory) -> str:
 def _run(model_dir: str, workdir: Path, name: str, phases: list, *args: str) -> dict:
     prompts, out = workdir / f"{name}.prompts.json", workdir / f"{name}.json"
     prompts.write_text(json.dumps(phases))
-    cmd = [sys.executable, str(HERE / "qwen35_forward.py"), "--model", model_dir, "--prompts", str(prompts),
-           "--out", str(out), "--max-tokens", str(MAX_TOKENS), *args]
+    args = ["--model", model_dir, "--prompts", str(prompts), "--out", str(out), "--max-tokens", str(MAX_TOKENS), *args]
     path = os.pathsep.join(p for p in (str(HARNESS), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(workdir))
+    proc = run_script(HERE / "qwen35_forward.py", args, env=env, cwd=str(workdir), timeout_s=300)  # forked: support/forked_runs.py
     if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"vLLM run {name} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        pytest.fail(f"vLLM run {name} failed (rc {proc.returncode}):\n{proc.stdout[-12000:]}")
     result = json.loads(out.read_text())
-    result["log"] = proc.stdout + proc.stderr
+    result["log"] = proc.stdout
     return result
 
 
