@@ -97,3 +97,31 @@ def test_through_vllm_the_hybrid_stores_and_serves_as_the_engine_api(replay, mod
     peer = replay.peer_replay(model_dir, TRACE, step, MAX_LEN, 0.05)
     assert peer["served"] <= ours["served"]  # the peer keeps window rows at request ends only
     print(json.dumps({"kvconnect": ours, "engine API": api, "OffloadingConnector": peer}, default=str))
+
+
+def test_on_deepseek_v41_only_the_cacheable_groups_are_stored_and_hits_keep_the_rule(replay, model_dir):
+    """``--layout dsv41``: DeepSeek V4.1's groups (vllm_rebuilt_rig.deepseek_v41: ratio-1 and
+    ratio-2 MLA, the ratio-2 compressor's ring, the bounded-replay window). kvconnect through
+    vLLM, the engine API and the peer store the compressed MLA rows only (bytes = chunks x 256
+    tokens x their bytes per token; no window part, nothing of the ring or the window) and every
+    hit lands on a chunk end that is a multiple of the layout's resume_every."""
+    from vllm_rebuilt_rig import deepseek_v41, kind_of
+
+    layout = replay.rig_layout(model_dir, MAX_LEN, "dsv41")
+    structure = deepseek_v41(block=replay.BLOCK)
+    cacheable = [layer for group in structure for layer in group if kind_of(layer.spec) == "rows"]
+    assert {p.layer_name for p in layout.planes} == {layer.name for layer in cacheable}
+    per_token = sum(layer.spec.page_size_bytes // layer.spec.block_size for layer in cacheable)
+    hits, peer_hits = [], []
+    ours = replay.vllm_replay(model_dir, TRACE, 256, 4096, MAX_LEN, False, pool_gb=0.05, layout="dsv41", hits=hits)
+    peer = replay.peer_replay(model_dir, TRACE, 256, MAX_LEN, 0.05, layout="dsv41", hits=peer_hits)
+    api = replay.api_replay(layout, TRACE, 4096, MAX_LEN, pool_gb=0.05)
+    for row in (ours, api, peer):
+        assert row["stored_bytes"] == row["prefix_parts"] * replay.CHUNK * per_token, row
+        assert row["window_bytes"] == 0 and row["window_parts"] in (0, None)
+    assert peer["offloaded_groups"] == ["MLAAttentionSpec", "MLAAttentionSpec"]  # vLLM's prefix_cacheable_group_ids
+    # r1 hits r0's whole chunks, r2..r4 the shared 1024-token prefix, r5 r1's chunks
+    assert hits == peer_hits == [0, 1792, 1024, 1024, 1024, 2816]
+    assert all(h % replay.CHUNK == 0 and h % layout.resume_every == 0 for h in hits)
+    assert ours["served"] == api["served"] == peer["served"]
+    assert ours["replayed_tokens"] == 5 * 128  # vLLM recomputed each hit's last window

@@ -256,14 +256,17 @@ def _kv_cache_config(groups: list[list[Layer]], num_blocks: int) -> Any:
 
 def make_rebuilt_rig(model_dir: str, structure: list[list[Layer]], *, chunk_size: int = 64, num_blocks: int = 96,
                      max_num_batched_tokens: int = 128, enable_prefix_caching: bool = True,
-                     extra: Optional[dict] = None) -> RebuiltRig:
-    model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
-    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
+                     extra: Optional[dict] = None, max_model_len: int = 2048,
+                     transfer: Optional[KVTransferConfig] = None) -> RebuiltRig:
+    """``transfer`` replaces kvconnect's KV-transfer config (benchmarks/vllm_trace_replay.py's peer,
+    vLLM's OffloadingConnector, in the same rig); ``engine`` and ``run`` are then kvconnect's no more."""
+    model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
     main_block = structure[0][0].spec.block_size
     cache = CacheConfig(block_size=main_block, enable_prefix_caching=enable_prefix_caching)
     cache.kv_cache_layout = "LBHNC"
-    transfer = KVTransferConfig(kv_connector="KVConnectConnector", kv_connector_module_path="kvconnect.integrations.vllm",
+    transfer = transfer or KVTransferConfig(kv_connector="KVConnectConnector", kv_connector_module_path="kvconnect.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy="recompute",
                                 kv_connector_extra_config={"chunk_size": chunk_size, **(extra or {})})
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, kv_transfer_config=transfer,
