@@ -4,7 +4,7 @@ Layouts come from ``translate`` (the vLLM spec look-alikes of support/vllm_looka
 "rank" is a real ``KVCacheEngine`` over its own tensors holding the same latent rows (as
 replicated KV is), sharing a real disk tier directory or a real node cache server. The vLLM
 end-to-end proof (two CPU workers, a fresh engine resuming bit-identically from one copy) is
-test_vllm_e2e.py::test_mla_kv_replicated_over_tp_is_written_once.
+test_vllm_e2e.py::test_mla_kv_replicated_over_tp_is_written_once_and_read_at_other_tp_sizes.
 """
 
 from __future__ import annotations

