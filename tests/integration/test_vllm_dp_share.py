@@ -23,11 +23,8 @@ the first test checks that through vLLM's own ParallelConfig.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import random
-import subprocess
-import sys
 import time
 
 import pytest
@@ -66,14 +63,6 @@ def test_a_dense_models_dp_ranks_get_their_own_lookup_channels_from_vllms_config
     assert seen == ["ipc:///run/kvc/lookup-0", "ipc:///run/kvc/lookup-dp1-0"]
 
 
-def _entries(url: str) -> int:
-    """Chunks the node server holds (``kvconnect info --json``)."""
-    out = subprocess.run([sys.executable, "-m", "kvconnect.cli", "info", "--url", url, "--json", "--timeout-s", "10"],
-                         capture_output=True, text=True, timeout=60, env=pc.vllm_env())
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["num_entries"]
-
-
 def _wait_until(what: str, done, engine: pc.Proc, timeout_s: float = 60.0) -> None:
     """Poll ``done()`` (a save lands on the store thread after the response may have left)."""
     deadline = time.monotonic() + timeout_s
@@ -85,6 +74,7 @@ def _wait_until(what: str, done, engine: pc.Proc, timeout_s: float = 60.0) -> No
 
 def test_the_dp_ranks_of_one_vllm_serve_read_each_others_prefixes_through_the_node_server(tmp_path):
     from kvconnect.integrations.vllm.lookup_channel import LookupClient, dp_rank_base, rank_address
+    from kvconnect.server.client import SharedPoolClient
 
     model = make_llama(str(tmp_path / "llama1"), num_layers=1)
     server_url, lookup_url = f"ipc://{tmp_path}/kvc.sock", f"ipc://{tmp_path}/lookup"
@@ -95,8 +85,8 @@ def test_the_dp_ranks_of_one_vllm_serve_read_each_others_prefixes_through_the_no
                                         "remote_timeout_s": 5.0}}
     port = pc.free_port()
     base = f"http://127.0.0.1:{port}"
-    procs = [pc.start_node_server(server_url, tmp_path, 1.0)]
-    clients = []
+    procs = [pc.start_node_server(server_url, tmp_path, 0.25)]
+    clients, node = [], SharedPoolClient(server_url, 1, timeout_s=10.0, warn_unreachable=False)  # as `kvconnect info`
     try:
         procs.append(pc.Proc("vllm-dp2", pc.vllm_cmd(model, port, block_size=BLOCK, kv=kv, serve_args=("--data-parallel-size", "2")),
                              pc.vllm_env("0|1"), tmp_path))
@@ -114,28 +104,34 @@ def test_the_dp_ranks_of_one_vllm_serve_read_each_others_prefixes_through_the_no
         def moved(before: list[dict], name: str) -> list[int]:
             return [counters(d)[name] - before[d][name] for d in (0, 1)]
 
+        def entries() -> int:
+            stats = node.server_stats()
+            assert stats is not None, "the node server does not answer"
+            return stats["num_entries"]  # chunks the node holds
+
         def run(d: int, prompt: list[int]):
             return pc.top_logprobs(base, "m", prompt, headers={"X-data-parallel-rank": str(d)})
 
         rng = random.Random(404)
         for writer, reader in ((0, 1), (1, 0)):
             prompt = random_tokens(rng, PREFIX) + random_tokens(rng, 20)  # the tail is < one block
-            before, entries = [counters(0), counters(1)], _entries(server_url)
+            before, held = [counters(0), counters(1)], entries()
             cold = run(writer, prompt)
             _wait_until("the writer's store", lambda: clients[reader].lookup(prompt, count=False) == PREFIX, engine)
-            assert _entries(server_url) == entries + PREFIX // CHUNK
+            assert entries() == held + PREFIX // CHUNK
             restored = run(reader, prompt)  # the reader has never seen it: its prefix comes from the node server
             own_hit = run(reader, prompt)  # vLLM's own prefix cache on the reader, over the same 256 tokens
             assert moved(before, "loaded_tokens") == [PREFIX if d == reader else 0 for d in (0, 1)]
             # one copy on the node: the writer stored it, the reader stored nothing of it
             assert moved(before, "engine_stored_chunks") == [PREFIX // CHUNK if d == writer else 0 for d in (0, 1)]
-            assert _entries(server_url) == entries + PREFIX // CHUNK
+            assert entries() == held + PREFIX // CHUNK
             assert restored == own_hit, (writer, reader)
             assert restored[0] == cold[0], (writer, reader)
             assert_resumed_logprobs(restored[1], cold[1], f"DP {reader} restoring DP {writer}'s prefix")
-        # every rank bound its own sockets: rank 0's, rank 1's (issue: a dense model's ranks all saw rank 0)
+        # each rank bound its own sockets (reading data_parallel_rank, a dense model's ranks all took rank 0's)
         assert sorted(p for p in os.listdir(tmp_path) if p.startswith("lookup")) == ["lookup-0", "lookup-dp1-0"]
     finally:
+        node.close()
         for client in clients:
             client.close()
         for proc in reversed(procs):
