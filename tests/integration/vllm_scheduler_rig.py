@@ -214,7 +214,7 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
                         speculative_config=speculative_config)
     if dp_rank:  # what vLLM's engine core does for a dense model's DP rank (EngineCoreProc.run_engine_core)
         par = config.parallel_config
-        if hasattr(par, "reconfigure_for_independent_dp_rank"):  # vLLM >= 0.14: the rank is data_parallel_index only
+        if hasattr(par, "reconfigure_for_independent_dp_rank"):  # vLLM 0.32, 0.33: the rank is data_parallel_index only
             par.data_parallel_index = dp_rank
             par.reconfigure_for_independent_dp_rank()
         else:
