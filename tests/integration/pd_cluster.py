@@ -76,12 +76,14 @@ def completion(base: str, model: str, prompt: list[int], **extra) -> list[int]:
     return post(base + "/v1/completions", body)["choices"][0]["token_ids"]
 
 
-def top_logprobs(base: str, model: str, prompt: list[int], n: int = 3, **extra) -> tuple[list[int], list]:
+def top_logprobs(base: str, model: str, prompt: list[int], n: int = 3, headers: Optional[dict] = None,
+                 **extra) -> tuple[list[int], list]:
     """A greedy completion's token ids and, per generated token, the top-``n`` [token id, logprob]
-    pairs (as support.resumed_logprobs judges them; JSON floats round-trip to the bit)."""
+    pairs (as support.resumed_logprobs judges them; JSON floats round-trip to the bit).
+    ``headers``: extra HTTP headers (``X-data-parallel-rank``: the DP rank vLLM runs it on)."""
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True,
             "logprobs": n, "return_tokens_as_token_ids": True, **extra}
-    choice = post(base + "/v1/completions", body)["choices"][0]
+    choice = post(base + "/v1/completions", body, headers=headers)["choices"][0]
     steps = [sorted(([int(k.rsplit(":", 1)[1]), v] for k, v in step.items()), key=lambda t: (-t[1], t[0]))
              for step in choice["logprobs"]["top_logprobs"]]
     return choice["token_ids"], steps
@@ -180,6 +182,18 @@ def vllm_env(cores: str = "auto") -> dict:
     return env
 
 
+def start_node_server(url: str, workdir: Path, size_gb: float) -> Proc:
+    """``kvconnect server`` on ``url`` (ipc://), returned once its socket file is there."""
+    proc = Proc("kvconnect-server", [sys.executable, "-m", "kvconnect.cli", "server", "--url", url, "--size-gb", str(size_gb)],
+                vllm_env(), workdir)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(url[len("ipc://"):]):
+        if not proc.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"kvconnect server did not start:\n{proc.log_tail()}")
+        time.sleep(0.1)
+    return proc
+
+
 class PlainServer:
     """One ``vllm serve`` without a connector: the reference P/D outputs must equal."""
 
@@ -232,13 +246,7 @@ class PDCluster:
         if self.tier == "mooncake":
             self._start_mooncake()
         if self.tier == "server":
-            kvc = [sys.executable, "-m", "kvconnect.cli", "server", "--url", self.server_url, "--size-gb", str(max(1.0, 2 * self.pool_gb))]
-            self.procs["kvconnect-server"] = Proc("kvconnect-server", kvc, vllm_env(), self.workdir)
-            deadline = time.monotonic() + 30
-            while not os.path.exists(self.server_url[len("ipc://"):]):
-                if not self.procs["kvconnect-server"].alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"kvconnect server did not start:\n{self.procs['kvconnect-server'].log_tail()}")
-                time.sleep(0.1)
+            self.procs["kvconnect-server"] = start_node_server(self.server_url, self.workdir, max(1.0, 2 * self.pool_gb))
         self.start_engine("producer")
         self.start_engine("consumer")
         waits = [(self.procs["producer"], self.producer_url + "/health"), (self.procs["consumer"], self.consumer_url + "/health")]

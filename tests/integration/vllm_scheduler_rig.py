@@ -212,8 +212,13 @@ def make_rig(model_dir: str, *, block_size: int = 16, num_blocks: int = 256, chu
     config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, kv_transfer_config=transfer,
                         device_config=DeviceConfig("cpu"), kv_events_config=kv_events_config,
                         speculative_config=speculative_config)
-    if dp_rank:
-        config.parallel_config.data_parallel_rank = dp_rank
+    if dp_rank:  # what vLLM's engine core does for a dense model's DP rank (EngineCoreProc.run_engine_core)
+        par = config.parallel_config
+        if hasattr(par, "reconfigure_for_independent_dp_rank"):  # vLLM 0.32, 0.33: the rank is data_parallel_index only
+            par.data_parallel_index = dp_rank
+            par.reconfigure_for_independent_dp_rank()
+        else:
+            par.data_parallel_rank = dp_rank
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
     specs = layer_specs or {f"model.layers.{i}.self_attn.attn": spec for i in range(NUM_LAYERS)}
     (kv_cache_config,) = _kv_cache_configs(config, [specs], [num_blocks * sum(s.page_size_bytes for s in specs.values())])

@@ -72,11 +72,21 @@ def total_kv_heads(vllm_config: Any) -> Optional[int]:
 
 
 def data_parallel_rank(vllm_config: Any) -> int:
-    """This engine's data-parallel rank (0 without data parallelism)."""
-    return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    """This engine's data-parallel rank (0 without data parallelism).
+
+    vLLM's ``data_parallel_index`` where it has one (0.23, 0.32, 0.33 here): the engine core of
+    a dense (non-MoE) model's DP rank r runs as an independent engine and vLLM resets its
+    ``data_parallel_rank`` to 0 (0.32, 0.33: ``ParallelConfig.reconfigure_for_independent_dp_rank``
+    in ``EngineCoreProc.run_engine_core``), keeping r only in ``data_parallel_index``; reading
+    ``data_parallel_rank`` there put every rank of one ``vllm serve`` on rank 0's lookup sockets.
+    Older vLLM (0.13) keeps the rank in ``data_parallel_rank`` for every model.
+    """
+    par = vllm_config.parallel_config
+    index = getattr(par, "data_parallel_index", None)
+    return int(index if index is not None else (getattr(par, "data_parallel_rank", 0) or 0))
 
 
 def default_channel_address(vllm_config: Any) -> str:
     """An ipc:// prefix that the scheduler and the workers of one engine derive alike."""
-    seed = f"{vllm_config.kv_transfer_config.engine_id}|dp{getattr(vllm_config.parallel_config, 'data_parallel_rank', 0)}"
+    seed = f"{vllm_config.kv_transfer_config.engine_id}|dp{data_parallel_rank(vllm_config)}"
     return f"ipc://{tempfile.gettempdir()}/kvconnect-{blake3.blake3(seed.encode()).hexdigest(length=8)}"
