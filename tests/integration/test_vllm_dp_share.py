@@ -25,12 +25,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import time
 
 import pytest
 
 import pd_cluster as pc
 from support.resumed_logprobs import assert_resumed_logprobs
+from support.server_rig import wait_until
 from support.tiny_models import make_llama, random_tokens
 
 pytestmark = [
@@ -61,15 +61,6 @@ def test_a_dense_models_dp_ranks_get_their_own_lookup_channels_from_vllms_config
         assert data_parallel_rank(Config(par)) == rank
         seen.append(rank_address(dp_rank_base("ipc:///run/kvc/lookup", data_parallel_rank(Config(par)), 1), 0))
     assert seen == ["ipc:///run/kvc/lookup-0", "ipc:///run/kvc/lookup-dp1-0"]
-
-
-def _wait_until(what: str, done, engine: pc.Proc, timeout_s: float = 60.0) -> None:
-    """Poll ``done()`` (a save lands on the store thread after the response may have left)."""
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if not engine.alive() or time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen in {timeout_s:.0f} s:\n{engine.log_tail()}")
-        time.sleep(0.2)
 
 
 def test_the_dp_ranks_of_one_vllm_serve_read_each_others_prefixes_through_the_node_server(tmp_path):
@@ -117,7 +108,10 @@ def test_the_dp_ranks_of_one_vllm_serve_read_each_others_prefixes_through_the_no
             prompt = random_tokens(rng, PREFIX) + random_tokens(rng, 20)  # the tail is < one block
             before, held = [counters(0), counters(1)], entries()
             cold = run(writer, prompt)
-            _wait_until("the writer's store", lambda: clients[reader].lookup(prompt, count=False) == PREFIX, engine)
+            # a save lands on the store thread after the response may have left: poll the reader's lookup
+            stored = wait_until(lambda: not engine.alive() or clients[reader].lookup(prompt, count=False) == PREFIX,
+                                timeout_s=60.0, interval_s=0.2)
+            assert stored and engine.alive(), f"the writer's store did not happen in 60 s:\n{engine.log_tail()}"
             assert entries() == held + PREFIX // CHUNK
             restored = run(reader, prompt)  # the reader has never seen it: its prefix comes from the node server
             own_hit = run(reader, prompt)  # vLLM's own prefix cache on the reader, over the same 256 tokens

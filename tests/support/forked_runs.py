@@ -63,15 +63,15 @@ class _Zygote:
     def run(self, argv: list[str], env: dict, cwd: str, timeout_s: float) -> subprocess.CompletedProcess:
         with tempfile.NamedTemporaryFile(prefix="kvconnect-run-", suffix=".log", dir=cwd, delete=False) as f:
             log = f.name
-        self.proc.stdin.write((json.dumps({"argv": argv, "env": env, "cwd": cwd, "log": log}) + "\n").encode())
-        self.proc.stdin.flush()
-        started = time.monotonic()
-        started_reply = self._read(timeout_s=60.0, what="a fork")
-        if started_reply is None:
-            raise RuntimeError("the test zygote did not fork within 60 s")
-        pid = started_reply["pid"]
-        reply = self._read(timeout_s=max(1.0, timeout_s - (time.monotonic() - started)), what=f"run {argv}")
         try:
+            self.proc.stdin.write((json.dumps({"argv": argv, "env": env, "cwd": cwd, "log": log}) + "\n").encode())
+            self.proc.stdin.flush()
+            started = time.monotonic()
+            started_reply = self._read(timeout_s=60.0, what="a fork")
+            if started_reply is None:
+                raise RuntimeError("the test zygote did not fork within 60 s")
+            pid = started_reply["pid"]
+            reply = self._read(timeout_s=max(1.0, timeout_s - (time.monotonic() - started)), what=f"run {argv}")
             if reply is None:
                 try:
                     os.killpg(pid, signal.SIGKILL)
