@@ -213,3 +213,30 @@ def test_a_socket_path_of_another_user_is_refused(open_dir):
         LookupServer(f"ipc://{path}", Recorder(64))
     with open(path) as f:
         assert f.read() == "squat"  # left as found
+
+
+def test_a_socket_a_live_engine_listens_on_is_refused_and_a_dead_ones_is_taken(open_dir):
+    """Two engines (or two data-parallel ranks) given the same lookup_url: the second refuses to
+    start, naming the address, instead of unlinking the first one's socket and taking its
+    lookups. A file whose listener died is removed and bound again."""
+    address = f"ipc://{open_dir}/w-0"
+    first = LookupServer(address, Recorder(64))
+    try:
+        with pytest.raises(ConfigError, match="is in use: a live process of this uid listens on it"):
+            LookupServer(address, Recorder(128))
+        client = LookupClient([address], timeout_s=5.0)
+        assert client.lookup(np.arange(500)) == 64  # still the first engine's
+        client.close()
+    finally:
+        first.close()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a listener that died: its file stays, nobody accepts
+    stale.bind(f"{open_dir}/w-1")
+    stale.close()
+    assert os.path.exists(f"{open_dir}/w-1")
+    second = LookupServer(f"ipc://{open_dir}/w-1", Recorder(256))
+    try:
+        client = LookupClient([f"ipc://{open_dir}/w-1"], timeout_s=5.0)
+        assert client.lookup(np.arange(500)) == 256
+        client.close()
+    finally:
+        second.close()

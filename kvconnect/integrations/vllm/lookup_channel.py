@@ -50,6 +50,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
+import stat
 import threading
 import time
 from typing import Optional, Protocol, Sequence
@@ -105,8 +107,10 @@ def check_token(address: str, token: Optional[str]) -> Optional[bytes]:
 
 
 def _refuse_foreign_file(path: str) -> None:
-    """Remove a socket file a dead process of ours left; ConfigError when another user owns it
-    (in a sticky directory such as /tmp we could not remove it, and must not serve beside it)."""
+    """Remove a socket file a dead process of ours left. ConfigError when another user owns it
+    (in a sticky directory such as /tmp we could not remove it, and must not serve beside it),
+    and when a live process still listens on it: another engine, or another data-parallel rank,
+    given the same address; unlinking it would silently take that engine's lookups."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -114,7 +118,25 @@ def _refuse_foreign_file(path: str) -> None:
     if st.st_uid != os.geteuid():
         raise ConfigError(f"lookup channel socket {path} exists and belongs to uid {st.st_uid}, not to this "
                           f"process's uid {os.geteuid()}: remove it as that user, or set another lookup_url")
+    if stat.S_ISSOCK(st.st_mode) and _listening(path):
+        raise ConfigError(f"lookup channel socket {path} is in use: a live process of this uid listens on it (another "
+                          "engine, or another data-parallel rank, with the same lookup_url?): give each engine its own "
+                          "lookup_url, or leave it unset to derive one per engine")
     os.unlink(path)  # left by a process of ours that died; the engine id makes the name ours
+
+
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket at ``path`` (a stale file left
+    by a dead process refuses them)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:  # ECONNREFUSED: nobody listens (a file left behind); anything else: not a live peer either
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def rank_address(base: str, index: int) -> str:
