@@ -14,10 +14,12 @@ generation on that side) must leave the pair working: the decode side loads the 
 chunks under the generation its params name, no timeout waited, outputs and logprobs those of
 the plain server.
 
-The decode server then restarts at TP 2 (issue 40 item 3): each of its ranks cuts its one KV
-head out of the TP 1 producer's objects in the node server's pool. The model has one decoder
+Then the two sides run at different TP sizes (issue 40 item 3), both ways. The producer restarts
+at TP 2 on both cores: the TP 1 decode server assembles each chunk from the two producer ranks'
+objects (one KV head each) in the node server's pool. The producer then restarts at TP 1 and the
+decode server at TP 2: each of its ranks cuts its one KV head out of the TP 1 producer's objects. The model has one decoder
 layer (its KV does not depend on the TP size), so those decodes' outputs and logprobs must be
-the TP 2 server's own cold run's (support.resumed_logprobs), and the producer-killed phase
+the decode server's own cold run's at its TP size (support.resumed_logprobs), and the producer-killed phase
 that follows runs against the TP 2 decode side too.
 
 The sliding-window hybrid, on Redis as the shared tier: test_vllm_pd_hybrid.py. A TP 1
@@ -58,6 +60,7 @@ ABORTED = pc.prompts(6, (380,))[0]
 RESET = {"producer": pc.prompts(7, (420,))[0], "consumer": pc.prompts(8, (390,))[0]}
 OLD_PARAMS = pc.prompts(9, (360,))[0]
 OTHER_TP = pc.prompts(10, (470,))[0]
+FROM_TP2 = pc.prompts(11, (430,))[0]
 
 
 def completion_logprobs(base: str, model: str, prompt: list[int], **extra) -> tuple[list[int], list[float]]:
@@ -275,6 +278,37 @@ def test_params_from_before_a_producer_reset_load_nothing_after_it(pd_llama):
     c.start_engine("consumer")
     pc.wait_healthy([(c.procs["consumer"], c.consumer_url + "/health")])
     _replay_loads_nothing(c, p, old)
+
+
+def test_a_tp1_decode_side_loads_a_tp2_producers_prompt_through_the_router(pd_llama):
+    """Issue 40 item 3, the reverse direction: the producer restarted at TP 2 on both cores, the
+    decode server at TP 1. Through the router, the decode side admits the TP 2 params (its rank
+    said it reads TP 2's objects), waits until both producer ranks' head ranges of every chunk
+    are in the node server, and assembles its two KV heads from them: outputs and logprobs are
+    its own cold run's (taken first, on a prompt nothing stored; its prefix cache reset after);
+    vLLM's count of connector tokens is the prompt to its last block edge. The producer is
+    restarted at TP 1 after, for the tests that follow."""
+    c = pd_llama
+    want = pc.top_logprobs(c.consumer_url, c.model, FROM_TP2)
+    assert c.reset("consumer")
+    c.procs.pop("producer").stop()
+    c.start_engine("producer", tp=2, cores="0|1")
+    try:
+        pc.wait_healthy([(c.procs["producer"], c.producer_url + "/health")])
+        before = scrape(c, "consumer")
+        got = pc.top_logprobs(c.router_url, c.model, FROM_TP2)
+        assert got[0] == want[0]
+        assert_resumed_logprobs(got[1], want[1], "TP 2 producer, TP 1 decode")
+        named = len(FROM_TP2) // BLOCK * BLOCK
+        _loaded_at_once(c, before, named)
+        d = delta(scrape(c, "consumer"), before)
+        assert d["kvconnect_pd_remote_prefill_other_tp_total"] == 1
+        assert d["kvconnect_pd_remote_prefill_rejected_total"] == 0
+        assert d["external_prefix_cache_hits_total"] == named  # vLLM's own count: the prompt came from the tier
+    finally:
+        c.procs.pop("producer").stop()
+        c.start_engine("producer", tp=1)
+        pc.wait_healthy([(c.procs["producer"], c.producer_url + "/health")])
 
 
 def test_a_tp2_decode_side_loads_the_tp1_producers_prompt_through_the_router(pd_llama):
