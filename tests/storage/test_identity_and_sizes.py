@@ -123,7 +123,11 @@ def test_mooncake_local_buffer_larger_than_the_host_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError) as err:
         make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=True)
     assert "local_buffer_size" in str(err.value) and "this host has" in str(err.value)
-    path.write_text(json.dumps({"global_segment_size": host // 2 + 1, "local_buffer_size": host // 2 + 1}))
+    # each alone fits the host's room now, together they do not (from the room, not physical
+    # memory: with engines running beside the test, available memory can be under half of RAM)
+    room, _ = host_memory.host_room()
+    each = int(room * 0.6)
+    path.write_text(json.dumps({"global_segment_size": each, "local_buffer_size": each}))
     with pytest.raises(ConfigError, match="global_segment_size \\+ local_buffer_size"):
         make_spec("mooncakestore://127.0.0.1:5000", str(path), has_node_server=False)
     path.write_text(json.dumps({"global_segment_size": 0, "local_buffer_size": "16 MB"}))

@@ -116,7 +116,10 @@ def test_a_producers_reset_leaves_a_marker_every_engine_on_the_tier_reads():
         assert not decode.generation_retired(old) and not decode.generation_retired(b"")
         producer.reset(retire=old)
         new = producer.generation
-        assert decode.generation_retired(old) and producer.generation_retired(old)
+        # the marker is written behind, like any chunk, and its commit to the node server is sent
+        # without a reply: the producer's queue drained, then its own next call orders it
+        assert producer.storage.flush(30)
+        assert producer.generation_retired(old) and decode.generation_retired(old)
         assert not decode.generation_retired(new) and not decode.generation_retired(b"")
         toks = kv_rig.tokens(6, N)
         assert decode.lookup(toks, generation=old) == N  # still there: refusing them is the decode side's part
