@@ -36,8 +36,10 @@ What is supported (everything else is refused by name, the connector stays off):
   conv1d weight), its recurrent state the rank's value heads (``sharded_weight_loader(0)`` of
   ``A_log``). The split is taken only where the model config's ``linear_*`` dims give exactly the
   spec's shapes (``gated_delta_net_state_shape``); any other state (Mamba1/2, short conv, KDA)
-  is keyed by rank: read only by the same rank of the same TP size. The state identity then
-  names the global shapes (``global_state_shapes``), the same at every size.
+  is keyed by rank: read only by the same rank of the same TP size, except a state vLLM
+  declares the same on every rank (``MambaSpec.tp_replicated``), which carries nothing of TP.
+  The state identity of a page keyed by ranges names the global shapes (``global_state_shapes``),
+  the same at every size.
 """
 
 from __future__ import annotations
@@ -177,7 +179,11 @@ def state_shard(spec: Any, dims: Optional[GDNDims], conv_layout: Optional[str], 
     """What of a GDN state page rank ``tp_rank`` of ``tp_size`` holds (its part identity): the
     conv state's fields (SD: per state position, the rank's q, k and v channels, one element
     each; DS: per channel its whole history) then the recurrent state's value heads, by the
-    split of vLLM's weight loaders; rank and size where the page is not one vLLM splits so."""
+    split of vLLM's weight loaders; nothing of TP for a state vLLM declares the same on every
+    rank (``MambaSpec.tp_replicated``: a replicated conv state); rank and size where the page is
+    not one vLLM splits so."""
+    if getattr(spec, "tp_replicated", False) is True:
+        return TPShard.replicated()
     geo = _conv_geometry(spec, dims, conv_layout, tp_size) if dims is not None and conv_layout else None
     if geo is None:
         return TPShard.rank(tp_rank, tp_size)

@@ -281,7 +281,7 @@ def translate_kv_caches(
     # fewer KV heads than ranks: vLLM gives each head to tp / heads consecutive ranks, which name it
     # alike; where every group of this rank is what a lower rank holds (no state ranges of its own),
     # the first of them writes the shared tiers, the others read its objects (as replicated KV)
-    head_copy = any(sh.kind is ShardKind.HEADS for sh in layout.shards) and _copy_of_lower_rank(layout.shards, tp_rank, tp_size)
+    head_copy = not tp_replicated and _copy_of_lower_rank(layout.shards, tp_rank, tp_size)
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
                        layer_names=layer_names, kernel_splits=tuple(splits), release=release.name,
                        tp_replicated=tp_replicated, head_copy=head_copy)
