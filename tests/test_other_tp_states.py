@@ -302,3 +302,16 @@ def test_no_read_across_sizes_where_the_identity_or_the_setting_says_no(tmp_path
     assert _read(glob, 0, 2, disk, state_shard=TPShard.rank(0, 2))[0] == 0  # keyed by rank: strict
     assert _read(glob, 0, 2, disk, config={"read_tp_sizes": ""})[0] == 0
     assert _read(glob, 0, 2, disk)[0] == len(TOKENS)
+
+
+def test_a_state_plane_wider_than_a_slot_travels_in_slices_and_is_read_at_its_own_size_only():
+    """A state page wider than the pool's slot is cut into column slices (``parts.slice_wide_planes``,
+    ``KVLayout.with_sliced_planes``): its slices are no fields, so the layout keeps its own objects
+    and no other size reads them (a miss, never other bytes)."""
+    layout_ = _rank(_global(8, 4), 0, 2)
+    state_planes = {i: 2 for i, p in enumerate(layout_.planes) if p.group_index == 1}
+    sliced = layout_.with_sliced_planes(state_planes)
+    assert sum(p.num_slices > 1 for p in sliced.planes) == 2 * len(state_planes)
+    assert cross_readable(layout_) and not cross_readable(sliced)
+    assert sliced.fingerprint != layout_.fingerprint and sources_at(sliced, 1) is None
+    assert "cannot be cut into another TP size's parts" in refusal(sliced, 1)

@@ -347,7 +347,7 @@ def _check_head_planes(planes, shards) -> None:
         if shard.kind is ShardKind.HEADS and p.num_slices == 1 and p.row_bytes % shard.count:
             raise LayoutError(f"layer {p.layer_name!r} plane {p.plane_index}: rows of {p.row_bytes} bytes do not "
                               f"split into the {shard.count} heads of its group's TP shard")
-        if shard.kind is ShardKind.RANGES and (p.num_slices > 1 or p.num_regions > 1 or p.row_bytes != shard.row_bytes):
+        if shard.kind is ShardKind.RANGES and p.num_slices == 1 and (p.num_regions > 1 or p.row_bytes != shard.row_bytes):
             raise LayoutError(f"layer {p.layer_name!r} plane {p.plane_index}: a row of {p.row_bytes} bytes is not its "
                               f"group's TP fields ({shard.row_bytes} bytes, whole rows only)")
 
@@ -355,7 +355,7 @@ def _check_head_planes(planes, shards) -> None:
 def _per_head_plane(p: PlaneSpec, shard: TPShard) -> list:
     """A plane's entry in the model identity: a head-sharded group's per global head (and the
     global head count), so it is the same at every TP size."""
-    if shard.kind is ShardKind.RANGES:  # the global fields: the same at every TP size
+    if shard.kind is ShardKind.RANGES and p.num_slices == 1:  # the global fields: the same at every TP size
         return [p.group_index, p.dtype, "fields", [f.geometry() for f in shard.fields], p.tokens_per_row, p.is_page]
     if shard.kind is not ShardKind.HEADS or p.num_slices > 1:  # a column slice is no head range: strict
         return [p.group_index, p.dtype, p.row_bytes, p.tokens_per_row, p.is_page]
@@ -363,7 +363,7 @@ def _per_head_plane(p: PlaneSpec, shard: TPShard) -> list:
 
 
 def _per_head_shape(p: PlaneSpec, shard: TPShard) -> list:
-    if shard.kind is ShardKind.RANGES:  # a rank's share; the plane entry holds the global fields
+    if shard.kind is ShardKind.RANGES:  # a rank's share; the plane entry holds the global fields (or the slice's bytes)
         return ["fields"]
     shape = list(p.row_shape)
     if shard.kind is ShardKind.HEADS and shape and p.num_slices == 1:

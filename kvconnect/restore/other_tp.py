@@ -110,8 +110,8 @@ def refusal(layout: KVLayout, tp_size: int) -> Optional[str]:
         return (f"KV-cache group(s) {ranked} are split over TP ranks in a way kvconnect keys by rank (layouts it "
                 "does not describe by heads or ranges): what another TP size stored is never theirs")
     if not cross_readable(layout):
-        return ("a head-sharded group's rows are not its heads as equal leading slices (one plane per head, "
-                "column slices or row regions): it cannot be cut into another TP size's heads")
+        return ("a group's rows are not its heads as equal leading slices or its state fields as whole rows (one "
+                "plane per head, column slices or row regions): they cannot be cut into another TP size's parts")
     for g, shard in enumerate(layout.shards):
         try:
             for rank in range(tp_size):
