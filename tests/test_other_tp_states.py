@@ -315,3 +315,33 @@ def test_a_state_plane_wider_than_a_slot_travels_in_slices_and_is_read_at_its_ow
     assert cross_readable(layout_) and not cross_readable(sliced)
     assert sliced.fingerprint != layout_.fingerprint and sources_at(sliced, 1) is None
     assert "cannot be cut into another TP size's parts" in refusal(sliced, 1)
+
+
+def test_over_the_node_server_a_rank_assembles_state_pages_from_its_pool():
+    """The node server keeps each layout under its own client: TP 2 stores the hybrid prompt into
+    the server's pool alone (no lower tier); a TP 1 engine and a TP 4 rank then assemble their
+    prefix parts and state pages from the writers' objects there."""
+    from kvconnect.server import make_pool
+    from support.server_rig import server_thread, socket_dir
+
+    glob = _global(17, 4)
+    with socket_dir() as d:
+        url = f"ipc://{d}/srv"
+        with server_thread(url, size_bytes=8 << 20):
+            config = Config(chunk_size=32, server_url=url, pool_prefault=False)
+            writers = [KVCacheEngine(_rank(glob, r, 2), config, pool_factory=make_pool) for r in range(2)]
+            try:
+                assert all(w.store(TOKENS, [SRC, SRC]) == len(TOKENS) for w in writers)
+                for rank, size in ((0, 1), (3, 4)):
+                    reader_layout = _rank(glob, rank, size, noise=True)
+                    reader = KVCacheEngine(reader_layout, config, pool_factory=make_pool)
+                    try:
+                        assert reader.lookup(TOKENS) == len(TOKENS)
+                        assert reader.retrieve(TOKENS, [DST, DST]) == len(TOKENS)
+                        assert reader.other_tp.assembled_window_parts == 1
+                    finally:
+                        reader.close()
+                    assert _holds(reader_layout, glob, rank, size)
+            finally:
+                for w in writers:
+                    w.close()
