@@ -345,3 +345,18 @@ def test_over_the_node_server_a_rank_assembles_state_pages_from_its_pool():
             finally:
                 for w in writers:
                     w.close()
+
+
+def test_a_writer_size_whose_pages_would_travel_in_slices_is_refused_by_name(tmp_path):
+    """Chunks of 16 tokens, one KV head: at TP 1 a state page (288 bytes) is wider than the
+    prefix part (256) and travels in column slices, at TP 2 and 4 it does not. A TP 4 rank says
+    so for TP 1 (before anything is looked up) and reads TP 2's objects."""
+    glob = _global(4, 1)
+    reader = KVCacheEngine(_rank(glob, 0, 4), Config(chunk_size=16, local_disk=str(tmp_path), max_local_cpu_size=0.02,
+                                                     max_local_disk_size=0.05, pool_prefault=False))
+    try:
+        assert not any(p.num_slices > 1 for p in reader.layout.planes)
+        assert "column slices" in reader.tp_read_refusal(1)
+        assert reader.tp_read_refusal(2) is None and [s.tp_size for s in reader.other_tp.sources] == [2]  # 8 splits no head pair
+    finally:
+        reader.close()

@@ -53,7 +53,7 @@ from ..storage.manager import StorageManager, open_tiers
 from ..storage.pool_protocol import Pool, PoolFactory
 from .gate import effective_masks, restorable_boundary, window_chunks
 from .other_tp import Sources, assemble, cross_readable, refusal, sources_at, writer_layout
-from .parts import PartLayout, slice_wide_planes, window_key
+from .parts import PartLayout, wide_planes, window_key
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class OtherTPReader:
             if sources is None:
                 continue
             theirs = writer_layout(layout, sources.shards[0])  # the ranks of one size hold equal byte sizes
-            if slice_wide_planes(theirs, config.chunk_size, split=parts.split) is not theirs:
+            if wide_planes(theirs, config.chunk_size, split=parts.split):
                 self.sliced_sizes.append(size)
                 continue
             self.sources.append(sources)
