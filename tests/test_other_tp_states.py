@@ -357,6 +357,6 @@ def test_a_writer_size_whose_pages_would_travel_in_slices_is_refused_by_name(tmp
     try:
         assert not any(p.num_slices > 1 for p in reader.layout.planes)
         assert "column slices" in reader.tp_read_refusal(1)
-        assert reader.tp_read_refusal(2) is None and [s.tp_size for s in reader.other_tp.sources] == [2]  # 8 splits no head pair
+        assert reader.tp_read_refusal(2) is None and [s.tp_size for s in reader.other_tp.sources] == [2]  # TP 8 does not split 4 value heads
     finally:
         reader.close()
