@@ -258,6 +258,14 @@ def test_equal_sizes_read_their_own_objects_only(tmp_path):
     for r in range(2):
         got, reader, assembled = _read(glob, r, 2, disk)
         assert got == len(TOKENS) and assembled == 0 and _holds(reader, glob, r, 2)
+    # its own parts reach the prompt's last restore point: no other size is asked at all
+    engine = KVCacheEngine(_rank(glob, 0, 2, noise=True), _config(disk))
+    try:
+        assert engine.lookup(TOKENS) == len(TOKENS) and engine.other_tp.probes == 0
+        assert engine.lookup(np.concatenate([TOKENS, TOKENS[:40]])) == len(TOKENS)  # a new suffix: asked
+        assert engine.other_tp.probes > 0 and engine.other_tp.assembled_window_parts == 0
+    finally:
+        engine.close()
 
 
 def test_a_missing_range_is_a_miss(tmp_path):

@@ -51,7 +51,7 @@ from ..layout.kv_layout import KVLayout
 from ..layout.spec import ChunkKey
 from ..storage.manager import StorageManager, open_tiers
 from ..storage.pool_protocol import Pool, PoolFactory
-from .gate import effective_masks, restorable_boundary, window_chunks
+from .gate import effective_masks, restorable_boundary, window_chunks, window_walk
 from .other_tp import Sources, assemble, cross_readable, refusal, sources_at, writer_layout
 from .parts import PartLayout, wide_planes, window_key
 
@@ -107,6 +107,7 @@ class OtherTPReader:
         self.assembled_chunks = 0  # whole chunks or prefix parts committed from other TP sizes' objects
         self.assembled_window_parts = 0  # window parts (every piece of a chunk) committed from them
         self.assembled_bytes = 0
+        self.probes = 0  # masks calls to the writers' places (node server, lower tiers)
 
     @classmethod
     def of(cls, layout: KVLayout, config: Config, storage: StorageManager, parts: PartLayout,
@@ -187,11 +188,16 @@ class OtherTPReader:
     def _fill_parts(self, tokens, chunks: list[Chunk], namespace, generation) -> int:
         parts, layout = self.parts, self.layout
         # the largest restore point the prompt has: while this rank's own parts reach it, ask no one
-        ends = [c.end for c in chunks if layout.resumable_at(c.end) and all(g.boundary_ok(c.end) for g in layout.geometries)]
+        ends = [c.index for c in chunks if layout.resumable_at(c.end) and all(g.boundary_ok(c.end) for g in layout.geometries)]
+        if not ends:
+            return 0
         prefix = self._own_prefix(chunks)
+        run = next((i for i, m in enumerate(prefix) if m is None), len(chunks))
+        if run > ends[-1] and self._own_window_at(chunks, ends[-1]):  # the matched path: one more masks call
+            return 0
         window = self._own_window(chunks, prefix)
         own = restorable_boundary(layout, chunks, effective_masks(prefix, window))
-        if not ends or own >= ends[-1]:
+        if own >= chunks[ends[-1]].end:
             return 0
         for sources in self.sources:
             done = self._fill_parts_from(sources, tokens, chunks, namespace, generation, prefix, window, own)
@@ -204,6 +210,14 @@ class OtherTPReader:
         if not want:
             return [0] * len(chunks)
         return [m & want if m is not None and m & want == want else None for m in self.storage.masks([c.key for c in chunks])]
+
+    def _own_window_at(self, chunks: list[Chunk], k: int) -> bool:
+        """Whether this rank's own window part at ``chunks[k].end`` is complete."""
+        n = len(self.parts.pieces)
+        need = window_walk(self.layout, self.parts.window_mask, chunks, k)
+        masks = self.storage.masks([window_key(chunks[j].key, p) for j, _ in need for p in range(n)])
+        return all(_all_pieces(masks[i * n:(i + 1) * n], self.parts.window_mask) & groups == groups
+                   for i, (_, groups) in enumerate(need))
 
     def _own_window(self, chunks: list[Chunk], prefix: list[Optional[int]]) -> list[int]:
         """Per chunk of the prefix run, the window groups of its complete window part (0: none)."""
@@ -283,6 +297,8 @@ class OtherTPReader:
             if not missing or not tier.healthy():
                 continue
             try:
+                with self._lock:
+                    self.probes += 1
                 masks = tier.masks([keys[i] for i in missing])
             except Exception:  # tiers promise not to raise; a bug must not reach the engine
                 logger.exception("kvconnect: the %s tier raised; treating it as a miss", tier.name)
