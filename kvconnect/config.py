@@ -35,7 +35,7 @@ a mapping, e.g. vLLM's ``kv_connector_extra_config``, through ``Config.from_dict
 | KVCONNECT_PD_WAIT_TIMEOUT_S    | pd_wait_timeout_s    | float | 5.0     | P/D decode side: how long a request whose prefill a producer names waits for its chunks in the shared tier before it is recomputed (docs/vllm.md, "Prefill/decode disaggregation") |
 | KVCONNECT_PD_POLL_INTERVAL_S   | pd_poll_interval_s   | float | 0.005   | P/D decode side: at most one shared-tier lookup per waiting request per this interval |
 | KVCONNECT_RESTORE_INTERVAL_TOKENS | restore_interval_tokens | int | 4096 | hybrid layouts: also keep window/state rows (the window part) every this many tokens of a stored prompt, besides its end and branch points (the first chunk end at or past each multiple); 0: at every chunk end (docs/design.md, "Restore points") |
-| KVCONNECT_READ_TP_SIZES        | read_tp_sizes        | str   | 1,2,4,8 | head-sharded KV (GQA/MHA): on a miss, also read chunks that ranks of these other TP sizes wrote, cutting this rank's heads out of theirs (comma-separated; empty: off; docs/design.md, "The identity of a chunk") |
+| KVCONNECT_READ_TP_SIZES        | read_tp_sizes        | str   | 1,2,4,8 | head-sharded KV (GQA/MHA) and Gated DeltaNet state pages: on a miss, also read chunks that ranks of these other TP sizes wrote, cutting this rank's heads and state ranges out of theirs (comma-separated; empty: off; docs/design.md, "The identity of a chunk") |
 | KVCONNECT_STEP_END_WINDOW_PARTS | step_end_window_parts | bool | false | hybrid layouts: also keep the window part where an engine's prefill step ends (vLLM's chunked prefill), first evicted: it serves a request that diverges exactly there while it lives, at one window part per step (docs/performance.md, "Through vLLM") |
 | KVCONNECT_SKIP_LAST_N_TOKENS   | skip_last_n_tokens   | int   | 0       | vLLM adapter: the lookup leaves a request's last N prompt tokens out, so a hit never covers them (LMCache's vLLM key of the same name) |
 | KVCONNECT_VERIFY_RATE          | verify_rate          | float | 0.0     | vLLM adapter: the fraction (0..1) of lookups that would hit which serve no hit; the engine computes the prefix and its fresh rows are compared with the stored chunks (kvconnect/restore/verify.py, docs/operations.md "Restores verified in production"); 0: off |
@@ -177,7 +177,7 @@ class Config:
     restore_interval_tokens: int = 4096  # restore points (kvconnect/restore/parts.py); 0: every chunk end
     step_end_window_parts: bool = False  # short-lived restore points at prefill step ends (restore/points.py)
     skip_last_n_tokens: int = 0  # vLLM adapter: lookups leave the prompt's last N tokens out (LMCache's vLLM key)
-    read_tp_sizes: str = "1,2,4,8"  # other TP sizes whose head-sharded chunks a miss reads (restore/other_tp.py)
+    read_tp_sizes: str = "1,2,4,8"  # other TP sizes whose head-sharded / range-split chunks a miss reads (restore/other_tp.py)
     verify_rate: float = 0.0  # vLLM adapter: share of would-be hits recomputed and compared (restore/verify.py); 0: off
     verify_first: int = -1  # checks that must pass after start before only verify_rate samples; -1: auto
 

@@ -155,9 +155,9 @@ class KVCacheEngine:
             WindowParts(layout, self.parts, self.storage, writer, loader, self.counters, self.ops,
                         interval_tokens=self.config.restore_interval_tokens, step_end_parts=self.config.step_end_window_parts)
             if self.parts.split else WholeChunks(layout, self.parts, self.storage, writer, loader, self.counters, self.ops))
-        # head-sharded KV that ranks of another TP size wrote, read on a miss (restore/other_tp_reads.py);
-        # whole-chunk objects only: window pieces group planes by bytes that differ with the TP size
-        self.other_tp = None if self.parts.split else OtherTPReader.of(layout, self.config, self.storage, pool_factory)
+        # head-sharded or range-split KV that ranks of another TP size wrote, read on a miss
+        # (restore/other_tp_reads.py): whole chunks, or prefix and window parts at restore points
+        self.other_tp = OtherTPReader.of(layout, self.config, self.storage, self.parts, pool_factory)
 
     @property
     def pool(self) -> Pool:
@@ -253,7 +253,7 @@ class KVCacheEngine:
     def tp_read_refusal(self, tp_size: int) -> Optional[str]:
         """Why this rank cannot restore chunks that ranks of TP size ``tp_size`` stored (named
         before anything is looked up), or None (restore/other_tp_reads.py, ``read_refusal``)."""
-        return read_refusal(self.layout, self.config, self.other_tp, tp_size, window_parts=self.parts.split)
+        return read_refusal(self.layout, self.config, self.other_tp, tp_size)
 
     # -- keys ------------------------------------------------------------------------
     def chunks(self, tokens: Tokens, *, include_partial: bool, namespace: Namespace = None,

@@ -358,17 +358,18 @@ def test_assemble_refuses_objects_that_disagree_or_do_not_fit():
     header = ChunkHeader(fingerprint=sources.fingerprints[0], key=b"k" * 16, token_start=0, token_end=rows,
                          group_mask=1, plane_rows=((0, rows), (0, rows)), payload_bytes=len(payloads[0]))
     headers = [header, dataclasses.replace(header, fingerprint=sources.fingerprints[1])]
-    plane_rows, out = assemble(reader, sources, headers, [memoryview(p) for p in payloads])
+    objects = lambda hs, ps: [[(h, memoryview(p))] for h, p in zip(hs, ps)]  # noqa: E731  (one object per writer)
+    plane_rows, out, mask = assemble(reader, sources, objects(headers, payloads))
     k = out[: rows * 32].reshape(rows, 32)  # the K plane: 4 heads x 8 bytes a row; each writer's rows: 2 heads
-    assert plane_rows == header.plane_rows
+    assert plane_rows == header.plane_rows and mask == 1
     assert np.array_equal(k[:, :16], payloads[0][: rows * 16].reshape(rows, 16))  # heads 0-1 from rank 0
     assert np.array_equal(k[:, 16:32], payloads[1][: rows * 16].reshape(rows, 16))  # heads 2-3 from rank 1
     v = out[rows * 32:].reshape(rows, 32)
     assert np.array_equal(v[:, 16:], payloads[1][rows * 16:].reshape(rows, 16))
     other = [header, dataclasses.replace(headers[1], token_end=rows - 1)]
-    assert assemble(reader, sources, other, [memoryview(p) for p in payloads]) is None
-    short = [memoryview(payloads[0]), memoryview(payloads[1][:-16])]
-    assert assemble(reader, sources, [headers[0], dataclasses.replace(headers[1], payload_bytes=len(short[1]))], short) is None
+    assert assemble(reader, sources, objects(other, payloads)) is None
+    short = [payloads[0], payloads[1][:-16]]
+    assert assemble(reader, sources, objects([headers[0], dataclasses.replace(headers[1], payload_bytes=len(short[1]))], short)) is None
 
 
 def test_read_tp_sizes_is_checked_at_start():

@@ -168,3 +168,40 @@ def test_a_snapshot_vllm_offered_round_trips_into_the_resume_blocks():
 def test_a_state_vllm_did_not_offer_is_never_stored_nor_a_hit():
     hit, loaded, *_ = _store_and_load(False)
     assert (hit, loaded) == (0, 0)
+
+
+def _rank_of(tp_rank: int, tp_size: int, *, block: int = B, dims=recurrent.GDNDims(2, 4, 64, 64)):
+    """The tiny Qwen3.5 as TP rank ``tp_rank`` of ``tp_size`` registers it (its channels and heads)."""
+    conv, heads = 512 // tp_size, 4 // tp_size
+    spec = MambaSpec(block_size=block, shapes=((3, conv), (heads, 64, 64)))
+    state = 3 * conv * 2 + heads * 64 * 64 * 4
+    blob = torch.zeros(NB * PAGE, dtype=torch.int8)
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], spec) for i in range(3)]
+    groups.append(KVCacheGroupSpec(["model.layers.3.self_attn.attn"], FullAttentionSpec(block, 1, 64, torch.bfloat16)))
+    caches = {f"model.layers.{i}.linear_attn": blob.as_strided((NB, 1, 1, state), (PAGE, state, state, 1)) for i in range(3)}
+    caches["model.layers.3.self_attn.attn"] = blob.view(torch.bfloat16).as_strided(
+        (NB, 1, block, 128), (PAGE // 2, PAGE // 2, 128, 1))
+    return translate_kv_caches(KVCacheConfig(NB, groups), caches, backend_names={"model.layers.3.self_attn.attn": "CPU_ATTN"},
+                               conv_state_layout="SD", model_name="qwen35@main#x", tp_rank=tp_rank, tp_size=tp_size,
+                               total_kv_heads=1, gdn_dims=dims)
+
+
+def test_gdn_state_groups_are_keyed_by_their_global_ranges():
+    """Issue 40: with the model's GDN dims each state group carries the channels and value heads its
+    page holds (``recurrent.state_shard``); the model identity is the same at TP 1 and TP 2 (the
+    global shapes), the part identity is each rank's own; the one KV head both TP 2 ranks hold is
+    not enough to make rank 1 a copy of rank 0 (its state ranges are its own: it writes them)."""
+    from kvconnect.layout.spec import ShardKind
+    from kvconnect.restore.other_tp import cross_readable, sources_at
+
+    one, two = _rank_of(0, 1), [_rank_of(r, 2) for r in range(2)]
+    layouts = [one.layout] + [t.layout for t in two]
+    assert [s.kind for s in one.layout.shards] == [ShardKind.RANGES] * 3 + [ShardKind.HEADS]
+    assert len({l.model_fingerprint for l in layouts}) == 1 and len({l.fingerprint for l in layouts}) == 3
+    assert not any(t.head_copy for t in two) and all(cross_readable(l) for l in layouts)
+    assert sources_at(one.layout, 2).ranks == (0, 1) and sources_at(two[1].layout, 1).ranks == (0,)
+    # the state group's block size stays in the model identity: a snapshot's row counts blocks
+    assert _rank_of(0, 2, block=256).layout.model_fingerprint != one.layout.model_fingerprint
+    # no GDN dims (or other ones): keyed by rank, as before
+    assert _rank_of(1, 2, dims=None).layout.shards[0].kind is ShardKind.RANK
+    assert _rank_of(1, 2, dims=recurrent.GDNDims(2, 8, 64, 32)).layout.shards[0].kind is ShardKind.RANK

@@ -20,7 +20,8 @@ It is two parts (docs/design.md, "The identity of a chunk"): the *model identity
 (``model_fingerprint``: everything above, with a head-sharded group's planes counted per
 global head, so it is the same at every TP size) and the *part identity*, one ``TPShard`` per
 group: nothing of TP for a replicated group, the global head range for a head-sharded one,
-rank and size for any other split. ``fingerprint`` hashes both; it never holds the TP rank
+the global unit ranges of every field for a group split by ranges (a GDN state page: its
+planes enter the model identity as the global fields), rank and size for any other split. ``fingerprint`` hashes both; it never holds the TP rank
 of a group that is not split by rank.
 
 Rebuilt groups (``spec.RebuiltGroup``): engine groups that carry no stored bytes because the
@@ -339,23 +340,31 @@ def _group_shards(given, num_groups: int, tp_rank: int, tp_size: int) -> tuple[T
 
 
 def _check_head_planes(planes, shards) -> None:
-    """Every plane of a head-sharded group holds its rank's heads as equal slices of each row."""
+    """Every plane of a head-sharded group holds its rank's heads as equal slices of each row;
+    every plane of a group split by ranges is a row of its shard's fields."""
     for p in planes:
         shard = shards[p.group_index]
         if shard.kind is ShardKind.HEADS and p.num_slices == 1 and p.row_bytes % shard.count:
             raise LayoutError(f"layer {p.layer_name!r} plane {p.plane_index}: rows of {p.row_bytes} bytes do not "
                               f"split into the {shard.count} heads of its group's TP shard")
+        if shard.kind is ShardKind.RANGES and p.num_slices == 1 and (p.num_regions > 1 or p.row_bytes != shard.row_bytes):
+            raise LayoutError(f"layer {p.layer_name!r} plane {p.plane_index}: a row of {p.row_bytes} bytes is not its "
+                              f"group's TP fields ({shard.row_bytes} bytes, whole rows only)")
 
 
 def _per_head_plane(p: PlaneSpec, shard: TPShard) -> list:
     """A plane's entry in the model identity: a head-sharded group's per global head (and the
     global head count), so it is the same at every TP size."""
+    if shard.kind is ShardKind.RANGES and p.num_slices == 1:  # the global fields: the same at every TP size
+        return [p.group_index, p.dtype, "fields", [f.geometry() for f in shard.fields], p.tokens_per_row, p.is_page]
     if shard.kind is not ShardKind.HEADS or p.num_slices > 1:  # a column slice is no head range: strict
         return [p.group_index, p.dtype, p.row_bytes, p.tokens_per_row, p.is_page]
     return [p.group_index, p.dtype, p.row_bytes // shard.count, p.tokens_per_row, p.is_page, "per_head", shard.total]
 
 
 def _per_head_shape(p: PlaneSpec, shard: TPShard) -> list:
+    if shard.kind is ShardKind.RANGES:  # a rank's share; the plane entry holds the global fields (or the slice's bytes)
+        return ["fields"]
     shape = list(p.row_shape)
     if shard.kind is ShardKind.HEADS and shape and p.num_slices == 1:
         if shape[0] % shard.count == 0:

@@ -109,7 +109,91 @@ class ShardKind(enum.Enum):
 
     REPLICATED = "replicated"  # every rank holds the same rows: no TP in the identity
     HEADS = "heads"  # the rank holds a range of global heads (channels): the identity carries the range
+    RANGES = "ranges"  # each row is fields of global unit ranges (a GDN state page): the identity carries them
     RANK = "rank"  # split in a way kvconnect does not describe: the identity carries rank and size
+
+
+@dataclass(frozen=True)
+class ShardField:
+    """One field of a row split over TP ranks by global unit ranges (a ``ShardKind.RANGES`` shard).
+
+    The field's global tensor is ``outer`` x ``sum(blocks)`` units x ``unit_bytes``: ``outer``
+    repeats (the dims before the split axis), then the split axis, whose units form consecutive
+    *blocks* that tensor parallelism splits evenly (vLLM's ``mamba_v2_sharded_weight_loader``:
+    a GDN conv state's q, k and v channels are three blocks; its recurrent state's value heads
+    one), then ``unit_bytes`` of the dims after it. A rank holds, per block, its even share;
+    its bytes are, for each outer index, its ``ranges`` of units one after the other. Adjacent
+    ranges are merged (TP 1 holds ``((0, total),)``), so equal ranges are equal bytes.
+
+    Example (the tiny Qwen3.5's conv state, SD layout (3, 512) bf16, q/k/v = 128/128/256, TP 2 rank 1)::
+
+        ShardField.even(outer=3, unit_bytes=2, blocks=(128, 128, 256), tp_rank=1, tp_size=2).ranges
+        # ((64, 128), (192, 256), (384, 512))
+    """
+
+    outer: int
+    unit_bytes: int
+    blocks: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        ints = [self.outer, self.unit_bytes, *self.blocks, *(v for r in self.ranges for v in r)]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+            raise LayoutError(f"ShardField fields must be ints, got {self!r}")
+        if self.outer < 1 or self.unit_bytes < 1 or not self.blocks or min(self.blocks) < 1 or not self.ranges:
+            raise LayoutError(f"ShardField needs outer, unit bytes, blocks and ranges >= 1, got {self!r}")
+        merged: list[list[int]] = []
+        for a, b in self.ranges:
+            if not 0 <= a < b <= self.total:
+                raise LayoutError(f"range [{a}, {b}) is not within the field's {self.total} units")
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        held = sorted(self.ranges)
+        if any(b > c for (_, b), (c, _) in zip(held, held[1:])):
+            raise LayoutError(f"ranges {self.ranges} overlap: a unit is held once")
+        object.__setattr__(self, "ranges", tuple((a, b) for a, b in merged))
+
+    @classmethod
+    def even(cls, *, outer: int, unit_bytes: int, blocks: tuple[int, ...], tp_rank: int, tp_size: int) -> "ShardField":
+        """Rank ``tp_rank`` of ``tp_size``'s field: ``block / tp_size`` consecutive units of each
+        block. A size that does not split every block raises."""
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise LayoutError(f"TP rank {tp_rank} is not in [0, {tp_size})")
+        ranges, at = [], 0
+        for block in blocks:
+            if block % tp_size:
+                raise LayoutError(f"a block of {block} units does not split over TP {tp_size}")
+            per = block // tp_size
+            ranges.append((at + tp_rank * per, at + (tp_rank + 1) * per))
+            at += block
+        return cls(outer, unit_bytes, tuple(blocks), tuple(ranges))
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks)
+
+    @property
+    def units(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    @property
+    def row_bytes(self) -> int:
+        """This rank's bytes of the field in one row."""
+        return self.outer * self.units * self.unit_bytes
+
+    def at(self, tp_rank: int, tp_size: int) -> "ShardField":
+        """The same field as rank ``tp_rank`` of ``tp_size`` holds it."""
+        return ShardField.even(outer=self.outer, unit_bytes=self.unit_bytes, blocks=self.blocks,
+                               tp_rank=tp_rank, tp_size=tp_size)
+
+    def geometry(self) -> list:
+        """The TP-free part (model identity): the global field."""
+        return [self.outer, self.unit_bytes, list(self.blocks)]
+
+    def identity(self) -> list:
+        return [*self.geometry(), [list(r) for r in self.ranges]]
 
 
 @dataclass(frozen=True)
@@ -123,8 +207,14 @@ class TPShard:
       ``total`` (GQA/MHA K and V, sliding-window layers). Each of its planes' rows is ``count``
       equal head slices in global head order. The identity carries the range, not the rank:
       ranks of any TP size that hold the same heads hold the same bytes.
-    - ``rank(rank, size)``: any other split (recurrent states, whose conv channels are not one
-      global range): strict, read only by the same rank of the same TP size.
+    - ``ranges(fields)``: each row is ``fields`` (``ShardField``) of global unit ranges, one
+      after the other (vLLM's Gated DeltaNet state page: the conv state's q, k and v channel
+      slices, then the recurrent state's value heads). The identity carries every field's
+      global geometry and ranges: ranks of any TP size holding the same ranges hold the same
+      bytes, and a rank of another size finds the ranges it owns in the objects of the ranks
+      that hold them.
+    - ``rank(rank, size)``: any other split (one a layout does not describe, e.g. Mamba2's
+      replicated groups): strict, read only by the same rank of the same TP size.
 
     Example (vLLM's split of 2 KV heads over TP 4: ranks 0 and 1 both hold head 0)::
 
@@ -135,10 +225,17 @@ class TPShard:
     first: int = 0
     count: int = 1
     total: int = 1
+    fields: tuple[ShardField, ...] = ()  # RANGES only: the row's fields, in row order
 
     def __post_init__(self) -> None:
         if not all(isinstance(v, int) for v in (self.first, self.count, self.total)):
             raise LayoutError(f"TPShard fields must be ints, got {self!r}")
+        if (self.kind is ShardKind.RANGES) != bool(self.fields):
+            raise LayoutError("a RANGES TPShard, and only it, has fields")
+        if self.kind is ShardKind.RANGES:
+            if any(not isinstance(f, ShardField) for f in self.fields) or (self.first, self.count, self.total) != (0, 1, 1):
+                raise LayoutError(f"a RANGES TPShard is its ShardFields only, got {self!r}")
+            object.__setattr__(self, "fields", tuple(self.fields))
         if self.kind is ShardKind.REPLICATED and (self.first, self.count, self.total) != (0, 1, 1):
             raise LayoutError("a replicated TPShard has no range")
         if self.kind is ShardKind.HEADS and not (self.count >= 1 and 0 <= self.first and self.first + self.count <= self.total):
@@ -157,6 +254,10 @@ class TPShard:
     @classmethod
     def rank(cls, rank: int, size: int) -> "TPShard":
         return cls(ShardKind.RANK, rank, 1, size)
+
+    @classmethod
+    def ranges(cls, fields) -> "TPShard":
+        return cls(ShardKind.RANGES, fields=tuple(fields))
 
     @classmethod
     def of_kv_heads(cls, total_heads: int, *, tp_rank: int, tp_size: int) -> "TPShard":
@@ -178,10 +279,42 @@ class TPShard:
     def end(self) -> int:
         return self.first + self.count
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a RANGES shard's row (its fields')."""
+        return sum(f.row_bytes for f in self.fields)
+
+    def at(self, tp_rank: int, tp_size: int) -> "TPShard":
+        """This group's part identity at rank ``tp_rank`` of TP size ``tp_size``: replicated stays,
+        heads as vLLM splits the global heads, ranges as each field splits; a size that does not
+        split them, or a group keyed by rank, raises."""
+        if self.kind is ShardKind.REPLICATED:
+            return self
+        if self.kind is ShardKind.HEADS:
+            return TPShard.of_kv_heads(self.total, tp_rank=tp_rank, tp_size=tp_size)
+        if self.kind is ShardKind.RANGES:
+            return TPShard.ranges(f.at(tp_rank, tp_size) for f in self.fields)
+        raise LayoutError("a group keyed by rank has no part at another TP rank or size")
+
+    def row_fields(self, row_bytes: int) -> Optional[tuple[ShardField, ...]]:
+        """A plane's row of ``row_bytes`` as fields of global units (None: keyed by rank): one field
+        of ``count`` heads for a head-sharded group, one whole unit for a replicated one."""
+        if self.kind is ShardKind.RANGES:
+            return self.fields if self.row_bytes == row_bytes else None
+        if self.kind is ShardKind.HEADS:
+            if row_bytes % self.count:
+                return None
+            return (ShardField(1, row_bytes // self.count, (self.total,), ((self.first, self.end),)),)
+        if self.kind is ShardKind.REPLICATED:
+            return (ShardField(1, row_bytes, (1,), ((0, 1),)),)
+        return None
+
     def identity(self) -> list:
         """What enters the fingerprint: nothing of TP for a replicated group."""
         if self.kind is ShardKind.REPLICATED:
             return ["replicated"]
+        if self.kind is ShardKind.RANGES:
+            return [self.kind.value, [f.identity() for f in self.fields]]
         return [self.kind.value, self.first, self.count, self.total]
 
 

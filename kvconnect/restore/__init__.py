@@ -10,7 +10,7 @@
 - ``writes`` (``ObjectWriter``) and ``reads`` (``ChunkLoader``): the write path and the load.
 - ``verify``: restores verified in production (a sampled hit served as a miss, its recomputed
   rows compared with the stored objects at its store; a mismatch retires the layout).
-- ``other_tp`` (which writer ranks of another TP size hold a rank's heads, and ``assemble``)
+- ``other_tp`` (which writer ranks of another TP size hold a rank's heads or state ranges, and ``assemble``)
   and ``other_tp_reads`` (``OtherTPReader``: on a miss, those objects into the pool).
 
 Imports ``errors``, ``events``, ``engine_stats``, ``layout``, ``chunks``, ``metrics``,

@@ -43,6 +43,12 @@ def window_chunks(layout: KVLayout, window_mask: int, chunks: Sequence[Chunk], k
     return [j for j, _ in window_walk(layout, window_mask, chunks, k)]
 
 
+def effective_masks(prefix: Sequence[Optional[int]], window: Sequence[int]) -> list[Optional[int]]:
+    """Per chunk, the groups its stored parts hold (the gate's input): its prefix part's groups
+    (None: absent) with the window groups of its complete window part."""
+    return [None if p is None and not w else (p or 0) | w for p, w in zip(prefix, window)]
+
+
 def restorable_boundary(layout: KVLayout, chunks: Sequence[Chunk], masks: Sequence[Optional[int]], *, present_below: int = 0) -> int:
     """Largest chunk end P at which every group can be restored from stored chunks, else 0.
 

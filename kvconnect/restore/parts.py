@@ -61,13 +61,18 @@ def slice_wide_planes(layout: KVLayout, chunk_tokens: int, *, split: bool = True
     """``layout`` with every window plane whose rows of a chunk exceed
     ``max(prefix part, window / MAX_PIECES)`` cut into column slices of about that size; the
     layout itself where none does (every per-layer layout kvconnect has met) or parts are off."""
+    return layout.with_sliced_planes(wide_planes(layout, chunk_tokens, split=split))
+
+
+def wide_planes(layout: KVLayout, chunk_tokens: int, *, split: bool = True) -> dict[int, int]:
+    """The planes ``slice_wide_planes`` cuts, and into how many slices (empty: none). Geometry
+    only: also asked of a layout whose tensors are not its own (another TP size's writer)."""
     split_bytes = _SplitBytes.of(layout, chunk_tokens) if split else None
     if split_bytes is None or split_bytes.all_free:
-        return layout
+        return {}
     target = max(split_bytes.prefix, -(-split_bytes.window // MAX_PIECES), 1)
-    wide = {i: -(-split_bytes.plane_bytes[i] // target) for i in split_bytes.window_planes
+    return {i: -(-split_bytes.plane_bytes[i] // target) for i in split_bytes.window_planes
             if split_bytes.plane_bytes[i] > target}
-    return layout.with_sliced_planes(wide)
 
 
 @dataclass(frozen=True)

