@@ -72,7 +72,6 @@ def _refused_cases():
         "CrossAttentionSpec": kv.CrossAttentionSpec(**attn),
         "EncoderOnlyAttentionSpec": kv.EncoderOnlyAttentionSpec(**attn),
         "SinkFullAttentionSpec": kv.SinkFullAttentionSpec(**attn, sink_len=16),
-        "RSWASpec": kv.RSWASpec(**attn, rswa_window=128),
         "HiddenStateCacheSpec": kv.HiddenStateCacheSpec(**attn),
         "HiSparseHotSpec": kv.HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=8),
         "HiSparseResidentSpec": kv.HiSparseResidentSpec(block_size=64, page_size=4096),
