@@ -3,9 +3,10 @@
 0.33 in its own stage).
 
 - ``SinkFullAttentionSpec`` (openPangu's static sink attention) does not run on the installed
-  release: vLLM's own Scheduler fails to build its manager (TypeError), and nothing reserves the
-  blocks its layer writes sink rows into. kvconnect refuses it by name with that reason; a release
-  that changes either fails here.
+  release: vLLM's own KV-cache manager fails to build its manager (TypeError), and nothing reserves
+  the blocks its layer writes sink rows into (the manager hands them to the first request as its
+  blocks 0, 1, ...). kvconnect refuses it by name with that reason; a release that changes any of
+  this fails here.
 - ``RSWASpec`` (Unlimited-OCR's Reference Sliding Window Attention) is served as a full group with
   the prompt-only rule: a generated token's row (computed with a window) is never stored, even with
   ``save_decode_cache``; a decode-extended prefix hits only the storing request's prompt chunks,
@@ -62,6 +63,7 @@ def test_sink_full_attention_runs_on_no_installed_release_and_is_refused_with_th
     from vllm.v1 import kv_cache_interface as kv
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SinkFullAttentionManager
 
     from kvconnect.integrations.vllm import specs
     from support import spec_classes
@@ -84,12 +86,17 @@ def test_sink_full_attention_runs_on_no_installed_release_and_is_refused_with_th
     sink = "".join((root / "model_executor/layers/attention/static_sink_attention.py").read_text().split())
     assert "sink_kv_slot_mapping=torch.arange(self.block_size,self.sink_len+self.block_size," in sink
     assert "self.block_table_with_sink[:,:self.num_sink_blocks]=torch.arange(1,self.num_sink_blocks+1," in sink
-    # ... which no code reserves (sink_len appears in these files only) and vLLM's pool hands out first
+    # ... which no code reserves (sink_len appears in these files only): the manager itself, built with
+    # the arguments its __init__ takes, maps a request's block b to tokens b x B .. (b + 1) x B - 1 in
+    # the pool's first free blocks, so the first request's blocks 0 and 1 ARE the sink blocks 1 and 2
     users = {str(p.relative_to(root)) for p in root.rglob("*.py") if "sink_len" in p.read_text()}
     assert users == {"v1/kv_cache_interface.py", "v1/core/single_type_kv_cache_manager.py",
                      "model_executor/layers/attention/static_sink_attention.py", "model_executor/models/openpangu.py"}
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [1, 2]
+    manager = SinkFullAttentionManager(spec, block_pool=pool, enable_caching=True, kv_cache_group_id=0,
+                                       scheduler_block_size=16)
+    manager.allocate_new_blocks("r0", 40, 40)
+    assert [b.block_id for b in manager.req_to_blocks["r0"]] == [1, 2, 3]
 
 
 # --- RSWASpec -----------------------------------------------------------------------------------

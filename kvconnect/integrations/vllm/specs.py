@@ -66,9 +66,10 @@ REFUSED_SPECS = {
                              "its SinkFullAttentionManager (TypeError: unexpected keyword argument "
                              "needs_kv_cache_zeroing, which the KV-cache coordinator gives every manager), so no "
                              "model with this spec runs on these releases; and nothing in them reserves the blocks "
-                             "1 .. sink_len / B the layer writes its sink rows into (slots B .. B + sink_len - 1), "
-                             "which vLLM's block pool hands to the first requests, so no restore rule can be shown "
-                             "until a release runs it",
+                             "1 .. sink_len / B the layer writes its sink rows into (slots B .. B + sink_len - 1): "
+                             "the manager itself maps a request's block b to tokens b x B .. (b + 1) x B - 1 and "
+                             "gives the first request exactly those blocks, so no restore rule can be shown until "
+                             "a release runs it",
     "HiddenStateCacheSpec": "hidden states for extract_hidden_states (speculative decoding), read by vLLM's own "
                             "hidden-states connector: not a KV cache",
     "HiSparseHotSpec": "HiSparse's per-request hot cache (sparse MLA with host-backed KV): " + _NOT_A_PREFIX,
