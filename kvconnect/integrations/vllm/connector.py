@@ -85,6 +85,12 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         config = Config.from_vllm_extra_config(extra, base=Config.from_env(quiet=quiet), quiet=quiet)
         if not config.model_name:
             config = dataclasses.replace(config, model_name=translate.model_identity(vllm_config))
+        # R-SWA (specs.PROMPT_ONLY): a generated token's KV is not what a prompt computes: prompt chunks only
+        prompt_only = specs.prompt_only_reason(vllm_config, kv_cache_config)
+        if prompt_only and config.save_decode_cache:
+            if not quiet:
+                logger.warning("kvconnect: save_decode_cache is off for this model: %s", prompt_only)
+            config = dataclasses.replace(config, save_decode_cache=False)
         # --- P/D roles (roles.py): a bad role or a role without a shared tier fails here, at start
         self._role = roles.role_policy(getattr(vllm_config.kv_transfer_config, "kv_role", None), config)
         self._pd: Optional[pd.PDScheduler] = None

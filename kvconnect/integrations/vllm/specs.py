@@ -9,9 +9,10 @@ every layer of every transferable vLLM group.
 | SlidingWindowSpec, SlidingWindowMLASpec, AscendSlidingWindowMLASpec | window W, restore window = the tokens vLLM retains below a resume point (``retained_tokens``: W - 1, plus ``extra_retained_tokens`` under multi-module MTP; vLLM 0.33 names the sum ``num_retained_tokens``); ``window_free_every`` N where the release's table has a proven rule for the spec on the tensors' device (``engine_tables.WindowFree``: DeepSeek V4's C128 compressor state, N = 128, CPU and CUDA) |
 | Compress4AttentionSpec, Compress128AttentionSpec (vLLM-Ascend 0.13 only: ``EngineRelease.compressed_full_specs``) | full, compress ratio 4 / 128; tensors of ``num_blocks // ratio`` blocks (the release's per-group pools) |
 | UniformTypeKVCacheSpecs                                 | per layer, by the rules above |
+| RSWASpec (R-SWA: Unlimited-OCR)                         | full, with ``PROMPT_ONLY``: only chunks wholly inside the storing request's prompt are stored (``prompt_only_reason``) |
 | MambaSpec (Gated DeltaNet, Mamba), ``mamba_cache_mode`` "align" | STATE group of the spec's block size: one state page per block, its snapshot at a restore point P is row P / B - 1 (``recurrent``); other modes refused |
 | CircularBufferSpec (per-request rings), SlidingWindowMLASpec with ``bounded_replay`` (DeepSeek V4.1) | no GroupSpec: engine-rebuilt groups (``rebuilt``), in the layout's identity with no bytes; ``translate`` never asks this module for them |
-| a spec in ``REFUSED_SPECS`` (RSWASpec, SinkFullAttentionSpec, ...) | ``UnsupportedLayoutError`` naming the spec and the reason: the connector stays off |
+| a spec in ``REFUSED_SPECS`` (SinkFullAttentionSpec, ...) | ``UnsupportedLayoutError`` naming the spec and the reason: the connector stays off |
 | anything else (a spec class this module has never seen)  | ``UnsupportedLayoutError``: the connector stays off |
 
 Every spec class of the installed vLLM / vLLM-Ascend must be in ``KNOWN_SPECS`` (served, refused
@@ -43,6 +44,15 @@ _WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec", "AscendS
 _CONTAINER_SPECS = frozenset({"UniformTypeKVCacheSpecs"})
 _ABSTRACT_SPECS = frozenset({"KVCacheSpec", "AttentionSpec"})  # bases: never a layer's spec
 
+PROMPT_ONLY = ("a generated token's KV is computed with a restricted window (it attends the prompt and the last "
+               "rswa_window tokens; vLLM's RSWAManager frees the blocks between them), while the same token in a "
+               "later prompt attends every token before it: only chunks wholly inside the storing request's "
+               "prompt are stored (save_decode_cache is off), so every hit is prompt-computed KV")
+PROMPT_ONLY_SPECS = frozenset({"RSWASpec"})
+"""Specs served as full groups under ``PROMPT_ONLY`` (``prompt_only_reason``): Reference Sliding
+Window Attention (Unlimited-OCR). vLLM never frees a prompt block of theirs (``RSWAManager``:
+gap blocks start at ceil(prompt / B)), so a prompt chunk's rows are there until the request ends."""
+
 _NOT_A_PREFIX = ("vLLM never serves it from its prefix cache either (prefix_cacheable False): its blocks are "
                  "per request, not per token position")
 REFUSED_SPECS = {
@@ -52,18 +62,14 @@ REFUSED_SPECS = {
     "CrossAttentionSpec": "cross attention (Whisper, encoder-decoder models): its rows are the encoder's output, not the "
                           "prompt's tokens, so no token-keyed chunk describes them",
     "EncoderOnlyAttentionSpec": "encoder-only attention allocates no KV cache",
-    "SinkFullAttentionSpec": "static sink attention (openPangu): vLLM 0.32's and 0.33's own KV-cache coordinator cannot "
-                             "build its SinkFullAttentionManager (its __init__ lacks the needs_kv_cache_zeroing "
-                             "argument every manager is given: TypeError), so no model with this spec runs on these "
-                             "releases. By the manager's code the request's block b would hold tokens "
-                             "b x B.. (b+1) x B - 1 (a full-attention manager; the sink rows sit in fixed blocks "
-                             "only the attention metadata prepends): to be served as a full group once a release "
-                             "runs it",
-    "RSWASpec": "reference sliding window (DeepSeek V2 R-SWA): a generated token attends the prompt and the last "
-                "rswa_window generated tokens (vLLM frees the gap blocks between them during decode), while the same "
-                "token in a later prompt is computed with every token visible, so its KV differs; only chunks wholly "
-                "inside the storing request's prompt could be served, and that restriction is not yet proven under "
-                "vLLM's scheduler",
+    "SinkFullAttentionSpec": "static sink attention (openPangu): vLLM 0.32's and 0.33's own Scheduler cannot build "
+                             "its SinkFullAttentionManager (TypeError: unexpected keyword argument "
+                             "needs_kv_cache_zeroing, which the KV-cache coordinator gives every manager), so no "
+                             "model with this spec runs on these releases; and nothing in them reserves the blocks "
+                             "1 .. sink_len / B the layer writes its sink rows into (slots B .. B + sink_len - 1): "
+                             "the manager itself maps a request's block b to tokens b x B .. (b + 1) x B - 1 and "
+                             "gives the first request exactly those blocks, so no restore rule can be shown until "
+                             "a release runs it",
     "HiddenStateCacheSpec": "hidden states for extract_hidden_states (speculative decoding), read by vLLM's own "
                             "hidden-states connector: not a KV cache",
     "HiSparseHotSpec": "HiSparse's per-request hot cache (sparse MLA with host-backed KV): " + _NOT_A_PREFIX,
@@ -128,6 +134,21 @@ SPEC_FIELDS = (
               "num_hash_lookahead_tokens), so this never fires under vLLM's own config"),
 )
 """Fields of vLLM's KV-cache description with a rule here (docs/vllm.md, "Cache specs")."""
+
+
+def prompt_only_reason(vllm_config: Any, kv_cache_config: Any) -> Optional[str]:
+    """Why only chunks wholly inside a request's prompt may be stored for this model (``PROMPT_ONLY``;
+    None: no such rule): a layer's spec is in ``PROMPT_ONLY_SPECS``, or the model config sets
+    ``rswa_window`` (vLLM's attention backends window every decode token of such a model)."""
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        for layer_spec in (spec.kv_cache_specs.values() if type(spec).__name__ == "UniformTypeKVCacheSpecs" else (spec,)):
+            if type(layer_spec).__name__ in PROMPT_ONLY_SPECS:
+                return f"{type(layer_spec).__name__} (rswa_window {getattr(layer_spec, 'rswa_window', None)}): {PROMPT_ONLY}"
+    window = getattr(getattr(vllm_config, "model_config", None), "rswa_window", None)
+    if window is not None:
+        return f"ModelConfig.rswa_window {window}: {PROMPT_ONLY}"
+    return None
 
 
 def retained_tokens(spec: Any) -> int:
@@ -210,7 +231,8 @@ def group_spec_of(spec: Any, release: EngineRelease = engine_tables.VLLM, kernel
         return GroupSpec(block_size=tokens, compress_ratio=ratio,
                          sliding_window=window, restore_window=max(1, retained_tokens(spec)),
                          window_free_every=release.window_free_every(spec, device_type))
-    if name in _FULL_SPECS or name in release.compressed_full_specs:
+    if name in _FULL_SPECS or name in PROMPT_ONLY_SPECS or name in release.compressed_full_specs:
+        # PROMPT_ONLY_SPECS: a full group whose stored chunks are all prompt-computed (prompt_only_reason).
         # A sliding or chunked-local layer under a FullAttentionSpec (hybrid allocator off)
         # keeps blocks for every token, so it is restored as a full group.
         return GroupSpec(block_size=tokens, compress_ratio=ratio)
@@ -224,7 +246,7 @@ def known_specs(release: EngineRelease = engine_tables.VLLM) -> frozenset:
     """Every spec class name this module has a rule for on ``release`` (served, refused by name,
     or an abstract base): an engine spec class outside it is one nobody has looked at."""
     return (_FULL_SPECS | _WINDOW_SPECS | _CONTAINER_SPECS | recurrent.STATE_SPECS | _ABSTRACT_SPECS
-            | rebuilt.RING_SPECS | frozenset(REFUSED_SPECS) | release.compressed_full_specs)
+            | PROMPT_ONLY_SPECS | rebuilt.RING_SPECS | frozenset(REFUSED_SPECS) | release.compressed_full_specs)
 
 
 
