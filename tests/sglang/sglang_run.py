@@ -4,8 +4,11 @@
 
 Needs the test harness on PYTHONPATH (tests/sglang/harness) with KVCONNECT_SGLANG_CPU_HARNESS=1.
 Every phase's result also has "began": the wall-clock time (time.time()) it started. Phases:
-  {"op": "generate", "prompts": [[ids...], ...], "max_new_tokens": N}
+  {"op": "generate", "prompts": [[ids...], ...], "max_new_tokens": N, "logprobs": bool}
       -> {"outputs": [[ids...]], "cached": [cached_tokens_details, ...]}
+         (+ "logprobs": [[chosen token's logprob, ...], ...] when asked); a prompt may be
+         {"follow": [phase, i], "extra": [ids...]}: phase's prompt i + its outputs + extra (a next turn)
+  {"op": "list", "dir": D}         the files under D now: {"files": {relative path: bytes}}
   {"op": "settle", "seconds": S}   wait for write-through backups to reach L3
   {"op": "flush"}                  engine.flush_cache(): device and host caches dropped
                                    -> {"flushed": bool, "seconds": s}
@@ -16,6 +19,7 @@ Every phase's result also has "began": the wall-clock time (time.time()) it star
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -33,6 +37,7 @@ def run(spec: dict) -> dict:
         skip_tokenizer_init=True, enable_cache_report=True, log_level="warning", random_seed=0,
         dtype="float32",
     )
+    kwargs.update(spec.get("engine_args", {}))  # e.g. a hybrid model's Mamba radix-cache settings
     if spec.get("revision"):  # the model's revision (a local path ignores it; kvconnect's identity does not)
         kwargs["revision"] = spec["revision"]
     if spec.get("hicache"):
@@ -56,14 +61,22 @@ def run(spec: dict) -> dict:
             op = phase["op"]
             began = time.time()
             if op == "generate":
+                logprobs = bool(phase.get("logprobs"))
+                prompts = [p if isinstance(p, list) else
+                           spec["phases"][p["follow"][0]]["prompts"][p["follow"][1]] + results[p["follow"][0]]["outputs"][p["follow"][1]] + p["extra"]
+                           for p in phase["prompts"]]
+                phase["prompts"] = prompts  # resolved: a later follow of this phase reads token ids
                 outs = engine.generate(
-                    input_ids=phase["prompts"],
+                    input_ids=prompts,
                     sampling_params={"temperature": 0.0, "max_new_tokens": phase.get("max_new_tokens", 8), "ignore_eos": True},
+                    return_logprob=logprobs,
                 )
                 results.append({
                     "outputs": [o["output_ids"] for o in outs],
                     "cached": [o["meta_info"].get("cached_tokens_details") or {"total": o["meta_info"].get("cached_tokens", 0)} for o in outs],
                 })
+                if logprobs:  # (logprob, token id, text) per output token
+                    results[-1]["logprobs"] = [[t[0] for t in o["meta_info"]["output_token_logprobs"]] for o in outs]
             elif op == "settle":
                 time.sleep(phase.get("seconds", 3))
                 results.append({})
@@ -72,6 +85,10 @@ def run(spec: dict) -> dict:
                 ok = engine.flush_cache()
                 results.append({"flushed": bool(getattr(ok, "success", ok) if ok is not None else True),
                                 "seconds": round(time.monotonic() - start, 3)})
+            elif op == "list":
+                root = phase["dir"]
+                results.append({"files": {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+                                          for d, _, fs in os.walk(root) for f in fs}})
             elif op == "clear":
                 out = engine.loop.run_until_complete(engine.tokenizer_manager.clear_hicache_storage())
                 results.append({"cleared": bool(getattr(out, "success", False))})
