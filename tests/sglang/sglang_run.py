@@ -8,7 +8,9 @@ Every phase's result also has "began": the wall-clock time (time.time()) it star
       -> {"outputs": [[ids...]], "cached": [cached_tokens_details, ...]}
          (+ "logprobs": [[chosen token's logprob, ...], ...] when asked); a prompt may be
          {"follow": [phase, i], "extra": [ids...]}: phase's prompt i + its outputs + extra (a next turn)
-  {"op": "list", "dir": D}         the files under D now: {"files": {relative path: bytes}}
+  {"op": "list", "dir": D, "stable_s": S}
+                                   the files under D once their listing stayed the same for S
+                                   seconds (default 0: now; at most 60 s): {"files": {relative path: bytes}}
   {"op": "settle", "seconds": S}   wait for write-through backups to reach L3
   {"op": "flush"}                  engine.flush_cache(): device and host caches dropped
                                    -> {"flushed": bool, "seconds": s}
@@ -22,6 +24,23 @@ import json
 import os
 import sys
 import time
+
+
+def listing(root: str) -> dict:
+    return {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(root) for f in fs}
+
+
+def stable_listing(root: str, stable_s: float) -> dict:
+    """The files under ``root`` once the listing stayed the same for ``stable_s`` (writes that
+    SGLang's backup thread and kvconnect's disk writer still have in flight land first)."""
+    files, since, deadline = listing(root), time.monotonic(), time.monotonic() + 60
+    while time.monotonic() - since < stable_s and time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = listing(root)
+        if now != files:
+            files, since = now, time.monotonic()
+    return files
 
 
 def run(spec: dict) -> dict:
@@ -86,9 +105,7 @@ def run(spec: dict) -> dict:
                 results.append({"flushed": bool(getattr(ok, "success", ok) if ok is not None else True),
                                 "seconds": round(time.monotonic() - start, 3)})
             elif op == "list":
-                root = phase["dir"]
-                results.append({"files": {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
-                                          for d, _, fs in os.walk(root) for f in fs}})
+                results.append({"files": stable_listing(phase["dir"], phase.get("stable_s", 0))})
             elif op == "clear":
                 out = engine.loop.run_until_complete(engine.tokenizer_manager.clear_hicache_storage())
                 results.append({"cleared": bool(getattr(out, "success", False))})

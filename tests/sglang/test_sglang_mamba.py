@@ -63,9 +63,9 @@ def follow(phase):
 
 def lfm2_spec(model, phases, disk=None):
     out = {"model": model, "page_size": 1, "engine_args": HYBRID, "phases": phases}
-    if disk is not None:
+    if disk is not None:  # wait_complete: a request waits for its whole L3 prefetch (exact hit lengths)
         out.update(hicache=True, layout="page_first_direct", hicache_ratio=2, backend="dynamic",
-                   extra={**BACKEND, "local_disk": str(disk)})
+                   prefetch_policy="wait_complete", extra={**BACKEND, "local_disk": str(disk)})
     return out
 
 
@@ -90,7 +90,7 @@ def runs(tmp_path_factory):
     interp = {"TRITON_INTERPRET": "1"}
     out = {"disk": disk, "model": model}
     out["R0"] = run_engine(lfm2_spec(model, [gen("A"), gen("B"), gen("C"), follow(0)]), root / "r0", timeout_s=900, **interp)
-    listing = {"op": "list", "dir": str(disk)}
+    listing = {"op": "list", "dir": str(disk), "stable_s": 2}
     settle = {"op": "settle", "seconds": 4}
     flush = {"op": "flush"}
     out["R1"] = run_engine(lfm2_spec(model, [

@@ -13,7 +13,6 @@ scheduler process gets them too). See docs/sglang.md, "Testing on CPU".
    10 GiB reserve for the rest of the host (``pool_host/base.py``); on the shared 24 GB test
    VM free RAM is often below that, so the harness lowers the reserve to 512 MiB (the test
    pools are a few MiB).
-
 6. Hybrid Mamba-like models (tests/sglang/test_sglang_mamba.py, LFM2): SGLang's attention
    backend wrapper imports its GDN / KDA backends for every such model, and those bind CPU
    kernels at import (``sgl_kernel.mamba.*``, ``torch.ops.sgl_kernel.fused_gdn_gating_cpu``,
@@ -37,6 +36,8 @@ if os.environ.get("KVCONNECT_SGLANG_CPU_HARNESS") == "1":
     import sys
 
     import torch
+
+    _NAME_ONLY_OPS = ("fused_gdn_gating_cpu", "fused_sigmoid_gating_delta_rule_update_cpu")
 
     def _register_ops():
         lib = torch.library.Library("sgl_kernel", "DEF")
@@ -70,8 +71,6 @@ if os.environ.get("KVCONNECT_SGLANG_CPU_HARNESS") == "1":
 
             lib.impl(name, _raise, "CompositeExplicitAutograd")
         return lib
-
-    _NAME_ONLY_OPS = ("fused_gdn_gating_cpu", "fused_sigmoid_gating_delta_rule_update_cpu")
 
     _LIB = _register_ops()
     if not hasattr(torch.cpu.Stream, "synchronize"):
