@@ -160,3 +160,23 @@ def test_the_same_anchor_without_a_mamba_pool_stores_and_hits(tmp_path):
     assert b.batch_get_v2([back]) == {"kv": [True] * 4}
     assert all(torch.equal(anchor.get_data_page(p * PS, flat=True), w) for p, w in zip([8, 9, 10, 11], want))
     b.close()
+
+
+@pytest.mark.parametrize("asked", ["auto", "no_buffer"])
+def test_the_strategy_read_is_sglangs_resolved_one(tmp_path, asked):
+    """Under SGLang's own runtime context (as its scheduler builds the backend) kvconnect reads
+    the strategy SGLang resolved: ``auto`` for LFM2 at page size 1 without the overlap schedule
+    is ``no_buffer`` (the raw server argument still says ``auto``)."""
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    from support import tiny_models
+
+    model = tiny_models.make_lfm2(str(tmp_path / "lfm2"))
+    args = ServerArgs(model_path=model, device="cpu", dtype="float32", skip_tokenizer_init=True,
+                      attention_backend="torch_native", page_size=1, disable_overlap_schedule=True,
+                      mamba_radix_cache_strategy=asked)
+    with use_context(create_context(args, role="scheduler")):
+        assert storage.mamba_radix_cache_strategy() == "no_buffer"
+        assert refusal(["kv", "mamba"]) is None
+    assert args.mamba_radix_cache_strategy == asked
