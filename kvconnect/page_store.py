@@ -54,6 +54,14 @@ class PageCounters:
     exists_pages_hit: int = 0
 
 
+def group_folder(fingerprint, page_tokens: int, group: int, *, namespace: Optional[str] = None,
+                 generation: bytes = b"") -> PageKeyFolder:
+    """The folder a ``PageStore`` names group ``group``'s pages with: a stored page's chunk key
+    is ``group_folder(...).fold([engine page key])`` (what a tool or test needs to find the
+    object an engine stored under one of its keys)."""
+    return PageKeyFolder(fingerprint, page_tokens, namespace=f"{namespace or ''}\x00pool{group}", generation=generation)
+
+
 class PageStore:
     """Pages of one ``KVCacheEngine`` layout (one group per engine pool) under engine keys."""
 
@@ -78,8 +86,7 @@ class PageStore:
     def _make_folders(self) -> tuple[bytes, list[PageKeyFolder]]:
         generation = self.engine.generation
         return generation, [
-            PageKeyFolder(self.layout.fingerprint, group.block_size, namespace=f"{self._namespace or ''}\x00pool{g}",
-                          generation=generation)
+            group_folder(self.layout.fingerprint, group.block_size, g, namespace=self._namespace, generation=generation)
             for g, group in enumerate(self.layout.groups)
         ]
 

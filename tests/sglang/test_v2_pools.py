@@ -194,12 +194,13 @@ def test_dsv41_hit_is_the_intersection_of_every_pools_legal_ends_not_the_minimum
 
 @pytest.fixture
 def mamba_verified(monkeypatch):
-    """The page mechanics for a release on which the Mamba restore would be verified: kvconnect
-    refuses Mamba pools on every SGLang release not in ``MAMBA_VERIFIED_RELEASES`` (none yet,
-    tests/sglang/test_mamba_pool.py), so these tests name the installed one."""
+    """The page mechanics under the verified pair: kvconnect serves Mamba pools only on the
+    (SGLang release, Mamba radix-cache strategy) pairs in ``MAMBA_VERIFIED`` (SGLang 0.5.23 with
+    ``no_buffer``, tests/sglang/test_sglang_mamba.py); a backend built outside a scheduler reads
+    no strategy (tests/sglang/test_mamba_pool.py), so these tests name the verified one."""
     from kvconnect.integrations.sglang import storage
 
-    monkeypatch.setattr(storage, "MAMBA_VERIFIED_RELEASES", frozenset({storage.sglang_release()}))
+    monkeypatch.setattr(storage, "mamba_radix_cache_strategy", lambda: "no_buffer")
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])

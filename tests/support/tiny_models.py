@@ -12,6 +12,7 @@ logits (outputs must be comparable across runs bit for bit, not only nearly).
 | ``make_llama``     | 1 full-attention group                | plain GQA |
 | ``make_gemma3``    | 2 groups: sliding window + full (HMA) | windowed restore rule |
 | ``make_deepseek_v2``| 1 MLA group, 576-wide latent         | MLA rows (512 + 64) |
+| ``make_lfm2``      | (SGLang) KV pool + Mamba conv-state pool | short-conv hybrid: SGLang's ``PoolName.MAMBA`` |
 """
 
 from __future__ import annotations
@@ -89,4 +90,21 @@ def make_deepseek_v2(out_dir: str, *, seed: int = 0) -> str:
     return _save(model, out_dir)
 
 
-BUILDERS = {"llama": make_llama, "gemma3": make_gemma3, "deepseek_v2": make_deepseek_v2}
+def make_lfm2(out_dir: str, *, seed: int = 0) -> str:
+    """LFM2 (Liquid's short-convolution hybrid): layers conv, full attention, conv; hidden 128,
+    conv kernel 3 (a conv state is the last 2 inputs of each conv layer). SGLang keeps the conv
+    states in its ``MambaPool`` and HiCache backs them up as ``PoolName.MAMBA``."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Lfm2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, block_auto_adjust_ff_dim=False,
+        num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, conv_bias=False, max_position_embeddings=4096,
+        initializer_range=0.08, dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return _save(Lfm2ForCausalLM(config).eval(), out_dir)
+
+
+BUILDERS = {"llama": make_llama, "gemma3": make_gemma3, "deepseek_v2": make_deepseek_v2, "lfm2": make_lfm2}

@@ -14,13 +14,17 @@ object is one page of one pool, under SGLang's page key folded with the layout f
 Every entry point catches failures: a tier that is down or slow, a corrupt page or a bug
 here is a miss (False / 0) and a log line, never an exception into SGLang's controller.
 
-Hybrid GDN / Mamba models (Qwen3.5, Qwen3-Next, Nemotron-H, Falcon-H1): SGLang registers a
-Mamba state pool (``PoolName.MAMBA``, one state per page key, hit policy TRAILING_PAGES with
-N = 1). That the state SGLang hands over under a page key is the state after exactly that
-page's last token has not been checked on SGLang's real forward (its GDN / Mamba kernels
-have no CPU build; docs/recurrent.md), so the backend refuses such a model: one warning
-naming the SGLang release, then every page is a miss (SGLang recomputes) -- never a hit that
-could restore a wrong state.
+Hybrid GDN / Mamba / short-convolution models (Qwen3.5, Qwen3-Next, Nemotron-H, LFM2):
+SGLang registers a Mamba state pool (``PoolName.MAMBA``, one state per node end under the
+node's last page key, hit policy TRAILING_PAGES with N = 1). A hit then needs the trailing
+Mamba page present at its end (``batch_exists_v2`` intersects every pool's legal ends). The
+backend serves such a pool only on the (SGLang release, Mamba radix-cache strategy) pairs in
+``MAMBA_VERIFIED``, where the state SGLang hands over under a page key was checked on its real
+engine to be the state after exactly that page (tests/sglang/test_sglang_mamba.py: SGLang
+0.5.23, ``no_buffer``, LFM2 on CPU; docs/recurrent.md). Any other pair (``extra_buffer``,
+whose ping-pong track buffers pick the state, has no CPU path to check it on; another
+release) is refused: one warning naming both, then every page is a miss (SGLang recomputes)
+-- never a hit that could restore a wrong state.
 """
 
 from __future__ import annotations
@@ -60,11 +64,11 @@ logger = logging.getLogger(__name__)
 
 KV = "kv"
 MAMBA = "mamba"
-# SGLang releases on whose real forward a restore of the Mamba pool was checked bit-exact
-# (none yet: SGLang's GDN / Mamba kernels have no CPU build). The page mechanics themselves
-# (one state per page key, TRAILING_PAGES gating, TP-sharded under MLA) are tested with
-# SGLang's real MambaPoolHost in tests/sglang/test_v2_pools.py.
-MAMBA_VERIFIED_RELEASES: frozenset = frozenset()
+# (SGLang release, Mamba radix-cache strategy) pairs on whose real engine the state stored
+# under a page key was checked to be the state after exactly that page, and an L3 restore
+# bit-exact (outputs and logprobs) against a run without HiCache: tests/sglang/test_sglang_mamba.py.
+# "extra_buffer" cannot run on CPU (SGLang allows it only on GPU / NPU platforms).
+MAMBA_VERIFIED: frozenset = frozenset({("0.5.23", "no_buffer")})
 
 
 def sglang_release() -> str:
@@ -76,16 +80,44 @@ def sglang_release() -> str:
         return "(unknown version)"
 
 
-def refusal(pool_names) -> Optional[str]:
-    """Why kvconnect serves no page for this pool set (None: it serves them)."""
-    mamba = sorted(n for n in pool_names if n.startswith(MAMBA))
-    release = sglang_release()
-    if not mamba or release in MAMBA_VERIFIED_RELEASES:
+def mamba_radix_cache_strategy() -> Optional[str]:
+    """SGLang's resolved Mamba radix-cache strategy in this process ("no_buffer",
+    "extra_buffer", ...: its published ``exec`` config, ``auto`` already resolved); None where
+    no server arguments were published (outside a scheduler)."""
+    try:
+        from sglang.srt.runtime_context import get_exec, get_server_args
+    except ImportError:  # an SGLang without the runtime context
         return None
-    return (f"kvconnect: off for this model on SGLang {release}: it registers the Mamba state pool {mamba} "
-            f"(a hybrid Gated DeltaNet / Mamba model); that the state SGLang {release} stores under a page key is the "
-            f"state after exactly that page was not verified on its real forward, so kvconnect stores and serves "
-            f"nothing for this model (every page is a miss; SGLang recomputes)")
+    try:
+        if get_server_args() is None:
+            return None
+        bag = get_exec()
+        bag = getattr(bag, "mamba", bag)
+        value = getattr(bag, "mamba_radix_cache_strategy", None)
+        return None if value is None else str(value)
+    except Exception:  # noqa: BLE001 - SGLang raises various errors when no config is published
+        logger.debug("kvconnect: no SGLang exec config in this process", exc_info=True)
+        return None
+
+
+def refusal(pool_names, release: Optional[str] = None, strategy: Optional[str] = None) -> Optional[str]:
+    """Why kvconnect serves no page for this pool set (None: it serves them). ``release`` and
+    ``strategy`` default to the installed SGLang and this process's radix-cache strategy."""
+    mamba = sorted(n for n in pool_names if n.startswith(MAMBA))
+    if not mamba:
+        return None
+    release = sglang_release() if release is None else release
+    strategy = mamba_radix_cache_strategy() if strategy is None else strategy
+    if (release, strategy) in MAMBA_VERIFIED:
+        return None
+    verified = ", ".join(f"SGLang {r} with {s}" for r, s in sorted(MAMBA_VERIFIED)) or "none"
+    return (f"kvconnect: off for this model on SGLang {release} with mamba_radix_cache_strategy {strategy or '(unknown)'}: "
+            f"it registers the Mamba state pool {mamba} (a hybrid Gated DeltaNet / Mamba / short-convolution model); "
+            f"that the state SGLang stores under a page key is the state after exactly that page was verified on its "
+            f"real engine only for {verified}, so kvconnect stores and serves nothing for this model (every page is a "
+            f"miss; SGLang recomputes)")
+
+
 _CONFIG_KEYS = {f.name for f in dataclasses.fields(Config)}
 
 
@@ -192,6 +224,9 @@ class KVConnectStorage(HiCacheStorage):
             self._store = PageStore(engine)
             if KV in self._groups:
                 self._flat = FlatPages(engine, self._pools[KV], self._store.page_bytes(self._groups[KV]))
+            if any(n.startswith(MAMBA) for n in self._pools):
+                logger.info("kvconnect: serving SGLang's Mamba state pool (SGLang %s, mamba_radix_cache_strategy %s: verified)",
+                            sglang_release(), mamba_radix_cache_strategy())
             logger.info("kvconnect: SGLang HiCache backend ready: model %s, pools %s (logical: %s), %d planes, chunk_size %d "
                         "(SGLang's page: the unit it stores and asks for; a chunk_size set is not used), tiers %s",
                         self.model_identity, list(self._groups), sorted(self._logical), len(layout.planes), page_tokens,
