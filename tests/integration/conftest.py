@@ -36,6 +36,24 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture
+def rebuilt_rig(tiny_models):
+    """``rebuilt_rig(structure, chunk_size=..., **kwargs)``: vLLM's Scheduler over a hand-built
+    group structure (vllm_rebuilt_rig.make_rebuilt_rig, the tiny Llama's ModelConfig only), every
+    rig the test made closed after it."""
+    from vllm_rebuilt_rig import make_rebuilt_rig
+
+    made = []
+
+    def make(structure, *, chunk_size: int, **kwargs):
+        made.append(make_rebuilt_rig(tiny_models("llama"), structure, chunk_size=chunk_size, **kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
 def run_vllm(tmp_path):
     """``run_vllm(model_dir, phases, connector=None, **options) -> result dict`` in a subprocess.
 

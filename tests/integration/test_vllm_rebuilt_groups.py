@@ -11,6 +11,7 @@ prefix-cache hit.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -28,24 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CHUNK = 128
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("llama")  # conftest: built once per session (the rig's ModelConfig only)
-
-
 @pytest.fixture
-def rig(model_dir):
-    from vllm_rebuilt_rig import make_rebuilt_rig
-
-    made = []
-
-    def make(structure, **kwargs):
-        made.append(make_rebuilt_rig(model_dir, structure, chunk_size=CHUNK, **kwargs))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
+def rig(rebuilt_rig):
+    return functools.partial(rebuilt_rig, chunk_size=CHUNK)  # conftest: closed after the test
 
 
 def _prompt(seed: int, n: int) -> np.ndarray:

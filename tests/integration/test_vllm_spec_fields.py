@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -42,24 +43,9 @@ def _release() -> str:
     return "0.33" if hasattr(KVConnectorBase_V1, "restore_kv_caches") else "0.32"  # as .ci/run tells them apart
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("llama")  # conftest: built once per session (the rig's ModelConfig only)
-
-
 @pytest.fixture
-def rig(model_dir):
-    from vllm_rebuilt_rig import make_rebuilt_rig
-
-    made = []
-
-    def make(structure, **kwargs):
-        made.append(make_rebuilt_rig(model_dir, structure, chunk_size=CHUNK, **kwargs))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.close()
+def rig(rebuilt_rig):
+    return functools.partial(rebuilt_rig, chunk_size=CHUNK)  # conftest: closed after the test
 
 
 def test_the_installed_release_carries_the_fields_the_table_names():
@@ -138,7 +124,7 @@ def _hash_lookahead(config, speculative, transfer) -> int:
     return other.num_hash_lookahead_tokens
 
 
-def test_vllm_keeps_legacy_hashes_under_a_connector_and_kvconnect_refuses_lookahead(rig, model_dir):
+def test_vllm_keeps_legacy_hashes_under_a_connector_and_kvconnect_refuses_lookahead(rig, tiny_models):
     """vLLM 0.33's own ``VllmConfig.num_hash_lookahead_tokens`` with an EAGLE drafter (a real
     ``SpeculativeConfig`` over the tiny Llama as the draft, block drop on): 0 under the rig's KV
     connector, as vLLM's Scheduler and block pool then use, and the drafter's lookahead without
@@ -154,6 +140,7 @@ def test_vllm_keeps_legacy_hashes_under_a_connector_and_kvconnect_refuses_lookah
     assert config.num_hash_lookahead_tokens == 0 == r.scheduler.num_hash_lookahead_tokens
     assert r.scheduler.kv_cache_manager.block_pool.num_hash_lookahead_tokens == 0
     assert specs.config_refusal(config) is None
+    model_dir = tiny_models("llama")
     target = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
     eagle = SpeculativeConfig(method="eagle", model=model_dir, num_speculative_tokens=1, target_model_config=target,
                               target_parallel_config=ParallelConfig())
