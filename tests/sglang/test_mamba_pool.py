@@ -10,7 +10,7 @@ every page a miss. Here the pools are SGLang's own classes over CPU "device" buf
 state (conv ``(dim, K-1)`` bf16, recurrent ``(Hv, V, K)`` fp32), registered as
 ``PoolName.MAMBA`` beside an ``MHATokenToKVPoolHost`` anchor, in the order SGLang's
 ``HybridCacheController`` registers them. The strategy is what SGLang's scheduler publishes
-(``storage.mamba_radix_cache_strategy``); these backends are built outside a scheduler, where
+(``runtime.mamba_radix_cache_strategy``); these backends are built outside a scheduler, where
 there is none (refused: unknown), so the tests that need one name it. The same anchor without
 the Mamba pool stores and hits (the control that the refusal, not a broken setup, makes the
 misses).
@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo  # noqa: 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: E402
 
-from kvconnect.integrations.sglang import KVConnectStorage, storage  # noqa: E402
+from kvconnect.integrations.sglang import KVConnectStorage, runtime, storage  # noqa: E402
 from kvconnect.integrations.sglang.storage import refusal, sglang_release  # noqa: E402
 from host_pools import PS, fill, idx, keys, mha_pool, storage_config  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_the_verified_pair_is_sglang_0523_with_no_buffer():
 
 def test_an_unverified_release_is_refused_once_naming_it(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(storage, "sglang_release", lambda: "0.5.22")
-    monkeypatch.setattr(storage, "mamba_radix_cache_strategy", lambda: "no_buffer")
+    monkeypatch.setattr(runtime, "mamba_radix_cache_strategy", lambda: "no_buffer")
     warnings = run_refused(storage_config(tmp_path, model="tiny-qwen35"), caplog)
     assert len(warnings) == 1, warnings
     assert "SGLang 0.5.22 with mamba_radix_cache_strategy no_buffer" in warnings[0]
@@ -111,7 +111,7 @@ def test_an_unverified_release_is_refused_once_naming_it(tmp_path, caplog, monke
 def test_extra_buffer_is_refused_on_the_verified_release(tmp_path, caplog, monkeypatch):
     """SGLang's ``extra_buffer`` picks the state to back up from its ping-pong track buffers; it
     runs only on GPU / NPU platforms, so it was never checked: refused."""
-    monkeypatch.setattr(storage, "mamba_radix_cache_strategy", lambda: "extra_buffer")
+    monkeypatch.setattr(runtime, "mamba_radix_cache_strategy", lambda: "extra_buffer")
     warnings = run_refused(storage_config(tmp_path, model="tiny-qwen35"), caplog)
     assert len(warnings) == 1, warnings
     assert f"SGLang {sglang_release()} with mamba_radix_cache_strategy extra_buffer" in warnings[0]
@@ -119,7 +119,7 @@ def test_extra_buffer_is_refused_on_the_verified_release(tmp_path, caplog, monke
 
 
 def test_outside_a_scheduler_the_strategy_is_unknown_and_refused(tmp_path, caplog):
-    assert storage.mamba_radix_cache_strategy() is None  # no server arguments published here
+    assert runtime.mamba_radix_cache_strategy() is None  # no server arguments published here
     warnings = run_refused(storage_config(tmp_path, model="tiny-qwen35"), caplog)
     assert len(warnings) == 1 and "mamba_radix_cache_strategy (unknown)" in warnings[0], warnings
 
@@ -127,7 +127,7 @@ def test_outside_a_scheduler_the_strategy_is_unknown_and_refused(tmp_path, caplo
 def test_the_verified_pair_stores_and_gates_on_the_trailing_mamba_page(tmp_path, caplog, monkeypatch):
     """SGLang 0.5.23 with no_buffer: KV pages and the node end's state are stored; a prefix is
     restorable only where its trailing Mamba page is stored; the state comes back byte-exact."""
-    monkeypatch.setattr(storage, "mamba_radix_cache_strategy", lambda: "no_buffer")
+    monkeypatch.setattr(runtime, "mamba_radix_cache_strategy", lambda: "no_buffer")
     anchor, mamba = mha_pool("page_first_direct"), mamba_host_pool()
     fill(anchor)
     ks = keys(4, "gdn-served")
@@ -177,6 +177,6 @@ def test_the_strategy_read_is_sglangs_resolved_one(tmp_path, asked):
                       attention_backend="torch_native", page_size=1, disable_overlap_schedule=True,
                       mamba_radix_cache_strategy=asked)
     with use_context(create_context(args, role="scheduler")):
-        assert storage.mamba_radix_cache_strategy() == "no_buffer"
+        assert runtime.mamba_radix_cache_strategy() == "no_buffer"
         assert refusal(["kv", "mamba"]) is None
     assert args.mamba_radix_cache_strategy == asked

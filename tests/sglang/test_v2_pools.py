@@ -198,9 +198,9 @@ def mamba_verified(monkeypatch):
     (SGLang release, Mamba radix-cache strategy) pairs in ``MAMBA_VERIFIED`` (SGLang 0.5.23 with
     ``no_buffer``, tests/sglang/test_sglang_mamba.py); a backend built outside a scheduler reads
     no strategy (tests/sglang/test_mamba_pool.py), so these tests name the verified one."""
-    from kvconnect.integrations.sglang import storage
+    from kvconnect.integrations.sglang import runtime
 
-    monkeypatch.setattr(storage, "mamba_radix_cache_strategy", lambda: "no_buffer")
+    monkeypatch.setattr(runtime, "mamba_radix_cache_strategy", lambda: "no_buffer")
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])

@@ -55,6 +55,7 @@ from kvconnect.layout.spec import GroupSpec
 
 from .flat_pages import FlatPages
 from .host_pools import PoolPlanes, pool_planes
+from . import runtime
 from .identity import sglang_model_identity
 from .page_hash import build_sglang_page_hash
 from kvconnect.metrics.recorders import OpLog
@@ -80,26 +81,6 @@ def sglang_release() -> str:
         return "(unknown version)"
 
 
-def mamba_radix_cache_strategy() -> Optional[str]:
-    """SGLang's resolved Mamba radix-cache strategy in this process ("no_buffer",
-    "extra_buffer", ...: its published ``exec`` config, ``auto`` already resolved); None where
-    no server arguments were published (outside a scheduler)."""
-    try:
-        from sglang.srt.runtime_context import get_exec, get_server_args
-    except ImportError:  # an SGLang without the runtime context
-        return None
-    try:
-        if get_server_args() is None:
-            return None
-        bag = get_exec()
-        bag = getattr(bag, "mamba", bag)
-        value = getattr(bag, "mamba_radix_cache_strategy", None)
-        return None if value is None else str(value)
-    except Exception:  # noqa: BLE001 - SGLang raises various errors when no config is published
-        logger.debug("kvconnect: no SGLang exec config in this process", exc_info=True)
-        return None
-
-
 def refusal(pool_names, release: Optional[str] = None, strategy: Optional[str] = None) -> Optional[str]:
     """Why kvconnect serves no page for this pool set (None: it serves them). ``release`` and
     ``strategy`` default to the installed SGLang and this process's radix-cache strategy."""
@@ -107,7 +88,7 @@ def refusal(pool_names, release: Optional[str] = None, strategy: Optional[str] =
     if not mamba:
         return None
     release = sglang_release() if release is None else release
-    strategy = mamba_radix_cache_strategy() if strategy is None else strategy
+    strategy = runtime.mamba_radix_cache_strategy() if strategy is None else strategy
     if (release, strategy) in MAMBA_VERIFIED:
         return None
     verified = ", ".join(f"SGLang {r} with {s}" for r, s in sorted(MAMBA_VERIFIED)) or "none"
@@ -226,7 +207,7 @@ class KVConnectStorage(HiCacheStorage):
                 self._flat = FlatPages(engine, self._pools[KV], self._store.page_bytes(self._groups[KV]))
             if any(n.startswith(MAMBA) for n in self._pools):
                 logger.info("kvconnect: serving SGLang's Mamba state pool (SGLang %s, mamba_radix_cache_strategy %s: verified)",
-                            sglang_release(), mamba_radix_cache_strategy())
+                            sglang_release(), runtime.mamba_radix_cache_strategy())
             logger.info("kvconnect: SGLang HiCache backend ready: model %s, pools %s (logical: %s), %d planes, chunk_size %d "
                         "(SGLang's page: the unit it stores and asks for; a chunk_size set is not used), tiers %s",
                         self.model_identity, list(self._groups), sorted(self._logical), len(layout.planes), page_tokens,
