@@ -280,6 +280,21 @@ def test_params_from_before_a_producer_reset_load_nothing_after_it(pd_llama):
     _replay_loads_nothing(c, p, old)
 
 
+def _through_the_router_as_cold(c: pc.PDCluster, prompt: list[int], want, what: str) -> None:
+    """One request through the router with the two sides at different TP sizes: its tokens and
+    logprobs are ``want`` (the decode server's own cold run), the decode side admitted the
+    producer's size and loaded the prompt to its last block edge at once, as vLLM counts too."""
+    before = scrape(c, "consumer")
+    got = pc.top_logprobs(c.router_url, c.model, prompt)
+    assert got[0] == want[0], what
+    assert_resumed_logprobs(got[1], want[1], what)
+    named = len(prompt) // BLOCK * BLOCK
+    _loaded_at_once(c, before, named)
+    d = delta(scrape(c, "consumer"), before)
+    assert d["kvconnect_pd_remote_prefill_other_tp_total"] == 1
+    assert d["external_prefix_cache_hits_total"] == named  # vLLM's own count: the prompt came from the tier
+
+
 def test_a_tp1_decode_side_loads_a_tp2_producers_prompt_through_the_router(pd_llama):
     """Issue 40 item 3, the reverse direction: the producer restarted at TP 2 on both cores, the
     decode server at TP 1. Through the router, the decode side admits the TP 2 params (its rank
@@ -295,16 +310,7 @@ def test_a_tp1_decode_side_loads_a_tp2_producers_prompt_through_the_router(pd_ll
     c.start_engine("producer", tp=2, cores="0|1")
     try:
         pc.wait_healthy([(c.procs["producer"], c.producer_url + "/health")])
-        before = scrape(c, "consumer")
-        got = pc.top_logprobs(c.router_url, c.model, FROM_TP2)
-        assert got[0] == want[0]
-        assert_resumed_logprobs(got[1], want[1], "TP 2 producer, TP 1 decode")
-        named = len(FROM_TP2) // BLOCK * BLOCK
-        _loaded_at_once(c, before, named)
-        d = delta(scrape(c, "consumer"), before)
-        assert d["kvconnect_pd_remote_prefill_other_tp_total"] == 1
-        assert d["kvconnect_pd_remote_prefill_rejected_total"] == 0
-        assert d["external_prefix_cache_hits_total"] == named  # vLLM's own count: the prompt came from the tier
+        _through_the_router_as_cold(c, FROM_TP2, want, "TP 2 producer, TP 1 decode")
     finally:
         c.procs.pop("producer").stop()
         c.start_engine("producer", tp=1)
@@ -327,15 +333,7 @@ def test_a_tp2_decode_side_loads_the_tp1_producers_prompt_through_the_router(pd_
     c.reference[tuple(killed)] = pc.completion(c.consumer_url, c.model, killed)  # the TP 2 answer, for the next test
     assert scrape(c, "consumer")["kvconnect_retrieved_tokens_total"] == 0  # cold: nothing of either was stored
     assert c.reset("consumer")
-    before = scrape(c, "consumer")
-    got = pc.top_logprobs(c.router_url, c.model, OTHER_TP)
-    assert got[0] == want[0]
-    assert_resumed_logprobs(got[1], want[1], "TP 1 producer, TP 2 decode")
-    named = len(OTHER_TP) // BLOCK * BLOCK
-    _loaded_at_once(c, before, named)
-    d = delta(scrape(c, "consumer"), before)
-    assert d["kvconnect_pd_remote_prefill_other_tp_total"] == 1
-    assert d["external_prefix_cache_hits_total"] == named  # vLLM's own count: the prompt came from the tier
+    _through_the_router_as_cold(c, OTHER_TP, want, "TP 1 producer, TP 2 decode")
 
 
 def test_producer_killed_between_prefill_and_decode(pd_llama):
