@@ -186,7 +186,7 @@ def start_node_server(url: str, workdir: Path, size_gb: float) -> Proc:
     """``kvconnect server`` on ``url`` (ipc://), returned once its socket file is there."""
     proc = Proc("kvconnect-server", [sys.executable, "-m", "kvconnect.cli", "server", "--url", url, "--size-gb", str(size_gb)],
                 vllm_env(), workdir)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # its start imports torch: slow while engines load both cores
     while not os.path.exists(url[len("ipc://"):]):
         if not proc.alive() or time.monotonic() > deadline:
             raise RuntimeError(f"kvconnect server did not start:\n{proc.log_tail()}")

@@ -33,7 +33,6 @@ import importlib.util
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 

