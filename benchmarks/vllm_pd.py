@@ -57,6 +57,7 @@ def counters(url: str) -> dict[str, float]:
 
 
 def main() -> None:
+    os.environ.setdefault("KVCONNECT_TEST_FORK_RUNS", "0")  # servers as a user starts them, not forked from the test zygote
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--reps", type=int, default=2)

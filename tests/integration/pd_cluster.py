@@ -97,15 +97,25 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+SERVE_MODULE = "vllm.entrypoints.openai.api_server"  # how vllm_cmd starts `vllm serve`
+
+
 class Proc:
-    """A child process in its own session, its output in a log file; stopped with its group."""
+    """A child process in its own session, its output in a log file; stopped with its group.
+    A `vllm serve` (``vllm_cmd``) is forked from a process that imported vLLM once (TEST HARNESS,
+    support/forked_runs.start_module; ``KVCONNECT_TEST_FORK_RUNS=0``: a plain subprocess)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, workdir: Path) -> None:
         self.name, self.cmd = name, cmd
         self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(workdir),
-                                     start_new_session=True)
+        if cmd[:3] == [sys.executable, "-m", SERVE_MODULE]:
+            from support.forked_runs import start_module
+
+            self.proc = start_module(SERVE_MODULE, cmd[3:], env=env, cwd=str(workdir), log=str(self.log_path))
+        else:
+            with open(self.log_path, "w") as log:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(workdir),
+                                             start_new_session=True)
 
     def log_tail(self, n: int = 6000) -> str:
         try:
@@ -121,7 +131,6 @@ class Proc:
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        self._log.close()
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.alive():
@@ -133,7 +142,6 @@ class Proc:
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        self._log.close()
 
 
 def wait_healthy(procs_urls: list[tuple[Proc, str]], timeout_s: float = START_TIMEOUT_S) -> None:
@@ -166,7 +174,7 @@ def vllm_cmd(model: str, port: int, *, block_size: int, kv: Optional[dict] = Non
             args[flag] = None
         else:
             args[flag] = next(it)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "m", model,
+    cmd = [sys.executable, "-m", SERVE_MODULE, "--model", model, "--served-model-name", "m", model,
            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(block_size)]
     for flag, value in args.items():
         cmd += [flag] if value is None else [flag, value]

@@ -21,6 +21,8 @@ import urllib.request
 
 import pytest
 
+import pd_cluster as pc
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (.ci/install_vllm.sh)"),
@@ -62,9 +64,7 @@ def test_vllm_serve_metrics_carry_kvconnect_hits(tiny_models, tmp_path):
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",
            "--max-model-len", "1024", "--max-num-batched-tokens", "512", "--no-enable-prefix-caching",
            "--kv-transfer-config", json.dumps(kv)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path), start_new_session=True)
+    proc = pc.Proc("serve", cmd, pc.vllm_env(), tmp_path).proc  # forked from the P/D tests' zygote (pd_cluster.Proc)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -103,7 +103,6 @@ def test_vllm_serve_metrics_carry_kvconnect_hits(tiny_models, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        log.close()
 
 
 def test_stats_classes_with_vllms_own_types():
