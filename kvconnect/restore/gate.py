@@ -49,6 +49,13 @@ def effective_masks(prefix: Sequence[Optional[int]], window: Sequence[int]) -> l
     return [None if p is None and not w else (p or 0) | w for p, w in zip(prefix, window)]
 
 
+def resumable_end(layout: KVLayout, boundary: int) -> bool:
+    """Whether a chunk end can be a restore point at all, whatever is stored: the layout resumes
+    there (its rebuilt groups' period, ``KVLayout.resumable_at``) and every page or state group
+    has a row edge there."""
+    return layout.resumable_at(boundary) and all(geo.boundary_ok(boundary) for geo in layout.geometries)
+
+
 def restorable_boundary(layout: KVLayout, chunks: Sequence[Chunk], masks: Sequence[Optional[int]], *, present_below: int = 0) -> int:
     """Largest chunk end P at which every group can be restored from stored chunks, else 0.
 
@@ -75,7 +82,7 @@ def restorable_boundary(layout: KVLayout, chunks: Sequence[Chunk], masks: Sequen
         boundary = chunks[k].end
         if boundary <= present_below and present_below:
             return boundary
-        if not layout.resumable_at(boundary) or not all(geo.boundary_ok(boundary) for geo in geos):
+        if not resumable_end(layout, boundary):
             continue
         if all((eff[j] & groups) == groups for j, groups in window_walk(layout, windowed, chunks, k)):
             return boundary

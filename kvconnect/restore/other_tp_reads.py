@@ -51,7 +51,8 @@ from ..layout.kv_layout import KVLayout
 from ..layout.spec import ChunkKey
 from ..storage.manager import StorageManager, open_tiers
 from ..storage.pool_protocol import Pool, PoolFactory
-from .gate import effective_masks, restorable_boundary, window_chunks, window_walk
+from ..storage.tier import LowerTier
+from .gate import effective_masks, restorable_boundary, resumable_end, window_chunks, window_walk
 from .other_tp import Sources, assemble, cross_readable, refusal, sources_at, writer_layout
 from .parts import PartLayout, wide_planes, window_key
 
@@ -186,9 +187,9 @@ class OtherTPReader:
 
     # -- restore points: prefix parts and window parts --------------------------------------
     def _fill_parts(self, tokens, chunks: list[Chunk], namespace, generation) -> int:
-        parts, layout = self.parts, self.layout
+        layout = self.layout
         # the largest restore point the prompt has: while this rank's own parts reach it, ask no one
-        ends = [c.index for c in chunks if layout.resumable_at(c.end) and all(g.boundary_ok(c.end) for g in layout.geometries)]
+        ends = [c.index for c in chunks if resumable_end(layout, c.end)]
         if not ends:
             return 0
         prefix = self._own_prefix(chunks)
