@@ -58,7 +58,7 @@ from .restore.plan import BlockTables
 from .restore.points import splits_window_groups
 from .restore.other_tp_reads import OtherTPReader, read_refusal
 from .restore.reads import ChunkLoader
-from .restore.scheme import RestoreScheme
+from .restore.scheme import OwnObjects, RestoreScheme, ShortHitFill
 from .restore.verify import RowCheck, Verifier
 from .restore.whole_chunks import WholeChunks
 from .restore.window_parts import WindowParts
@@ -369,8 +369,7 @@ class KVCacheEngine:
             return 0
         tok = tokens_as_int64(tokens)
         chunks = self._chunks(tok, include_partial=True, namespace=namespace, generation=generation, media=media)
-        self._fill_from_other_tp(tok, chunks, namespace, generation)
-        hit = self.restore.lookup(chunks)
+        hit = self.restore.lookup(chunks, self._other_tp_fill(tok, namespace, generation))
         if verify and hit and self.verifier.sample(chunks, hit):
             return 0
         return hit
@@ -396,18 +395,24 @@ class KVCacheEngine:
         skip = self._masked_prefix(mask, len(tok), chunk_aligned=False)
         tables = BlockTables.of(self.layout, block_ids)
         chunks = self._chunks(tok, include_partial=True, namespace=namespace, generation=generation, media=media)
-        self._fill_from_other_tp(tok, chunks, namespace, generation)
-        return self.restore.retrieve(chunks, tables, skip, start_s)
+        return self.restore.retrieve(chunks, tables, skip, start_s, self._other_tp_fill(tok, namespace, generation))
 
-    def _fill_from_other_tp(self, tok: np.ndarray, chunks: list[Chunk], namespace: Namespace,
-                            generation: Optional[bytes]) -> None:
-        """Chunks this rank misses that ranks of another TP size wrote, into the pool first."""
-        if self.other_tp is None:
-            return
-        try:
-            self.other_tp.fill(tok, chunks, namespace, self._keyer_of(generation).generation)
-        except Exception:  # a read across TP sizes is a best effort: a failure is a miss, never the engine's
-            logger.exception("kvconnect: reading another TP size's chunks failed; treating it as a miss")
+    def _other_tp_fill(self, tok: np.ndarray, namespace: Namespace, generation: Optional[bytes]) -> Optional[ShortHitFill]:
+        """What the restore scheme asks when this rank's own objects fall short: the chunks ranks of
+        another TP size wrote, into the pool (None: no such reader)."""
+        reader = self.other_tp
+        if reader is None:
+            return None
+        salt = self._keyer_of(generation).generation
+
+        def fill(chunks: list[Chunk], own: OwnObjects) -> int:
+            try:
+                return reader.fill(tok, chunks, namespace, salt, own)
+            except Exception:  # a read across TP sizes is a best effort: a failure is a miss, never the engine's
+                logger.exception("kvconnect: reading another TP size's chunks failed; treating it as a miss")
+                return 0
+
+        return fill
 
     def retrieve_chunks(self, chunks: list[Chunk], block_ids, *, present_tokens: int = 0) -> int:
         """``retrieve`` over chunks whose keys the caller computed; tokens loaded beyond ``present_tokens``."""

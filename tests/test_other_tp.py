@@ -181,6 +181,48 @@ def test_equal_tp_sizes_read_their_own_objects_only(tmp_path):
         assert got == len(TOKENS) and assembled == 0 and _own_heads_equal("pages", layout, shard, glob)
 
 
+def _own_tier_asks(engine: KVCacheEngine, tokens: np.ndarray) -> tuple[int, int]:
+    """(the engine's lookup of ``tokens``, how many times it asked its own pool and tiers for masks)."""
+    calls = []
+    own = engine.storage.masks
+    engine.storage.masks = lambda keys: calls.append(len(keys)) or own(keys)
+    try:
+        return engine.lookup(tokens), len(calls)
+    finally:
+        engine.storage.masks = own
+
+
+def test_a_short_hit_asks_this_ranks_own_tiers_no_more_than_without_the_reader(tmp_path):
+    """The reader is handed what the scheme found of this rank's own objects: a lookup short of
+    the prompt's end asks this rank's pool and tiers as often as an engine that reads no other
+    size; a lookup that the reader raises asks them once more (to see what it committed) and is
+    counted once."""
+    disk = str(tmp_path)
+    glob = _global("pages", 1, 4, 8, torch.float16, 11)
+    _write("pages", glob, 2, disk)  # TP 2 wrote the prompt's 4 chunks
+    longer = np.concatenate([TOKENS, np.arange(2 * CHUNK, dtype=np.int64) + 5000])  # 2 chunks nobody wrote
+    noise = {n: torch.full_like(t, 3) for n, t in glob.items()}
+    asks = {}
+    for sizes in ("", "1,2"):
+        layout, _ = _rank("pages", noise, 0, 2, model="m")
+        engine = KVCacheEngine(layout, _config(disk, read_tp_sizes=sizes))
+        try:
+            asks[sizes] = _own_tier_asks(engine, longer)
+            assert engine.stats.lookups == 1
+        finally:
+            engine.close()
+    assert asks[""] == asks["1,2"] == (len(TOKENS), 1)  # its own objects (on the shared disk), short of 6 chunks
+    layout, _ = _rank("pages", noise, 0, 1, model="m")  # a TP 1 rank: every chunk from TP 2's objects
+    engine = KVCacheEngine(layout, _config(disk))
+    try:
+        assert _own_tier_asks(engine, longer) == (len(TOKENS), 2)
+        assert engine.stats.lookups == 1 and engine.other_tp.assembled_chunks == 4
+        assert _own_tier_asks(engine, longer) == (len(TOKENS), 1)  # now its own, in its pool
+        assert engine.stats.lookups == 2 and engine.other_tp.assembled_chunks == 4
+    finally:
+        engine.close()
+
+
 def test_different_bytes_at_two_tp_sizes_never_collide(tmp_path):
     """Item 5: TP 1 and TP 2 store different bytes for the same prompt into one tier; every
     reader gets the bytes of its own size, its own heads right; a TP 4 reader, with no objects

@@ -268,6 +268,59 @@ def test_equal_sizes_read_their_own_objects_only(tmp_path):
         engine.close()
 
 
+def test_a_short_hit_hands_the_reader_the_schemes_own_parts(tmp_path):
+    """Window parts: a lookup short of the prompt's last restore point asks this rank's pool and
+    tiers exactly as often with the reader as without it (the reader is handed the scheme's
+    prefix and window masks); one that the reader raises asks them once more and counts once."""
+    disk = str(tmp_path)
+    glob = _global(8, 4)
+    _write(glob, 2, disk)
+    longer = np.concatenate([TOKENS, TOKENS[:64] + 3000])  # a restore point at 192 that nobody stored
+    asks = {}
+    for sizes in ("", "1,2"):
+        engine = KVCacheEngine(_rank(glob, 0, 2, noise=True), _config(disk, read_tp_sizes=sizes))
+        calls = []
+        own = engine.storage.masks
+        engine.storage.masks = lambda keys: calls.append(len(keys)) or own(keys)
+        try:
+            asks[sizes] = (engine.lookup(longer), len(calls), engine.stats.lookups)
+        finally:
+            engine.storage.masks = own
+            engine.close()
+    assert asks[""] == asks["1,2"] and asks[""][0] == len(TOKENS) and asks[""][2] == 1
+    engine = KVCacheEngine(_rank(glob, 0, 1, noise=True), _config(disk))  # TP 1: every part from TP 2's
+    calls = []
+    own = engine.storage.masks
+    engine.storage.masks = lambda keys: calls.append(len(keys)) or own(keys)
+    try:
+        assert engine.lookup(longer) == len(TOKENS) and engine.stats.lookups == 1
+        assert engine.other_tp.assembled_window_parts > 0
+        assert len(calls) == 2 * asks[""][1]  # the scheme's asks, then once more over what was committed
+    finally:
+        engine.storage.masks = own
+        engine.close()
+
+
+def test_a_retrieve_with_a_masked_prefix_assembles_only_what_lies_past_it(tmp_path):
+    """A retrieve alone (no lookup before it), its first chunk already in the engine: the scheme
+    hands the reader its masked prefix, so the reader assembles the prefix parts past it and
+    the window part at the restore point, and the restored rows are this rank's own ranges."""
+    disk = str(tmp_path)
+    glob = _global(9, 4)
+    _write(glob, 2, disk)
+    layout_ = _rank(glob, 0, 1, noise=True)
+    engine = KVCacheEngine(layout_, _config(disk))
+    try:
+        attn = layout_.tensors[0].numpy()
+        attn[DST[:2]] = glob["attn"][SRC[:2]]  # the masked chunk's rows: the engine's own (TP 1: every head)
+        mask = np.arange(len(TOKENS)) >= 32
+        assert engine.retrieve(TOKENS, [DST, DST], mask) == len(TOKENS) - 32
+        assert engine.other_tp.assembled_chunks == 3 and engine.other_tp.assembled_window_parts == 1
+        assert _holds(layout_, glob, 0, 1)
+    finally:
+        engine.close()
+
+
 def test_a_missing_range_is_a_miss(tmp_path):
     """TP 2 stored the prompt, then rank 1's objects are lost: a TP 1 reader holds none of the
     prompt (its page needs both ranks' ranges), a TP 2 rank 0 still reads its own."""

@@ -1,6 +1,9 @@
 """``OtherTPReader``: on a miss, a rank's chunks assembled from what ranks of other TP sizes wrote.
 
-The engine asks it before a lookup or a retrieve over its own keys (engine.py). It tries each
+The restore scheme asks it (``fill``, through the engine's ``ShortHitFill``, engine.py) when a
+lookup or a retrieve over this rank's own keys falls short of the prompt's last restore point,
+and hands over what it found of this rank's own objects (``scheme.OwnObjects``): the reader
+never asks for them again. It tries each
 other TP size of ``Config.read_tp_sizes`` in turn (``other_tp.sources_at``): the writer ranks'
 chunk keys (their fingerprint seeds the same chain: same tokens, namespace and generation),
 their objects in the lower tiers (each writer's fingerprint is a directory of the disk tier, a
@@ -21,17 +24,18 @@ restore gate over this rank's own parts and the writers' together gives the larg
 point P; the prefix parts of [0, P) and the window part at P that this rank lacks are assembled
 (every window piece of a chunk from all of the writers' pieces of it) and committed as this
 rank's own pieces. While this rank's own parts reach the largest restore point the prompt has,
-no other size is asked.
+the reader is not asked at all.
 
 Over the node server (``Config.server_url``) the writers' objects also live in the server's
 pool, which keeps each layout under its own client: the reader opens one more client per
 writer fingerprint (``pool_factory``, as the engine makes its own pool), reads only, and asks
 it before the lower tiers.
 
-Cost: nothing while this rank's own objects hit (the chunks of the hit are never looked at);
-on a miss, one ``masks`` call per place (node server, lower tiers) per candidate size and
-writer rank, then for the objects found one read per writer rank (and writer piece) and one
-copy of this rank's rows into the pool (docs/performance.md, "Reads across TP sizes").
+Cost: nothing while this rank's own objects reach the prompt's last restore point; short of it
+(a miss, or a prompt longer than what is stored), one ``masks`` call per place (node server,
+lower tiers) per candidate size and writer rank for the chunks this rank lacks, then for the
+objects found one read per writer rank (and writer piece), one copy of this rank's rows into
+the pool, and the scheme's own masks once more (docs/performance.md, "Reads across TP sizes").
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ from ..layout.spec import ChunkKey
 from ..storage.manager import StorageManager, open_tiers
 from ..storage.pool_protocol import Pool, PoolFactory
 from ..storage.tier import LowerTier
-from .gate import effective_masks, restorable_boundary, resumable_end, window_chunks, window_walk
+from .gate import effective_masks, restorable_boundary, window_chunks
 from .other_tp import Sources, assemble, cross_readable, refusal, sources_at, writer_layout
 from .parts import PartLayout, wide_planes, window_key
+from .scheme import OwnObjects
 
 logger = logging.getLogger(__name__)
 
@@ -138,15 +143,17 @@ class OtherTPReader:
                 self._tiers[fingerprint] = tiers
             return tiers
 
-    def fill(self, tokens: np.ndarray, chunks: Sequence[Chunk], namespace: Namespace, generation: bytes) -> int:
-        """Commit what other TP sizes hold beyond this rank's own objects; returns the chunks
-        (whole, prefix parts and window parts) committed."""
+    def fill(self, tokens: np.ndarray, chunks: Sequence[Chunk], namespace: Namespace, generation: bytes,
+             own: OwnObjects) -> int:
+        """Commit what other TP sizes hold beyond this rank's own objects (``own``: what the restore
+        scheme found of them, short of the prompt's last restore point); returns the chunks (whole,
+        prefix parts and window parts) committed."""
         if not chunks or not self.sources:
             return 0
         with self._fill_lock:
             if self.parts.split:
-                return self._fill_parts(tokens, list(chunks), namespace, generation)
-            return self._fill(tokens, chunks, namespace, generation)
+                return self._fill_parts(tokens, list(chunks), namespace, generation, own)
+            return self._fill(tokens, chunks, namespace, generation, own)
 
     def _writer_keys(self, sources: Sources, tokens, chunks: Sequence[Chunk], namespace, generation) -> list[list[ChunkKey]]:
         bounds = [(c.start, c.end) for c in chunks]
@@ -155,9 +162,9 @@ class OtherTPReader:
                 for fp in sources.fingerprints]
 
     # -- whole chunks ------------------------------------------------------------------
-    def _fill(self, tokens: np.ndarray, chunks: Sequence[Chunk], namespace: Namespace, generation: bytes) -> int:
-        masks = self.storage.masks([c.key for c in chunks])
-        start = next((i for i, m in enumerate(masks) if m is None), None)
+    def _fill(self, tokens: np.ndarray, chunks: Sequence[Chunk], namespace: Namespace, generation: bytes,
+              own: OwnObjects) -> int:
+        start = next((i for i, m in enumerate(own.prefix) if m is None), None)
         if start is None:
             return 0
         for sources in self.sources:
@@ -186,49 +193,18 @@ class OtherTPReader:
         return done
 
     # -- restore points: prefix parts and window parts --------------------------------------
-    def _fill_parts(self, tokens, chunks: list[Chunk], namespace, generation) -> int:
-        layout = self.layout
-        # the largest restore point the prompt has: while this rank's own parts reach it, ask no one
-        ends = [c.index for c in chunks if resumable_end(layout, c.end)]
-        if not ends:
-            return 0
-        prefix = self._own_prefix(chunks)
-        run = next((i for i, m in enumerate(prefix) if m is None), len(chunks))
-        if run > ends[-1] and self._own_window_at(chunks, ends[-1]):  # the matched path: one more masks call
-            return 0
-        window = self._own_window(chunks, prefix)
-        own = restorable_boundary(layout, chunks, effective_masks(prefix, window))
-        if own >= chunks[ends[-1]].end:
-            return 0
+    def _fill_parts(self, tokens, chunks: list[Chunk], namespace, generation, own: OwnObjects) -> int:
+        want = self.parts.prefix_mask  # a prefix part lacking one of its groups is no part here
+        prefix = [m if m is not None and m & want == want else None for m in own.prefix]
         for sources in self.sources:
-            done = self._fill_parts_from(sources, tokens, chunks, namespace, generation, prefix, window, own)
+            done = self._fill_parts_from(sources, tokens, chunks, namespace, generation, prefix, list(own.window),
+                                         own.hit, own.present_below)
             if done:
                 return done
         return 0
 
-    def _own_prefix(self, chunks: list[Chunk]) -> list[Optional[int]]:
-        want = self.parts.prefix_mask
-        if not want:
-            return [0] * len(chunks)
-        return [m & want if m is not None and m & want == want else None for m in self.storage.masks([c.key for c in chunks])]
-
-    def _own_window_at(self, chunks: list[Chunk], k: int) -> bool:
-        """Whether this rank's own window part at ``chunks[k].end`` is complete."""
-        n = len(self.parts.pieces)
-        need = window_walk(self.layout, self.parts.window_mask, chunks, k)
-        masks = self.storage.masks([window_key(chunks[j].key, p) for j, _ in need for p in range(n)])
-        return all(_all_pieces(masks[i * n:(i + 1) * n], self.parts.window_mask) & groups == groups
-                   for i, (_, groups) in enumerate(need))
-
-    def _own_window(self, chunks: list[Chunk], prefix: list[Optional[int]]) -> list[int]:
-        """Per chunk of the prefix run, the window groups of its complete window part (0: none)."""
-        run = next((i for i, m in enumerate(prefix) if m is None), len(chunks))
-        n = len(self.parts.pieces)
-        masks = self.storage.masks([window_key(c.key, p) for c in chunks[:run] for p in range(n)])
-        return [_all_pieces(masks[i * n:(i + 1) * n], self.parts.window_mask) for i in range(run)] + [0] * (len(chunks) - run)
-
     def _fill_parts_from(self, sources: Sources, tokens, chunks: list[Chunk], namespace, generation,
-                         own_prefix: list[Optional[int]], own_window: list[int], own: int) -> int:
+                         own_prefix: list[Optional[int]], own_window: list[int], own: int, present_below: int) -> int:
         parts, theirs = self.parts, self.writer_parts[sources.tp_size]
         keys = self._writer_keys(sources, tokens, chunks, namespace, generation)
         prefix = list(own_prefix)
@@ -242,7 +218,7 @@ class OtherTPReader:
         window = list(own_window)
         # window parts that can raise the hit: of restore points past it, and the chunks their windows reach back to
         reach = max((g.window_tokens or 0) for g in self.layout.geometries)
-        wanted = [i for i in range(run) if not own_window[i] and chunks[i].end > own - reach]
+        wanted = [i for i in range(run) if not own_window[i] and chunks[i].end > max(own - reach, present_below)]
         npieces = len(theirs.pieces)
         if wanted:
             for fp, k in zip(sources.fingerprints, keys):
@@ -250,7 +226,7 @@ class OtherTPReader:
                 for n, i in enumerate(wanted):
                     got = _all_pieces(masks[n * npieces:(n + 1) * npieces], parts.window_mask)
                     window[i] = got if fp == sources.fingerprints[0] else window[i] & got
-        best = restorable_boundary(self.layout, chunks, effective_masks(prefix, window))
+        best = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=present_below)
         if best <= own:
             return 0
         k = next(c.index for c in chunks if c.end == best)
@@ -266,7 +242,7 @@ class OtherTPReader:
             done += 1
         windows = 0
         for j in window_chunks(self.layout, parts.window_mask, chunks, k):  # the window part at P
-            if own_window[j]:
+            if own_window[j] or chunks[j].end <= present_below:
                 continue
             objects = [[self._get(sources, fp, window_key(key[j], p)) for p in range(npieces)]
                        for fp, key in zip(sources.fingerprints, keys)]

@@ -11,9 +11,10 @@ import time
 from typing import Optional
 
 from ..chunks.keys import Chunk
+from ..layout.kv_layout import KVLayout
 from .gate import restorable_boundary
 from .plan import BlockTables, StoredPart, plan_store
-from .scheme import RestoreScheme
+from .scheme import OwnObjects, RestoreScheme, ShortHitFill
 from .writes import Prompt, chunk_identity
 
 
@@ -41,27 +42,32 @@ class WholeChunks(RestoreScheme):
         self.ops.stored(len(writes), written_bytes, time.perf_counter() - start_s)
         return done_tokens + sum(p.chunk.end - p.chunk.start for p, _ in writes)
 
-    def lookup(self, chunks: list[Chunk]) -> int:
-        return self.lookup_chunks(chunks)
-
-    def lookup_chunks(self, chunks: list[Chunk]) -> int:
-        hit = restorable_boundary(self.layout, chunks, self.storage.masks([c.key for c in chunks]))
+    def lookup(self, chunks: list[Chunk], fill: Optional[ShortHitFill] = None) -> int:
+        keys = [c.key for c in chunks]
+        masks = self.storage.masks(keys)
+        hit = restorable_boundary(self.layout, chunks, masks)
+        if fill is not None and self._short(chunks, hit) and fill(chunks, _own(self.layout, chunks, masks, hit)):
+            hit = restorable_boundary(self.layout, chunks, self.storage.masks(keys))
         if hit:
             pool = self.storage.pool
             pool.release(pool.acquire([c.key for c in chunks if c.end <= hit]))  # acquire touches
         self._count_lookup(chunks, hit)
         return hit
 
-    def retrieve(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
-        return self.retrieve_chunks(chunks, tables, skip, start_s)
+    def lookup_chunks(self, chunks: list[Chunk]) -> int:
+        return self.lookup(chunks)
 
-    def retrieve_chunks(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
+    def retrieve_pass(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float,
+                      fill: Optional[ShortHitFill]) -> Optional[int]:
         # chunks below the mask are already in the engine: never fetch them from a tier
         wanted = [c for c in chunks if c.end > skip]
         entries = [None] * (len(chunks) - len(wanted)) + list(self.storage.acquire([c.key for c in wanted]))
         try:
             masks = [e.header.group_mask if e is not None else None for e in entries]
             boundary = restorable_boundary(self.layout, chunks, masks, present_below=skip)
+            if fill is not None and self._short(chunks, boundary) and fill(
+                    chunks, _own(self.layout, chunks, masks, boundary, skip)):
+                return None
             if boundary <= skip:
                 return 0
             load = [c for c in chunks if c.end > skip and c.end <= boundary]
@@ -71,3 +77,12 @@ class WholeChunks(RestoreScheme):
             return self.loader.load(load, parts, boundary, tables, skip, start_s, pieces=0)
         finally:
             self.storage.release(entries)
+
+    def retrieve_chunks(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
+        return self.retrieve(chunks, tables, skip, start_s)
+
+
+def _own(layout: KVLayout, chunks: list[Chunk], masks: list[Optional[int]], hit: int, skip: int = 0) -> OwnObjects:
+    """``OwnObjects`` of whole chunks: each chunk's object mask; every group for chunks below ``skip``."""
+    every = (1 << layout.num_groups) - 1
+    return OwnObjects(tuple(every if c.end <= skip else m for c, m in zip(chunks, masks)), (0,) * len(chunks), hit, skip)

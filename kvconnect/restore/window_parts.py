@@ -32,7 +32,7 @@ from .parts import PartLayout, window_key
 from .plan import BlockTables, StoredPart, plan_pieces, plan_store
 from .points import restore_points
 from .reads import ChunkLoader
-from .scheme import RestoreScheme
+from .scheme import OwnObjects, RestoreScheme, ShortHitFill
 from .writes import ObjectWriter, Prompt, chunk_identity
 
 
@@ -120,12 +120,10 @@ class WindowParts(RestoreScheme):
             self.counters.add(window_pieces_evicted=1)
 
     # -- lookup ----------------------------------------------------------------------
-    def lookup(self, chunks: list[Chunk]) -> int:
-        prefix = self._prefix_masks(chunks)
-        run = self._prefix_run(prefix)
-        begun: list = []
-        window = self._window_masks(chunks, run, begun)
-        hit = restorable_boundary(self.layout, chunks, effective_masks(prefix, window))
+    def lookup(self, chunks: list[Chunk], fill: Optional[ShortHitFill] = None) -> int:
+        prefix, run, begun, window, hit = self._own_parts(chunks)
+        if fill is not None and self._short(chunks, hit) and fill(chunks, OwnObjects(tuple(prefix), tuple(window), hit)):
+            prefix, run, begun, window, hit = self._own_parts(chunks)
         if hit:
             k = next(c.index for c in chunks if c.end == hit)
             used = [c.key for c in chunks if c.end <= hit] if self.parts.prefix_mask else []
@@ -135,6 +133,15 @@ class WindowParts(RestoreScheme):
         self._demote_unreachable(chunks, hit, run, window, begun)
         self._count_lookup(chunks, hit)
         return hit
+
+    def _own_parts(self, chunks: list[Chunk]) -> tuple[list[Optional[int]], int, list, list[int], int]:
+        """This rank's parts of ``chunks``: prefix masks, the prefix run, whether each chunk of the
+        run has a window piece (begun), window masks, and the restorable boundary they give."""
+        prefix = self._prefix_masks(chunks)
+        run = self._prefix_run(prefix)
+        begun: list = []
+        window = self._window_masks(chunks, run, begun)
+        return prefix, run, begun, window, restorable_boundary(self.layout, chunks, effective_masks(prefix, window))
 
     def _prefix_masks(self, chunks: list[Chunk]) -> list[Optional[int]]:
         """Prefix groups stored per chunk (None: absent); all-zero masks when no group is a prefix group."""
@@ -182,7 +189,8 @@ class WindowParts(RestoreScheme):
             self.counters.add(prefix_chunks_demoted=moved)
 
     # -- retrieve --------------------------------------------------------------------
-    def retrieve(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float) -> int:
+    def retrieve_pass(self, chunks: list[Chunk], tables: BlockTables, skip: int, start_s: float,
+                      fill: Optional[ShortHitFill]) -> Optional[int]:
         """Pin the prefix parts, find the largest restore point whose window pieces can be pinned too, load."""
         parts, npieces = self.parts, self.npieces
         wanted = [c for c in chunks if c.end > skip]
@@ -196,8 +204,13 @@ class WindowParts(RestoreScheme):
             prefix = [(e.header.group_mask & parts.prefix_mask if e is not None else None) for e in entries]
             if not parts.prefix_mask:
                 prefix = [0] * len(chunks)
-            run = self._prefix_run([parts.prefix_mask if c.end <= skip else m for c, m in zip(chunks, prefix)])
+            present = [parts.prefix_mask if c.end <= skip else m for c, m in zip(chunks, prefix)]
+            run = self._prefix_run(present)
             window = self._window_masks(chunks, run)
+            if fill is not None:
+                boundary = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=skip)
+                if self._short(chunks, boundary) and fill(chunks, OwnObjects(tuple(present), tuple(window), boundary, skip)):
+                    return None
             for _ in range(len(chunks) + 1):  # each round pins one candidate's pieces or rules a chunk out
                 boundary = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=skip)
                 if boundary <= skip:
