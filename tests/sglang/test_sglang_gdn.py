@@ -39,14 +39,14 @@ pytestmark = pytest.mark.sglang
 GDN_LAYERS = 3
 TEMPORAL = (4, 64, 64)  # (value heads, key dim, value dim): sgl_kernel CPU's and transformers' order
 CONV = (512, 3)  # (2 x 2 key heads x 64 + 4 value heads x 64, kernel 4 - 1)
-TEMPORAL_BYTES = GDN_LAYERS * TEMPORAL[0] * TEMPORAL[1] * TEMPORAL[2] * 4
+TEMPORAL_BYTES = GDN_LAYERS * TEMPORAL[0] * TEMPORAL[1] * TEMPORAL[2] * 4  # fp32
+CONV_BYTES = GDN_LAYERS * CONV[0] * CONV[1] * 2  # bf16
 # largest |stored - transformers'| allowed (measured 2026-12-02 on the 2-core VM, in brackets): a
 # temporal state inside the prompt (1e-6), the finished request's after its decode steps (9e-4);
 # a conv state: bf16 rounding, one step is 0.03 at |x| in [4, 8) (0.03); the neighbour states
 # p - 1 and p + 1 must be farther than NEIGHBOUR_GAP from the stored one (measured at least 0.08 and 4.2)
 TOLERANCE = {"prompt": {"temporal": 1e-5, "conv": 0.05}, "decoded": {"temporal": 5e-3, "conv": 0.05}}
 NEIGHBOUR_GAP = {"temporal": 0.05, "conv": 1.0}
-CONV_BYTES = GDN_LAYERS * CONV[0] * CONV[1] * 2  # bf16
 
 
 def zeroed_temporal(payload: bytes) -> bytes:
