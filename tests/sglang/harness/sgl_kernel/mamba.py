@@ -23,8 +23,9 @@ and written IN PLACE in SGLang's Mamba pool at the request's slot):
   the slot's state (sgl_kernel's CPU kernel always reads it: a new request's slot is zeroed by
   SGLang), chunked by 64 like sgl_kernel's; q / k heads repeated to the value heads
   (``h = h_qk * HV / HK + i``). The state layout is sgl_kernel CPU's ``[HV, EK, EV]``
-  (sglang ``test/srt/cpu/test_mamba.py``), transformers' too; SGLang's pool declares
-  ``[HV, V, K]``, the same shape for the test model (EK = EV = 64).
+  (``sgl-kernel/csrc/cpu/mamba/fla.cpp`` and sglang ``test/srt/cpu/test_mamba.py``, as read),
+  transformers' too; SGLang's pool declares ``[HV, V, K]``, the same shape for the test model
+  (EK = EV = 64).
 
 Any other name raises if it is ever called, so a test can never silently run a missing kernel.
 """
