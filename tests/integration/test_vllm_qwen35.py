@@ -76,7 +76,7 @@ NAMES = list(_prompts())
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from qwen35_model import make_qwen35
+    from support.tiny_models import make_qwen35
 
     return make_qwen35(str(tmp_path_factory.mktemp("qwen35") / "model"))
 

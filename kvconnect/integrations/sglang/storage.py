@@ -20,8 +20,9 @@ node's last page key, hit policy TRAILING_PAGES with N = 1). A hit then needs th
 Mamba page present at its end (``batch_exists_v2`` intersects every pool's legal ends). The
 backend serves such a pool only on the (SGLang release, Mamba radix-cache strategy) pairs in
 ``MAMBA_VERIFIED``, where the state SGLang hands over under a page key was checked on its real
-engine to be the state after exactly that page (tests/sglang/test_sglang_mamba.py: SGLang
-0.5.23, ``no_buffer``, LFM2 on CPU; docs/recurrent.md). Any other pair (``extra_buffer``,
+engine to be the state after exactly that page (SGLang 0.5.23, ``no_buffer``, on CPU:
+tests/sglang/test_sglang_mamba.py with LFM2's conv state, tests/sglang/test_sglang_gdn.py with
+Qwen3.5's Gated DeltaNet conv + temporal state; docs/recurrent.md). Any other pair (``extra_buffer``,
 whose ping-pong track buffers pick the state, has no CPU path to check it on; another
 release) is refused: one warning naming both, then every page is a miss (SGLang recomputes)
 -- never a hit that could restore a wrong state.
@@ -67,7 +68,9 @@ KV = "kv"
 MAMBA = "mamba"
 # (SGLang release, Mamba radix-cache strategy) pairs on whose real engine the state stored
 # under a page key was checked to be the state after exactly that page, and an L3 restore
-# bit-exact (outputs and logprobs) against a run without HiCache: tests/sglang/test_sglang_mamba.py.
+# bit-exact (outputs and logprobs) against a run without HiCache: tests/sglang/test_sglang_mamba.py
+# (LFM2: a one-tensor conv state) and tests/sglang/test_sglang_gdn.py (Qwen3.5's Gated DeltaNet:
+# conv state + fp32 temporal state, two pieces per page; its GDN kernels are test-harness stand-ins).
 # "extra_buffer" cannot run on CPU (SGLang allows it only on GPU / NPU platforms).
 MAMBA_VERIFIED: frozenset = frozenset({("0.5.23", "no_buffer")})
 
