@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine_runs import BACKEND, run_engine
+from engine_runs import BACKEND, run_engine, storage_hits
 from kvconnect.chunks.chunk_format import decode_header, encode
+from kvconnect.page_store import group_folder
 
 CHUNK = 64  # SGLang's chunked prefill: a radix node (and a Mamba state) at every 64 tokens of a prompt
 NEW = 8
@@ -146,3 +147,62 @@ def served(result):
 
 def reference(runs, name):
     return served(phase(runs, "R0", name))
+
+
+def objects_by_end(runs, name, seq) -> list[tuple[int, bytes]]:
+    """(p, payload) of each Mamba object prompt ``name``'s cold run stored, p its node end: the
+    object's key is kvconnect's fold of SGLang's page key of token p - 1 of ``seq`` (prompt +
+    outputs); a key that is no such fold fails."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    page_keys = get_hash_str(seq[:-1], None, page_size=1)
+    out = []
+    for header, payload in runs["objects"][name].values():
+        chunk_keys = group_folder(header.fingerprint, 1, MAMBA_GROUP).fold(page_keys)
+        assert header.key in chunk_keys, name
+        out.append((chunk_keys.index(header.key) + 1, payload))
+    return out
+
+
+# -- the checks both suites make of the three runs (each over its own model) -----------------------
+
+
+def check_cold_runs(runs) -> None:
+    """R1's cold phases equal R0's (the engine is deterministic across processes) and miss L3."""
+    for name in "ABCD":
+        cold = phase(runs, "R1", f"cold {name}")
+        assert served(cold) == reference(runs, name), name
+        assert storage_hits(cold) == [0]
+
+
+def check_l3_restore(runs) -> None:
+    """After flush_cache each prompt hits kvconnect at ``L3_HITS`` with outputs and logprobs equal
+    to R0's; the next turn hits the first turn's finished state from L3, equal to R0's own radix hit."""
+    assert phase(runs, "R1", "flush")["flushed"] and phase(runs, "R1", "second flush")["flushed"]
+    for name in "ABC":
+        got = phase(runs, "R1", f"L3 {name}")
+        assert served(got) == reference(runs, name), name
+        assert storage_hits(got) == [L3_HITS[name]], (name, got["cached"])
+    follow_up = phase(runs, "R1", "L3 F")
+    assert served(follow_up) == reference(runs, "F")
+    assert storage_hits(follow_up) == [L3_HITS["F"]], follow_up["cached"]
+
+
+def check_damage(runs) -> None:
+    """R2, a fresh process: C hits the disk tier as R1 left it; A (Mamba objects deleted) and B
+    (Mamba objects corrupted) miss, their KV pages on disk notwithstanding; outputs equal R0's."""
+    for name, hit in (("C", L3_HITS["C"]), ("A", 0), ("B", 0)):
+        got = phase(runs, "R2", name)
+        assert served(got) == reference(runs, name), name
+        assert storage_hits(got) == [hit], (name, got["cached"])
+
+
+def check_control(runs) -> None:
+    """R2's D: its Mamba objects rewritten by the suite's ``wrong_state`` under valid checksums are
+    served like any stored page, and the logprobs differ from R0's, so the bit-exact checks above
+    see the restored state (not only the KV pages)."""
+    d = phase(runs, "R2", "D")
+    assert storage_hits(d) == [L3_HITS["D"]], d["cached"]
+    logprobs, ref_logprobs = served(d)[1], reference(runs, "D")[1]
+    assert logprobs != ref_logprobs
+    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) > 1e-4

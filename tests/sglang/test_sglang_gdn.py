@@ -30,9 +30,9 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from engine_runs import storage_hits  # noqa: E402
-from kvconnect.page_store import group_folder  # noqa: E402
-from mamba_runs import L3_HITS, MAMBA_GROUP, NODE_ENDS, PROMPTS, phase, reference, served, three_runs  # noqa: E402
+from mamba_runs import (  # noqa: E402
+    L3_HITS, NODE_ENDS, PROMPTS, check_cold_runs, check_control, check_damage, check_l3_restore, objects_by_end, phase,
+    served, three_runs)
 
 pytestmark = pytest.mark.sglang
 
@@ -92,10 +92,7 @@ def transformers_states(model, seq, at):
 
 
 def test_cold_runs_are_deterministic_across_processes(runs):
-    for name in "ABCD":
-        cold = phase(runs, "R1", f"cold {name}")
-        assert served(cold) == reference(runs, name), name
-        assert storage_hits(cold) == [0]
+    check_cold_runs(runs)
 
 
 def test_every_mamba_object_holds_transformers_gdn_states_after_exactly_its_page(runs):
@@ -109,7 +106,6 @@ def test_every_mamba_object_holds_transformers_gdn_states_after_exactly_its_page
     steps read bf16-rounded conv inputs: states inside the prompt agree to 1e-6, the finished
     request's state to 1e-3. Both are far below one token's change: the state after p - 1 or
     p + 1 is far from the stored one."""
-    from sglang.srt.mem_cache.utils import get_hash_str
     from transformers import Qwen3_5ForCausalLM
 
     model = Qwen3_5ForCausalLM.from_pretrained(runs["model"], dtype=torch.float32).eval()
@@ -122,14 +118,8 @@ def test_every_mamba_object_holds_transformers_gdn_states_after_exactly_its_page
         chosen = torch.log_softmax(logits[len(PROMPTS[name]) - 1:-1], -1).gather(1, torch.tensor([outputs]).T)[:, 0]
         cold_logprobs = torch.tensor(served(phase(runs, "R1", f"cold {name}"))[1])
         assert (chosen - cold_logprobs).abs().max().item() < 0.05, name
-        objects = runs["objects"][name]
-        page_keys = get_hash_str(seq[:-1], None, page_size=1)
         found = []
-        for header, payload in objects.values():
-            folder = group_folder(header.fingerprint, 1, MAMBA_GROUP)
-            chunk_keys = folder.fold(page_keys)
-            assert header.key in chunk_keys, name
-            p = chunk_keys.index(header.key) + 1
+        for p, payload in objects_by_end(runs, name, seq):
             stored = dict(zip(("temporal", "conv"), unpack(payload)))
 
             def err(at, part):
@@ -147,42 +137,19 @@ def test_every_mamba_object_holds_transformers_gdn_states_after_exactly_its_page
 
 def test_l3_restore_after_flush_is_bit_exact(runs):
     """After flush_cache every prompt is served from kvconnect at its largest node end inside the
-    prompt whose Mamba state is stored, with outputs and logprobs identical to the run without
-    HiCache; the next turn hits the first turn's finished state (157) from L3, bit-exact to
-    SGLang's own radix hit in R0."""
-    assert phase(runs, "R1", "flush")["flushed"] and phase(runs, "R1", "second flush")["flushed"]
-    for name in "ABC":
-        got = phase(runs, "R1", f"L3 {name}")
-        assert served(got) == reference(runs, name), name
-        assert storage_hits(got) == [L3_HITS[name]], (name, got["cached"])
+    prompt whose Mamba state is stored, bit-exact to the run without HiCache; the next turn hits
+    the first turn's finished state (157) from L3, bit-exact to SGLang's own radix hit in R0."""
     (cached,) = phase(runs, "R0", "F")["cached"]
     assert cached.get("total", cached.get("device", 0)) == L3_HITS["F"], cached
-    follow_up = phase(runs, "R1", "L3 F")
-    assert served(follow_up) == reference(runs, "F")
-    assert storage_hits(follow_up) == [L3_HITS["F"]], follow_up["cached"]
+    check_l3_restore(runs)
 
 
-def test_fresh_process_hits_the_disk_tier(runs):
-    c = phase(runs, "R2", "C")
-    assert served(c) == reference(runs, "C")
-    assert storage_hits(c) == [L3_HITS["C"]], c["cached"]
-
-
-def test_missing_or_corrupted_mamba_objects_are_a_miss(runs):
-    """A's KV pages are all on disk, its Mamba objects are not; B's Mamba objects have a flipped
-    byte: no prefix of either is restorable, outputs unchanged."""
-    for name in "AB":
-        got = phase(runs, "R2", name)
-        assert served(got) == reference(runs, name), name
-        assert storage_hits(got) == [0], (name, got["cached"])
+def test_a_fresh_process_hits_and_missing_or_corrupted_mamba_objects_are_a_miss(runs):
+    check_damage(runs)
 
 
 def test_a_zeroed_temporal_state_under_a_valid_checksum_is_served_and_changes_the_logprobs(runs):
     """The control: D's Mamba objects with their temporal states zeroed (conv states and checksums
-    valid) are served at 64 like any stored page, and the logprobs differ from the run without
-    HiCache, so the bit-exact comparisons above see the restored recurrent state."""
-    d = phase(runs, "R2", "D")
-    assert storage_hits(d) == [L3_HITS["D"]], d["cached"]
-    logprobs, ref_logprobs = served(d)[1], reference(runs, "D")[1]
-    assert logprobs != ref_logprobs
-    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) > 1e-4
+    valid), so the bit-exact comparisons above see the restored recurrent state, not only the
+    conv state and the KV pages."""
+    check_control(runs)

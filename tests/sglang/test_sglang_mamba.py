@@ -26,9 +26,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from engine_runs import storage_hits  # noqa: E402
-from kvconnect.page_store import group_folder  # noqa: E402
-from mamba_runs import L3_HITS, MAMBA_GROUP, NODE_ENDS, PROMPTS, phase, reference, served, three_runs  # noqa: E402
+from mamba_runs import (  # noqa: E402
+    NODE_ENDS, PROMPTS, check_cold_runs, check_control, check_damage, check_l3_restore, objects_by_end, phase, three_runs)
 
 pytestmark = pytest.mark.sglang
 
@@ -44,10 +43,7 @@ def runs(tmp_path_factory):
 
 
 def test_cold_runs_are_deterministic_across_processes(runs):
-    for name in "ABCD":
-        cold = phase(runs, "R1", f"cold {name}")
-        assert served(cold) == reference(runs, name), name
-        assert storage_hits(cold) == [0]
+    check_cold_runs(runs)
 
 
 def test_sglangs_own_radix_hit_on_the_follow_up_resumes_at_the_first_turns_end(runs):
@@ -64,7 +60,6 @@ def test_every_mamba_object_is_the_state_after_exactly_its_page(runs):
     conv layer's last 2 inputs B * x, bf16 as SGLang keeps them), far from the state after
     p - 1 or p + 1. The node ends are the chunked prefill's edges, the prompt's end and the
     finished request's end."""
-    from sglang.srt.mem_cache.utils import get_hash_str
     from transformers import Lfm2ForCausalLM
 
     model = Lfm2ForCausalLM.from_pretrained(runs["model"], dtype=torch.float32).eval()
@@ -84,15 +79,9 @@ def test_every_mamba_object_is_the_state_after_exactly_its_page(runs):
         for i in conv_layers:
             b, _, x = captured[i][0].chunk(3, dim=-1)
             bx[i] = (b * x).to(torch.bfloat16).float()  # [tokens, hidden]
-        objects = runs["objects"][name]
-        assert objects, name
-        page_keys = get_hash_str(seq[:-1], None, page_size=1)
+        assert runs["objects"][name], name
         found = []
-        for header, payload in objects.values():
-            folder = group_folder(header.fingerprint, 1, MAMBA_GROUP)
-            chunk_keys = folder.fold(page_keys)
-            assert header.key in chunk_keys, name
-            p = chunk_keys.index(header.key) + 1
+        for p, payload in objects_by_end(runs, name, seq):
             state = torch.frombuffer(bytearray(payload), dtype=torch.bfloat16).float().view(CONV_LAYERS, HIDDEN, STATE_LEN)
 
             def err(at):
@@ -107,43 +96,14 @@ def test_every_mamba_object_is_the_state_after_exactly_its_page(runs):
 def test_l3_restore_after_flush_is_bit_exact(runs):
     """After flush_cache every prompt is served from kvconnect at its largest node end inside
     the prompt whose Mamba state is stored (KV pages reach further: the hit is gated on the
-    trailing Mamba page), with outputs and logprobs identical to the run without HiCache."""
-    assert phase(runs, "R1", "flush")["flushed"] and phase(runs, "R1", "second flush")["flushed"]
-    for name in "ABC":
-        got = phase(runs, "R1", f"L3 {name}")
-        assert served(got) == reference(runs, name), name
-        assert storage_hits(got) == [L3_HITS[name]], (name, got["cached"])
-    # the next turn hits the first turn's finished state (157) from L3, bit-exact to SGLang's own radix hit
-    follow_up = phase(runs, "R1", "L3 F")
-    assert served(follow_up) == reference(runs, "F")
-    assert storage_hits(follow_up) == [L3_HITS["F"]], follow_up["cached"]
+    trailing Mamba page), bit-exact to the run without HiCache; so is the next turn (157)."""
+    check_l3_restore(runs)
 
 
-def test_fresh_process_hits_the_disk_tier(runs):
-    c = phase(runs, "R2", "C")
-    assert served(c) == reference(runs, "C")
-    assert storage_hits(c) == [64], c["cached"]
-
-
-def test_missing_mamba_objects_are_a_miss(runs):
-    """A's KV pages are all on disk, its Mamba objects are not: no prefix of A is restorable."""
-    a = phase(runs, "R2", "A")
-    assert served(a) == reference(runs, "A")
-    assert storage_hits(a) == [0], a["cached"]
-
-
-def test_corrupted_mamba_objects_are_a_miss(runs):
-    b = phase(runs, "R2", "B")
-    assert served(b) == reference(runs, "B")
-    assert storage_hits(b) == [0], b["cached"]
+def test_a_fresh_process_hits_and_missing_or_corrupted_mamba_objects_are_a_miss(runs):
+    check_damage(runs)
 
 
 def test_a_wrong_state_under_a_valid_checksum_is_served_and_changes_the_logprobs(runs):
-    """The control: D's Mamba objects rewritten with zero states (valid checksums) are served at
-    64 like any stored page, and the logprobs differ from the run without HiCache, so the
-    bit-exact comparisons above see the restored state (not only the KV pages)."""
-    d = phase(runs, "R2", "D")
-    assert storage_hits(d) == [64], d["cached"]
-    logprobs, ref_logprobs = served(d)[1], reference(runs, "D")[1]
-    assert logprobs != ref_logprobs
-    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) > 1e-4
+    """The control: D's Mamba objects rewritten with zero states (valid checksums)."""
+    check_control(runs)
