@@ -1,6 +1,8 @@
 """SGLang engine runs for the end-to-end suites: a run's spec (prompts, HiCache backend) and ``run_engine``.
 
-Each run is one sglang_run.py process with the TEST HARNESS stand-ins (``harness/``) on PYTHONPATH.
+Each run is one sglang_run.py process with the TEST HARNESS stand-ins (``harness/``) on PYTHONPATH,
+then this checkout (the engine imports the kvconnect under test, whatever the venv's own install
+of it points to: the engine venvs are cached and shared across checkouts).
 
 Shared by test_sglang_e2e, test_sglang_clear, test_sglang_flush and test_sglang_mooncake.
 """
@@ -22,7 +24,7 @@ REPO = HERE.parent.parent
 
 def harness_env(**extra) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HARNESS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(HARNESS), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(KVCONNECT_SGLANG_CPU_HARNESS="1", SGLANG_USE_CPU_ENGINE="1", TOKENIZERS_PARALLELISM="false")
     env.update({k: str(v) for k, v in extra.items()})
     return env
