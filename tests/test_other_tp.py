@@ -21,6 +21,7 @@ from kvconnect.errors import LayoutError
 from kvconnect.layout.kv_layout import KVLayout
 from kvconnect.layout.spec import GroupSpec, ShardKind, TPShard
 from kvconnect.restore.other_tp import cross_readable, sources_at
+from support.tier_asks import lookup_asks
 
 CHUNK, BS, NB = 32, 16, 20
 TOKENS = np.arange(4 * CHUNK, dtype=np.int64) + 7  # 4 whole chunks, 8 blocks
@@ -181,17 +182,6 @@ def test_equal_tp_sizes_read_their_own_objects_only(tmp_path):
         assert got == len(TOKENS) and assembled == 0 and _own_heads_equal("pages", layout, shard, glob)
 
 
-def _own_tier_asks(engine: KVCacheEngine, tokens: np.ndarray) -> tuple[int, int]:
-    """(the engine's lookup of ``tokens``, how many times it asked its own pool and tiers for masks)."""
-    calls = []
-    own = engine.storage.masks
-    engine.storage.masks = lambda keys: calls.append(len(keys)) or own(keys)
-    try:
-        return engine.lookup(tokens), len(calls)
-    finally:
-        engine.storage.masks = own
-
-
 def test_a_short_hit_asks_this_ranks_own_tiers_no_more_than_without_the_reader(tmp_path):
     """The reader is handed what the scheme found of this rank's own objects: a lookup short of
     the prompt's end asks this rank's pool and tiers as often as an engine that reads no other
@@ -207,7 +197,7 @@ def test_a_short_hit_asks_this_ranks_own_tiers_no_more_than_without_the_reader(t
         layout, _ = _rank("pages", noise, 0, 2, model="m")
         engine = KVCacheEngine(layout, _config(disk, read_tp_sizes=sizes))
         try:
-            asks[sizes] = _own_tier_asks(engine, longer)
+            asks[sizes] = lookup_asks(engine, longer)
             assert engine.stats.lookups == 1
         finally:
             engine.close()
@@ -215,9 +205,9 @@ def test_a_short_hit_asks_this_ranks_own_tiers_no_more_than_without_the_reader(t
     layout, _ = _rank("pages", noise, 0, 1, model="m")  # a TP 1 rank: every chunk from TP 2's objects
     engine = KVCacheEngine(layout, _config(disk))
     try:
-        assert _own_tier_asks(engine, longer) == (len(TOKENS), 2)
+        assert lookup_asks(engine, longer) == (len(TOKENS), 2)
         assert engine.stats.lookups == 1 and engine.other_tp.assembled_chunks == 4
-        assert _own_tier_asks(engine, longer) == (len(TOKENS), 1)  # now its own, in its pool
+        assert lookup_asks(engine, longer) == (len(TOKENS), 1)  # now its own, in its pool
         assert engine.stats.lookups == 2 and engine.other_tp.assembled_chunks == 4
     finally:
         engine.close()

@@ -28,6 +28,7 @@ from kvconnect.errors import LayoutError
 from kvconnect.layout.kv_layout import KVLayout
 from kvconnect.layout.spec import GroupKind, GroupSpec, ShardField, ShardKind, TPShard
 from kvconnect.restore.other_tp import cross_readable, refusal, sources_at
+from support.tier_asks import lookup_asks
 
 BS, NB, HEAD_BYTES = 16, 12, 16
 TOKENS = np.arange(4 * 32, dtype=np.int64) + 11  # 4 chunks of 32: a restore point at 128 (state row 7)
@@ -279,25 +280,18 @@ def test_a_short_hit_hands_the_reader_the_schemes_own_parts(tmp_path):
     asks = {}
     for sizes in ("", "1,2"):
         engine = KVCacheEngine(_rank(glob, 0, 2, noise=True), _config(disk, read_tp_sizes=sizes))
-        calls = []
-        own = engine.storage.masks
-        engine.storage.masks = lambda keys: calls.append(len(keys)) or own(keys)
         try:
-            asks[sizes] = (engine.lookup(longer), len(calls), engine.stats.lookups)
+            asks[sizes] = (*lookup_asks(engine, longer), engine.stats.lookups)
         finally:
-            engine.storage.masks = own
             engine.close()
     assert asks[""] == asks["1,2"] and asks[""][0] == len(TOKENS) and asks[""][2] == 1
     engine = KVCacheEngine(_rank(glob, 0, 1, noise=True), _config(disk))  # TP 1: every part from TP 2's
-    calls = []
-    own = engine.storage.masks
-    engine.storage.masks = lambda keys: calls.append(len(keys)) or own(keys)
     try:
-        assert engine.lookup(longer) == len(TOKENS) and engine.stats.lookups == 1
+        hit, calls = lookup_asks(engine, longer)
+        assert hit == len(TOKENS) and engine.stats.lookups == 1
         assert engine.other_tp.assembled_window_parts > 0
-        assert len(calls) == 2 * asks[""][1]  # the scheme's asks, then once more over what was committed
+        assert calls == 2 * asks[""][1]  # the scheme's asks, then once more over what was committed
     finally:
-        engine.storage.masks = own
         engine.close()
 
 

@@ -197,14 +197,16 @@ class OtherTPReader:
         want = self.parts.prefix_mask  # a prefix part lacking one of its groups is no part here
         prefix = [m if m is not None and m & want == want else None for m in own.prefix]
         for sources in self.sources:
-            done = self._fill_parts_from(sources, tokens, chunks, namespace, generation, prefix, list(own.window),
-                                         own.hit, own.present_below)
+            done = self._fill_parts_from(sources, tokens, chunks, namespace, generation, prefix, own)
             if done:
                 return done
         return 0
 
     def _fill_parts_from(self, sources: Sources, tokens, chunks: list[Chunk], namespace, generation,
-                         own_prefix: list[Optional[int]], own_window: list[int], own: int, present_below: int) -> int:
+                         own_prefix: list[Optional[int]], own: OwnObjects) -> int:
+        """``own_prefix``: this rank's whole prefix parts (None: lacking); ``own``: the rest of what
+        the scheme found (its window parts, hit and masked prefix)."""
+        own_window, present_below = own.window, own.present_below
         parts, theirs = self.parts, self.writer_parts[sources.tp_size]
         keys = self._writer_keys(sources, tokens, chunks, namespace, generation)
         prefix = list(own_prefix)
@@ -218,7 +220,7 @@ class OtherTPReader:
         window = list(own_window)
         # window parts that can raise the hit: of restore points past it, and the chunks their windows reach back to
         reach = max((g.window_tokens or 0) for g in self.layout.geometries)
-        wanted = [i for i in range(run) if not own_window[i] and chunks[i].end > max(own - reach, present_below)]
+        wanted = [i for i in range(run) if not own_window[i] and chunks[i].end > max(own.hit - reach, present_below)]
         npieces = len(theirs.pieces)
         if wanted:
             for fp, k in zip(sources.fingerprints, keys):
@@ -227,7 +229,7 @@ class OtherTPReader:
                     got = _all_pieces(masks[n * npieces:(n + 1) * npieces], parts.window_mask)
                     window[i] = got if fp == sources.fingerprints[0] else window[i] & got
         best = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=present_below)
-        if best <= own:
+        if best <= own.hit:
             return 0
         k = next(c.index for c in chunks if c.end == best)
         done = 0

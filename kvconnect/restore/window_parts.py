@@ -207,12 +207,11 @@ class WindowParts(RestoreScheme):
             present = [parts.prefix_mask if c.end <= skip else m for c, m in zip(chunks, prefix)]
             run = self._prefix_run(present)
             window = self._window_masks(chunks, run)
-            if fill is not None:
-                boundary = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=skip)
-                if self._short(chunks, boundary) and fill(chunks, OwnObjects(tuple(present), tuple(window), boundary, skip)):
-                    return None
+            boundary = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=skip)
+            if fill is not None and self._short(chunks, boundary) and fill(
+                    chunks, OwnObjects(tuple(present), tuple(window), boundary, skip)):
+                return None
             for _ in range(len(chunks) + 1):  # each round pins one candidate's pieces or rules a chunk out
-                boundary = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=skip)
                 if boundary <= skip:
                     return 0
                 k = next(c.index for c in chunks if c.end == boundary)
@@ -233,6 +232,7 @@ class WindowParts(RestoreScheme):
                         self.storage.release(mine)
                 if not lost:
                     break
+                boundary = restorable_boundary(self.layout, chunks, effective_masks(prefix, window), present_below=skip)
             else:
                 return 0
             load = [c for c in chunks if c.end > skip and c.end <= boundary]
